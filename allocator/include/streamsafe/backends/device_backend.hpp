@@ -1,0 +1,71 @@
+// streamsafe: the narrow device backend interface.
+//
+// Every call the caching allocator makes to a device goes through this interface; the core
+// includes no CUDA header. Three implementations exist: cuda_malloc_backend (cudaMalloc /
+// cudaFree segments), expandable_backend (CUDA virtual memory management: reserve an address
+// range, map and unmap physical chunks) and simulated_device (CPU only, deterministic).
+//
+// Contract, common to every call:
+//  * Units are bytes. Addresses are plain host-visible integers of device virtual addresses.
+//  * Streams and events are opaque integer handles (a cudaStream_t / cudaEvent_t cast to
+//    std::uintptr_t on a GPU; 0 is the legacy default stream).
+//  * A backend is bound to one device. The caller need not make that device current: each
+//    backend call that touches the driver makes its own device current for the duration of the
+//    call (a scoped device guard) and restores the previous one.
+//  * Calls that release memory (free_segment, unmap) do NOT wait for pending GPU work, whatever
+//    the driver does underneath: the allocator fences before calling them. Calls that block the
+//    host are named synchronize_*.
+//  * Failure: allocate_segment and map return false/nullptr when the device is out of memory;
+//    every other failure throws streamsafe::backend_error naming the call, device and driver
+//    error. Thread safety: a backend may be called from several threads at once.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace streamsafe {
+
+using stream_handle = std::uintptr_t;  // cudaStream_t value; 0 = legacy default stream
+using event_handle = std::uintptr_t;   // cudaEvent_t value; 0 = none
+
+class device_backend {
+ public:
+  virtual ~device_backend() = default;
+
+  virtual int device() const noexcept = 0;
+  virtual const char* name() const noexcept = 0;
+
+  // ---- whole segments (cudaMalloc style) -------------------------------------------------
+  // Returns a segment of size_bytes (a multiple of 512) aligned to at least 512 bytes, or
+  // nullptr when the device is out of memory.
+  virtual void* allocate_segment(std::size_t size_bytes) = 0;
+  // Gives a segment returned by allocate_segment back to the driver.
+  virtual void free_segment(void* base, std::size_t size_bytes) = 0;
+
+  // ---- expandable segments (virtual memory management) ---------------------------------
+  // True when reserve/map/unmap are available. Sizes and addresses passed to map/unmap are
+  // multiples of map_granularity_bytes().
+  virtual bool supports_expandable() const noexcept = 0;
+  virtual std::size_t map_granularity_bytes() const noexcept = 0;
+  // Reserves (does not back) a virtual address range; throws backend_error on failure.
+  virtual void* reserve_address_range(std::size_t size_bytes) = 0;
+  virtual void release_address_range(void* base, std::size_t size_bytes) = 0;
+  // Backs [addr, addr+size) with physical memory readable and writable by the device; false
+  // when the device is out of memory (nothing stays mapped then).
+  virtual bool map(void* addr, std::size_t size_bytes) = 0;
+  // Unmaps and frees the physical memory behind [addr, addr+size) (a range map() mapped, or a
+  // union of such ranges).
+  virtual void unmap(void* addr, std::size_t size_bytes) = 0;
+
+  // ---- events and streams ---------------------------------------------------------------
+  virtual event_handle create_event() = 0;                    // timing disabled
+  virtual void destroy_event(event_handle event) noexcept = 0;
+  virtual void record_event(event_handle event, stream_handle stream) = 0;
+  virtual bool query_event(event_handle event) = 0;           // true once complete
+  virtual void synchronize_event(event_handle event) = 0;     // blocks the host
+  virtual void stream_wait_event(stream_handle stream, event_handle event) = 0;  // no host block
+  virtual void synchronize_device() = 0;                      // blocks the host on every stream
+  virtual void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) = 0;
+};
+
+}  // namespace streamsafe

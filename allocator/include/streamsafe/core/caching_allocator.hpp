@@ -1,0 +1,99 @@
+// streamsafe: the caching allocator of one device.
+//
+// A block-caching allocator over a device_backend. Blocks are carved from segments; each
+// segment belongs to one stream's pool (small: requests up to 1 MiB, large: above). Free
+// blocks are kept in best-fit order and merged with free neighbours.
+//
+// Stream-ordering contract:
+//  * allocate(size, s): the block may be used on stream s at once (stream order). If the block
+//    last served other streams, s has been made to wait on them (cudaStreamWaitEvent); the host
+//    never blocks for that.
+//  * Using a block on another stream t requires record_stream(p, t) before the free, unless
+//    the caller orders t before any later use on s itself (as FSDP2 does); the default release
+//    fence (all_streams) also covers such unrecorded uses on streams the allocator has seen.
+//  * deallocate(p): the last use is on the allocation stream or on recorded streams.
+//    deallocate(p, t): the last use is on stream t (stream-ordered free).
+//  * Memory goes back to the driver (empty_cache, out-of-memory retry, destruction) only after
+//    a fence, one event per covered stream recorded at release time, has completed.
+//
+// Alignment: every block is aligned to 512 bytes. Sizes are rounded up to a multiple of 512.
+// Thread safety: every public member may be called from any thread; one mutex guards the
+// allocator's state and is never held across a host-blocking driver call.
+// Errors: see core/errors.hpp. Every throw leaves state and statistics unchanged.
+#pragma once
+
+#include <streamsafe/backends/device_backend.hpp>
+#include <streamsafe/core/errors.hpp>
+#include <streamsafe/core/options.hpp>
+#include <streamsafe/core/statistics.hpp>
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+namespace streamsafe {
+
+class caching_allocator {
+ public:
+  // The backend must outlive the allocator. opts.backend is informational here.
+  caching_allocator(device_backend& backend, options opts);
+  ~caching_allocator();  // releases every segment (waits on fences); live blocks are leaked
+  caching_allocator(const caching_allocator&) = delete;
+  caching_allocator& operator=(const caching_allocator&) = delete;
+
+  // Returns a block of at least size_bytes, aligned to 512 bytes, usable on `stream` at once.
+  // Throws invalid_size for 0, out_of_memory when the device (or the configured limit) cannot
+  // satisfy it after a safe release of cached memory and one retry.
+  void* allocate(std::size_t size_bytes, stream_handle stream);
+
+  // Host free: the last use is on the allocation stream or on streams given to record_stream.
+  // Throws invalid_pointer for a pointer this allocator did not hand out, a double free or an
+  // interior pointer.
+  void deallocate(void* ptr);
+  // Stream-ordered free: the last use of the block is on `stream`.
+  void deallocate(void* ptr, stream_handle stream);
+
+  // Records that the block is used on `stream` (PyTorch's Tensor.record_stream). Throws
+  // invalid_pointer when ptr is not an allocated block of this allocator.
+  void record_stream(void* ptr, stream_handle stream);
+
+  // Releases every cached block that is free to the driver, behind the release fence. In wait
+  // mode the host waits on exactly the fence events; in defer mode what is not yet safe is
+  // queued. Returns the bytes released by this call.
+  std::size_t empty_cache();
+  std::size_t empty_cache(empty_cache_mode mode);
+  // Finishes queued (deferred) releases whose fences have completed and retires completed
+  // cross-stream uses; never blocks. Returns the bytes released.
+  std::size_t reclaim();
+  // Bytes waiting in the deferred-release queue.
+  std::size_t pending_release_bytes() const;
+
+  // Tells the allocator a stream is gone: it is dropped from fences; cached blocks of its
+  // pool stay cached and are reused by other streams only behind an event wait.
+  void notify_stream_destroyed(stream_handle stream);
+
+  statistics stats() const;
+  void reset_peak_stats();
+  std::size_t largest_free_block_bytes() const;
+  int device() const noexcept;
+  const options& config() const noexcept;
+
+  // Checks every internal invariant (bytes conserved, block lists consistent, pools hold
+  // exactly the free blocks, no block in two places); throws std::logic_error naming the
+  // first violation. For tests.
+  void check_invariants() const;
+
+  // Where ptr lies: the block's address and size, or {0,0} if not allocated here.
+  struct block_info {
+    std::uintptr_t address = 0;
+    std::size_t size_bytes = 0;
+    stream_handle stream = 0;
+  };
+  block_info find_block(const void* ptr) const;
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace streamsafe

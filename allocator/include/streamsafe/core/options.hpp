@@ -1,0 +1,56 @@
+// streamsafe: the allocator's options, in one place.
+//
+// Filled from code or from a configuration string of the shape PyTorch users know,
+// "key:value,key:value" (environment variable STREAMSAFE_ALLOC_CONF). parse_options() throws
+// config_error naming the bad key or value and what is accepted; when a key appears twice the
+// last one wins and a warning says so.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace streamsafe {
+
+// Which streams a release fence covers before memory goes back to the driver.
+enum class fence_scope {
+  used_streams,       // allocation stream + streams recorded with record_stream / stream frees
+  all_streams,        // every stream the allocator has seen on the device (default, safe)
+  device,             // a device-wide synchronisation
+  allocation_stream,  // only the segment's own stream: PyTorch expandable segments; UNSAFE
+};
+
+// What empty_cache does with memory whose fence has not completed.
+enum class empty_cache_mode {
+  wait,   // wait (host) on exactly the fence events, then release
+  defer,  // release what is safe now, queue the rest; later calls / reclaim() finish it
+};
+
+enum class backend_kind { cuda_malloc, expandable };
+
+struct options {
+  backend_kind backend = backend_kind::cuda_malloc;
+  fence_scope release_fence = fence_scope::all_streams;
+  empty_cache_mode empty_cache = empty_cache_mode::wait;
+  // Blocks larger than this are never split (0 = no limit). PyTorch: max_split_size_mb.
+  std::size_t max_split_size_bytes = 0;
+  // Cap on reserved bytes per device (0 = the device's total memory).
+  std::size_t memory_limit_bytes = 0;
+  // Fraction of device total memory as a cap (0 = unused); the smaller cap wins.
+  double memory_fraction = 0.0;
+  // Physical chunk mapped at a time by expandable segments (multiple of the granularity).
+  std::size_t expandable_chunk_bytes = std::size_t{2} << 20;
+
+  // Parses "key:value,key:value". Unknown keys and bad values throw config_error.
+  static options parse(std::string_view conf, std::vector<std::string>* warnings = nullptr);
+  // Reads STREAMSAFE_ALLOC_CONF (defaults when unset).
+  static options from_environment(std::vector<std::string>* warnings = nullptr);
+  std::string to_string() const;
+};
+
+const char* to_string(fence_scope scope) noexcept;
+const char* to_string(empty_cache_mode mode) noexcept;
+const char* to_string(backend_kind kind) noexcept;
+
+}  // namespace streamsafe

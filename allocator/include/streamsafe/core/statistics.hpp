@@ -1,0 +1,53 @@
+// streamsafe: allocator statistics, named as PyTorch users know them.
+//
+// Units: *_bytes are bytes; counts are plain numbers; *_ns are nanoseconds of host time.
+//   allocated  bytes in blocks handed out and not yet freed by the host
+//   active     allocated plus blocks freed by the host whose cross-stream uses are pending
+//   reserved   bytes held from the driver (segments; mapped chunks of expandable segments)
+//   inactive_split  free bytes in segments that also hold active blocks (fragmentation)
+//   requested  bytes asked for (before rounding)
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace streamsafe {
+
+struct stat {
+  std::int64_t current = 0;
+  std::int64_t peak = 0;
+  std::int64_t allocated = 0;  // total ever added
+  std::int64_t freed = 0;      // total ever removed
+
+  void increase(std::int64_t amount) noexcept {
+    current += amount;
+    allocated += amount;
+    if (current > peak) peak = current;
+  }
+  void decrease(std::int64_t amount) noexcept {
+    current -= amount;
+    freed += amount;
+  }
+  void reset_peak() noexcept { peak = current; }
+};
+
+struct statistics {
+  stat allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes;
+  stat allocation, segment, active;  // counts of blocks / segments
+  std::uint64_t num_alloc_retries = 0;    // allocations that released cache and retried
+  std::uint64_t num_ooms = 0;             // out_of_memory thrown
+  std::uint64_t num_device_alloc = 0;     // segment allocations / chunk maps from the driver
+  std::uint64_t num_device_free = 0;      // segment frees / chunk unmaps to the driver
+  std::uint64_t num_sync_all_streams = 0; // device-wide synchronisations
+  std::uint64_t events_recorded = 0;      // every event record (uses at free, fences, moves)
+  std::uint64_t stream_waits = 0;         // cudaStreamWaitEvent issued to reuse a block
+  std::uint64_t fence_waits = 0;          // host waits on a release fence event
+  std::uint64_t fence_wait_ns = 0;        // host time spent in those waits
+  std::uint64_t releases_deferred = 0;    // release batches queued because a fence was pending
+  std::uint64_t bytes_released = 0;       // bytes given back to the driver
+  std::uint64_t segments_moved = 0;       // free segments moved to another stream's pool
+
+  std::string to_string() const;  // "key: value" lines, PyTorch's key names
+};
+
+}  // namespace streamsafe

@@ -1,0 +1,142 @@
+// streamsafe: the simulated device, a deterministic CPU model of one GPU.
+//
+// Streams are FIFO queues of timed work items that read or write address ranges; events are
+// markers in those queues; stream_wait_event makes a queue wait on a marker; a clock that the
+// caller advances runs the queues. Nothing is computed: the device tracks which work is
+// pending, the happens-before order between streams (vector clocks carried by events), the
+// bytes written (so a test can read back which write landed last), and which address ranges
+// are backed by memory. It records three faults:
+//   release_under_pending_work  free_segment / unmap of memory that pending work touches
+//                               (on a GPU: the illegal memory access of the unmap race);
+//   cross_stream_race           a new use of memory on one stream while a use on another
+//                               stream is pending and not ordered before it (one of them a
+//                               write);
+//   access_unmapped             work launched on memory that is not backed.
+// It implements device_backend, so the real caching allocator runs on it unchanged, and it can
+// fail any backend call on demand (fault injection). Thread safety: every public call takes
+// one internal mutex. Time is in microseconds of simulated time.
+#pragma once
+
+#include <streamsafe/backends/device_backend.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace streamsafe::sim {
+
+enum class access { read, write };
+
+struct range {
+  std::uintptr_t begin = 0;
+  std::size_t size_bytes = 0;
+  access mode = access::read;
+  std::optional<std::uint8_t> value;  // for writes: the byte value written when it completes
+};
+
+enum class fault_kind { release_under_pending_work, cross_stream_race, access_unmapped };
+
+struct fault {
+  fault_kind kind;
+  std::string message;  // names the range, the streams and the work items
+  std::uint64_t time_us = 0;
+};
+
+const char* to_string(fault_kind kind) noexcept;
+
+// Backend calls that fault injection can make fail.
+enum class call {
+  allocate_segment, free_segment, reserve_address_range, release_address_range, map, unmap,
+  create_event, record_event, query_event, synchronize_event, stream_wait_event,
+  synchronize_device,
+};
+
+struct counters {
+  std::uint64_t segment_allocs = 0, segment_frees = 0, maps = 0, unmaps = 0;
+  std::uint64_t bytes_mapped = 0, bytes_unmapped = 0;
+  std::uint64_t events_created = 0, events_destroyed = 0, events_recorded = 0;
+  std::uint64_t event_queries = 0, event_syncs = 0, stream_waits = 0, device_syncs = 0;
+  std::uint64_t launches = 0;
+};
+
+struct device_config {
+  int device = 0;
+  std::size_t total_bytes = std::size_t{80} << 30;
+  std::size_t granularity_bytes = std::size_t{2} << 20;
+  bool supports_expandable = true;
+};
+
+class simulated_device final : public device_backend {
+ public:
+  explicit simulated_device(device_config config = {});
+  ~simulated_device() override;
+  simulated_device(const simulated_device&) = delete;
+  simulated_device& operator=(const simulated_device&) = delete;
+
+  // ---- streams and work -----------------------------------------------------------------
+  // Stream 0 (the legacy default stream) always exists. New handles are never reused unless
+  // reuse_handles is set, which models a driver recycling handle values.
+  stream_handle create_stream();
+  void destroy_stream(stream_handle stream);  // pending work still runs; later use throws
+  void set_reuse_stream_handles(bool reuse);
+  // Enqueues a kernel that runs duration_us once it reaches the head of the stream; returns
+  // its id. Checks cross_stream_race and access_unmapped at enqueue time.
+  std::uint64_t launch(stream_handle stream, std::uint64_t duration_us, std::vector<range> ranges,
+                       std::string label = {});
+  // Enqueues a work item that never completes until open(id) is called (a "hold").
+  std::uint64_t hold(stream_handle stream, std::string label = "hold");
+  void open(std::uint64_t hold_id);
+  bool completed(std::uint64_t work_id) const;
+  bool stream_idle(stream_handle stream) const;
+
+  // ---- clock ------------------------------------------------------------------------------
+  std::uint64_t now_us() const;
+  void advance(std::uint64_t duration_us);
+  // Advances until every queue is empty; throws std::logic_error if an unopened hold blocks.
+  void run_until_idle();
+
+  // ---- memory contents --------------------------------------------------------------------
+  // The value of the last completed write covering addr (nullopt when none).
+  std::optional<std::uint8_t> value_at(std::uintptr_t addr) const;
+  bool is_mapped(std::uintptr_t addr, std::size_t size_bytes) const;
+  std::size_t bytes_in_use() const;  // segments + mapped chunks
+
+  // ---- faults, counters, injection --------------------------------------------------------
+  std::vector<fault> faults() const;
+  std::size_t fault_count() const;
+  void clear_faults();
+  sim::counters counters() const;
+  // The next `count` calls of kind c fail: allocate_segment returns nullptr and map returns
+  // false (out of memory); every other call throws backend_error.
+  void fail_next(call c, int count = 1);
+
+  // ---- device_backend -------------------------------------------------------------------
+  int device() const noexcept override;
+  const char* name() const noexcept override;
+  void* allocate_segment(std::size_t size_bytes) override;
+  void free_segment(void* base, std::size_t size_bytes) override;
+  bool supports_expandable() const noexcept override;
+  std::size_t map_granularity_bytes() const noexcept override;
+  void* reserve_address_range(std::size_t size_bytes) override;
+  void release_address_range(void* base, std::size_t size_bytes) override;
+  bool map(void* addr, std::size_t size_bytes) override;
+  void unmap(void* addr, std::size_t size_bytes) override;
+  event_handle create_event() override;
+  void destroy_event(event_handle event) noexcept override;
+  void record_event(event_handle event, stream_handle stream) override;
+  bool query_event(event_handle event) override;
+  // Advances the clock until the event completes; throws backend_error if an unopened hold
+  // blocks it (the host would wait forever).
+  void synchronize_event(event_handle event) override;
+  void stream_wait_event(stream_handle stream, event_handle event) override;
+  void synchronize_device() override;  // advances until idle (throws like run_until_idle)
+  void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override;
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace streamsafe::sim

@@ -1,0 +1,89 @@
+// streamsafe core: blocks, segments and pools (internal).
+//
+// A segment is memory held from the driver: a cudaMalloc allocation, or for an expandable
+// segment a reserved virtual range of which some chunks are mapped. Its blocks tile it exactly,
+// in address order (prev/next). A block is in one of four states:
+//   free          in its pool's free set (mapped or unmapped set), reusable on the pool stream
+//   active        handed out, in the allocator's active map
+//   pending_free  freed by the host, waiting for events of other streams (pending list)
+//   releasing     detached, behind a release fence, about to go back to the driver
+// Invariants (checked by caching_allocator::check_invariants): blocks tile their segment; two
+// free neighbours with the same mapped state never coexist (they are merged); a block is in
+// exactly one place (free set, active map, pending list or a release batch).
+// Guarded by the owning caching_allocator's mutex.
+#pragma once
+
+#include <streamsafe/backends/device_backend.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <list>
+#include <set>
+#include <vector>
+
+namespace streamsafe::detail {
+
+struct segment;
+struct pool;
+
+enum class block_state : std::uint8_t { free, active, pending_free, releasing };
+
+struct pending_event {
+  event_handle event = 0;
+  stream_handle stream = 0;
+};
+
+struct block {
+  std::uintptr_t addr = 0;
+  std::size_t size = 0;       // bytes, a multiple of 512
+  std::size_t requested = 0;  // bytes asked for (active blocks)
+  segment* seg = nullptr;
+  block* prev = nullptr;
+  block* next = nullptr;
+  block_state state = block_state::free;
+  bool mapped = true;
+  std::vector<stream_handle> uses;     // recorded streams other than the segment's stream
+  std::vector<pending_event> events;   // must complete before the block is reused
+  std::list<block*>::iterator pending_pos;  // valid while pending_free
+};
+
+struct segment {
+  std::uintptr_t base = 0;
+  std::size_t size = 0;          // address span (the reserved range of an expandable segment)
+  std::size_t mapped_bytes = 0;  // counted in reserved bytes
+  stream_handle stream = 0;      // the pool's stream
+  bool small = false;
+  bool expandable = false;
+  pool* owner = nullptr;
+  block* first = nullptr;
+  std::vector<stream_handle> used_streams;  // streams that used it since the last release
+};
+
+// Best-fit order: size, then address.
+struct block_order {
+  using is_transparent = void;
+  using key = std::pair<std::size_t, std::uintptr_t>;
+  bool operator()(const block* a, const block* b) const noexcept {
+    return a->size != b->size ? a->size < b->size : a->addr < b->addr;
+  }
+  bool operator()(const block* a, const key& k) const noexcept {
+    return a->size != k.first ? a->size < k.first : a->addr < k.second;
+  }
+  bool operator()(const key& k, const block* b) const noexcept {
+    return k.first != b->size ? k.first < b->size : k.second < b->addr;
+  }
+};
+
+using free_set = std::set<block*, block_order>;
+
+// One pool: the free blocks of one stream for one size class.
+struct pool {
+  stream_handle stream = 0;
+  bool small = false;
+  free_set mapped;            // free blocks backed by memory
+  free_set unmapped;          // free address space of expandable segments
+  segment* expandable = nullptr;  // this pool's expandable segment, if any
+  free_set& set_for(const block* b) noexcept { return b->mapped ? mapped : unmapped; }
+};
+
+}  // namespace streamsafe::detail

@@ -1,0 +1,32 @@
+#include "logging.hpp"
+
+#include <spdlog/sinks/basic_file_sink.h>
+#include <spdlog/sinks/stdout_color_sinks.h>
+
+#include <cstdlib>
+#include <string>
+
+namespace streamsafe::detail {
+
+spdlog::logger& log() {
+  static std::shared_ptr<spdlog::logger> logger = [] {
+    if (auto existing = spdlog::get("streamsafe")) return existing;
+    std::shared_ptr<spdlog::logger> made;
+    const char* file = std::getenv("STREAMSAFE_LOG_FILE");
+    try {
+      made = file && *file ? spdlog::basic_logger_mt("streamsafe", file)
+                           : spdlog::stderr_color_mt("streamsafe");
+    } catch (const spdlog::spdlog_ex&) {
+      made = spdlog::get("streamsafe");
+    }
+    made->set_pattern("[streamsafe %L] %v");
+    made->set_level(spdlog::level::warn);
+    if (const char* level = std::getenv("STREAMSAFE_LOG_LEVEL"); level && *level) {
+      made->set_level(spdlog::level::from_str(level));
+    }
+    return made;
+  }();
+  return *logger;
+}
+
+}  // namespace streamsafe::detail

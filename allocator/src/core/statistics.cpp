@@ -1,0 +1,39 @@
+// streamsafe core: text form of the statistics.
+#include <streamsafe/core/statistics.hpp>
+
+#include <sstream>
+
+namespace streamsafe {
+
+std::string statistics::to_string() const {
+  std::ostringstream os;
+  auto put_stat = [&](const char* name, const stat& s) {
+    os << name << ".all.current: " << s.current << '\n'
+       << name << ".all.peak: " << s.peak << '\n'
+       << name << ".all.allocated: " << s.allocated << '\n'
+       << name << ".all.freed: " << s.freed << '\n';
+  };
+  put_stat("allocated_bytes", allocated_bytes);
+  put_stat("reserved_bytes", reserved_bytes);
+  put_stat("active_bytes", active_bytes);
+  put_stat("inactive_split_bytes", inactive_split_bytes);
+  put_stat("requested_bytes", requested_bytes);
+  put_stat("allocation", allocation);
+  put_stat("segment", segment);
+  put_stat("active", active);
+  os << "num_alloc_retries: " << num_alloc_retries << '\n'
+     << "num_ooms: " << num_ooms << '\n'
+     << "num_device_alloc: " << num_device_alloc << '\n'
+     << "num_device_free: " << num_device_free << '\n'
+     << "num_sync_all_streams: " << num_sync_all_streams << '\n'
+     << "events_recorded: " << events_recorded << '\n'
+     << "stream_waits: " << stream_waits << '\n'
+     << "fence_waits: " << fence_waits << '\n'
+     << "fence_wait_ns: " << fence_wait_ns << '\n'
+     << "releases_deferred: " << releases_deferred << '\n'
+     << "bytes_released: " << bytes_released << '\n'
+     << "segments_moved: " << segments_moved << '\n';
+  return os.str();
+}
+
+}  // namespace streamsafe
