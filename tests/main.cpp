@@ -1,2 +1,15 @@
-#define CATCH_CONFIG_MAIN
+// Catch2 main. The "streamsafe" logger is quiet in tests (errors and the unsafe-scope warnings
+// are expected there) unless STREAMSAFE_LOG_LEVEL asks for it.
+#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <cstdlib>
+
+int main(int argc, char* argv[]) {
+  auto logger = spdlog::stderr_color_mt("streamsafe");
+  const char* level = std::getenv("STREAMSAFE_LOG_LEVEL");
+  logger->set_level(level && *level ? spdlog::level::from_str(level) : spdlog::level::off);
+  return Catch::Session().run(argc, argv);
+}

@@ -59,7 +59,6 @@ double median(std::vector<double> v) {
 streamsafe::options options_for(release_variant v) {
   streamsafe::options o;
   o.backend = streamsafe::backend_kind::expandable;  // the VMM release: unmap does not wait
-  o.expandable_chunk_bytes = std::size_t{20} << 20;
   switch (v) {
     case release_variant::pytorch:
     case release_variant::pytorch_synchronize:
@@ -103,10 +102,11 @@ run_result run(device_ops& ops, optimizer_kind kind, release_variant variant, co
   for (int step = 1; step <= p.steps && error.empty(); ++step) {
     const double t0 = ops.now_ms();
     if (unrelated) ops.spin(unrelated, p.unrelated_ms);
-    // Backward + reduce-scatter: gradients allocated and written on the reduce-scatter stream.
-    for (auto& t : tensors) {
-      t.grad = static_cast<float*>(alloc.allocate(bytes, reduce_scatter));
-      ops.write_gradient(t.grad, t.n, reduce_scatter);
+    // Backward + reduce-scatter: gradients allocated and written on the reduce-scatter stream,
+    // last layer first (backward order), so the optimizer's last reads hit the lowest addresses.
+    for (auto it = tensors.rbegin(); it != tensors.rend(); ++it) {
+      it->grad = static_cast<float*>(alloc.allocate(bytes, reduce_scatter));
+      ops.write_gradient(it->grad, it->n, reduce_scatter);
     }
     ops.stream_wait(compute, reduce_scatter);
     // optimizer.step() on the compute stream reads the gradients; no record_stream.

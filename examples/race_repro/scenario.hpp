@@ -1,7 +1,8 @@
 // race_repro: the failing FSDP2 training step, written once over a small device interface so
 // that the same step runs on the GPU (real kernels) and on the simulated device.
 //
-// The step: gradients are allocated on a reduce-scatter stream and written there; the compute
+// The step: gradients are allocated on a reduce-scatter stream in backward order (last layer
+// first) and written there; the compute
 // stream waits for them and runs the optimizer, which reads them WITHOUT record_stream (as
 // FSDP2 does); the host frees them (zero_grad) and calls empty_cache right away.
 #pragma once

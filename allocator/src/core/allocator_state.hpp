@@ -45,7 +45,9 @@ struct caching_allocator::impl {
   device_backend& backend_;
   options opts_;
   std::size_t limit_bytes_ = 0;
-  std::size_t granularity_bytes_ = 0;
+  std::size_t small_chunk_bytes_ = 0;  // expandable small pools: the driver's granularity
+  std::size_t large_chunk_bytes_ = 0;  // expandable large pools: options::expandable_chunk_bytes
+  std::size_t chunk_bytes(const segment* seg) const { return seg->small ? small_chunk_bytes_ : large_chunk_bytes_; }
   std::size_t device_total_bytes_ = 0;
 
   mutable std::mutex mu_;
@@ -70,6 +72,7 @@ struct caching_allocator::impl {
   block* take_pending_locked(stream_handle stream, bool small, std::size_t rounded);
   block* new_segment_locked(pool& p, std::size_t rounded);
   block* expandable_fit_locked(pool& p, std::size_t rounded);
+  bool map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk);
   block* steal_segment_locked(pool& p, std::size_t rounded);
   block* find_block_locked(pool& p, std::size_t rounded, bool allow_growth);
   void split_locked(block* b, std::size_t rounded);

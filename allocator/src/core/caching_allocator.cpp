@@ -70,8 +70,8 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
       throw config_error(std::string("streamsafe: backend:expandable needs virtual memory management, which the '") +
                          backend_.name() + "' device backend does not offer");
     }
-    granularity_bytes_ = detail::round_up(std::max(opts_.expandable_chunk_bytes, backend_.map_granularity_bytes()),
-                                          backend_.map_granularity_bytes());
+    small_chunk_bytes_ = backend_.map_granularity_bytes();
+    large_chunk_bytes_ = detail::round_up(std::max(opts_.expandable_chunk_bytes, small_chunk_bytes_), small_chunk_bytes_);
   }
   if (opts_.release_fence == fence_scope::allocation_stream) {
     detail::log().warn(
@@ -244,8 +244,26 @@ block* caching_allocator::impl::new_segment_locked(pool& p, std::size_t rounded)
   return b;
 }
 
+bool caching_allocator::impl::map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk) {
+  // One backend map per chunk, so that any chunk can later be unmapped alone.
+  std::size_t done = 0;
+  try {
+    for (; done < bytes; done += chunk) {
+      if (!backend_.map(reinterpret_cast<void*>(addr + done), chunk)) break;
+    }
+  } catch (...) {
+    if (done) backend_.unmap(reinterpret_cast<void*>(addr), done);
+    throw;
+  }
+  if (done < bytes) {
+    if (done) backend_.unmap(reinterpret_cast<void*>(addr), done);
+    return false;
+  }
+  return true;
+}
+
 block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t rounded) {
-  const std::size_t gran = granularity_bytes_;
+  const std::size_t gran = p.small ? small_chunk_bytes_ : large_chunk_bytes_;
   if (!p.expandable) {
     const std::size_t reserve = detail::round_up(limit_bytes_, gran);
     void* base = backend_.reserve_address_range(reserve);
@@ -282,7 +300,7 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   const std::size_t map_bytes = need(choice);
   if (map_bytes == 0 || map_bytes > choice->size) return nullptr;
   if (static_cast<std::size_t>(stats_.reserved_bytes.current) + map_bytes > limit_bytes_) return nullptr;
-  if (!backend_.map(reinterpret_cast<void*>(choice->addr), map_bytes)) return nullptr;
+  if (!map_chunks_locked(choice->addr, map_bytes, gran)) return nullptr;
   segment* seg = choice->seg;
   p.unmapped.erase(choice);
   if (map_bytes < choice->size) {

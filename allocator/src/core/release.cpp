@@ -82,7 +82,7 @@ caching_allocator::impl::release_batch caching_allocator::impl::collect_releasab
       }
       continue;
     }
-    const std::size_t gran = granularity_bytes_;
+    const std::size_t gran = chunk_bytes(seg);
     for (block* b = seg->first; b; b = b->next) {
       if (b->state != block_state::free || !b->mapped) continue;
       const std::uintptr_t lo = seg->base + detail::round_up(b->addr - seg->base, gran);

@@ -39,8 +39,10 @@ struct options {
   std::size_t memory_limit_bytes = 0;
   // Fraction of device total memory as a cap (0 = unused); the smaller cap wins.
   double memory_fraction = 0.0;
-  // Physical chunk mapped at a time by expandable segments (multiple of the granularity).
-  std::size_t expandable_chunk_bytes = std::size_t{2} << 20;
+  // Physical chunk mapped (and later unmapped) at a time in the large pools of expandable
+  // segments, rounded up to the driver's granularity; small pools use the granularity (2 MiB).
+  // PyTorch's expandable segments use 20 MiB pages for large pools.
+  std::size_t expandable_chunk_bytes = std::size_t{20} << 20;
 
   // Parses "key:value,key:value". Unknown keys and bad values throw config_error.
   static options parse(std::string_view conf, std::vector<std::string>* warnings = nullptr);

@@ -1,0 +1,44 @@
+// streamsafe: cuda_event_ops, the part of a CUDA device backend that both CUDA backends share:
+// the device binding, events, stream waits, device synchronisation and memory info. The
+// segment calls are left to the derived backend (cuda_malloc_backend, expandable_backend).
+//
+// Events are created with cudaEventDisableTiming; stream and event handles are cudaStream_t /
+// cudaEvent_t values cast to std::uintptr_t (0 is the legacy default stream). Every call runs
+// under a device_guard for the backend's device. Errors throw streamsafe::backend_error, except
+// destroy_event, which logs.
+//
+// Thread safety: no state besides the device index; every call may come from any thread.
+#pragma once
+
+#include <streamsafe/backends/device_backend.hpp>
+
+#include <cstddef>
+
+namespace streamsafe::cuda {
+
+class cuda_event_ops : public device_backend {
+ public:
+  cuda_event_ops(const cuda_event_ops&) = delete;
+  cuda_event_ops& operator=(const cuda_event_ops&) = delete;
+
+  int device() const noexcept final { return device_; }
+
+  event_handle create_event() final;
+  void destroy_event(event_handle event) noexcept final;
+  void record_event(event_handle event, stream_handle stream) final;
+  bool query_event(event_handle event) final;
+  void synchronize_event(event_handle event) final;
+  void stream_wait_event(stream_handle stream, event_handle event) final;
+  void synchronize_device() final;
+  void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) final;
+
+ protected:
+  // Throws backend_error when `device` is not a valid device index here (no GPU: always).
+  explicit cuda_event_ops(int device);
+  ~cuda_event_ops() override = default;
+
+ private:
+  int device_;
+};
+
+}  // namespace streamsafe::cuda
