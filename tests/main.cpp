@@ -8,6 +8,10 @@
 #include <cstdlib>
 
 int main(int argc, char* argv[]) {
+  // [gpu] tests create many streams in one process; with the default 8 hardware connections,
+  // unrelated streams can share a queue and serialise, which would blur "waits for exactly the
+  // fenced streams". Must be set before CUDA initialises.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   auto logger = spdlog::stderr_color_mt("streamsafe");
   const char* level = std::getenv("STREAMSAFE_LOG_LEVEL");
   logger->set_level(level && *level ? spdlog::level::from_str(level) : spdlog::level::off);
