@@ -34,7 +34,12 @@ TEST_CASE("A freed block is reused on its stream and its free neighbours are mer
   env.alloc.deallocate(a);
   env.alloc.deallocate(b);
   env.alloc.check_invariants();
-  void* d = env.alloc.allocate(8 * KiB, 0);  // a and b merged
+  void* again = env.alloc.allocate(4 * KiB, 0);  // same size: straight from the quick cache
+  CHECK(again == b);
+  env.alloc.deallocate(again);
+  env.alloc.empty_cache();  // flushes the quick cache: a and b merge (c keeps the segment)
+  env.alloc.check_invariants();
+  void* d = env.alloc.allocate(8 * KiB, 0);  // best fit: the merged 8 KiB hole
   CHECK(d == a);
   env.alloc.deallocate(c);
   env.alloc.deallocate(d);

@@ -1,15 +1,29 @@
 // streamsafe core: the caching allocator's state (internal; shared by caching_allocator.cpp,
 // which allocates and frees, and release.cpp, which gives memory back behind fences).
 //
-// Lock: mu_ guards everything below. It is released around host-blocking backend calls
+// Locks, in order:
+//   mu_ (the device lock)  guards streams_, segments_, the deferred queue, tombstones_ and the
+//                          device-level statistics (stats_). Taken only on slow paths.
+//   stream_state::mu       (a spin_lock) guards that stream's pools, the blocks of its segments, its active
+//                          map, its pending list and its statistics. The same-stream fast path
+//                          (allocate and free on one stream) takes only this lock.
+//   events_mu_             guards the event pool; a leaf (nothing is taken while holding it).
+// Whoever holds mu_ may take any number of stream locks (only one thread can hold mu_). A thread
+// holding a stream lock never waits for mu_: the fast path drops its stream lock before taking
+// mu_ and then the stream lock again. mu_ is dropped around host-blocking backend calls
 // (synchronize_event, synchronize_device) and around the driver calls that return memory
 // (free_segment, unmap), whose blocks are detached (state releasing) meanwhile.
 #pragma once
 
+#include "active_map.hpp"
 #include "block.hpp"
+#include "pool.hpp"
+#include "spin_lock.hpp"
 
 #include <streamsafe/core/caching_allocator.hpp>
 
+#include <array>
+#include <atomic>
 #include <deque>
 #include <list>
 #include <map>
@@ -25,77 +39,112 @@ struct caching_allocator::impl {
   using segment = detail::segment;
   using pool = detail::pool;
 
-  // Streams the allocator has seen, with their two pools.
+  // Statistics kept per stream (under its lock) and summed by stats().
+  struct stream_stats {
+    stat allocated_bytes, active_bytes, requested_bytes, allocation, active;
+    std::uint64_t events_recorded = 0;
+    std::uint64_t stream_waits = 0;
+  };
+
+  // A stream the allocator has seen, with its two pools.
+  using stream_lock = detail::spin_lock;
   struct stream_state {
+    stream_lock mu;
+    stream_handle handle = 0;
     pool small_pool;
     pool large_pool;
-    bool alive = true;
+    detail::active_map active;    // active blocks of this stream's segments
+    std::list<block*> pending;    // pending_free blocks of this stream's segments, in free order
+    stream_stats st;
+    block* spare = nullptr;       // recycled block objects (linked through next)
+    // Mirrors of st's current values, read without the lock to sample device-wide peaks.
+    std::atomic<std::int64_t> cur_allocated{0}, cur_active{0}, cur_requested{0};
+    std::atomic<bool> alive{true};
   };
 
   // Memory detached for release, and the fence that must complete first.
   struct release_batch {
     std::vector<block*> blocks;  // whole-segment blocks (cuda_malloc) or chunk runs (expandable)
+    std::vector<stream_handle> streams;  // the streams the fence covers
     std::vector<detail::pending_event> fence;
     bool device_sync = false;
     std::size_t bytes = 0;
+    std::uint64_t id = 0;  // identifies a queued batch across a wait without the lock
   };
 
   impl(device_backend& backend, options opts);
 
   device_backend& backend_;
   options opts_;
+  const std::uint64_t id_;  // distinguishes allocators in the threads' stream caches
   std::size_t limit_bytes_ = 0;
+  std::size_t device_total_bytes_ = 0;
   std::size_t small_chunk_bytes_ = 0;  // expandable small pools: the driver's granularity
   std::size_t large_chunk_bytes_ = 0;  // expandable large pools: options::expandable_chunk_bytes
   std::size_t chunk_bytes(const segment* seg) const { return seg->small ? small_chunk_bytes_ : large_chunk_bytes_; }
-  std::size_t device_total_bytes_ = 0;
 
   mutable std::mutex mu_;
   std::unordered_map<stream_handle, std::unique_ptr<stream_state>> streams_;
-  std::unordered_map<std::uintptr_t, block*> active_blocks_;
   std::map<std::uintptr_t, segment*> segments_;  // by base address
-  std::list<block*> pending_blocks_;             // pending_free, in free order
-  std::vector<event_handle> free_events_;
   std::deque<release_batch> deferred_;
   std::size_t deferred_bytes_ = 0;
-  // Events recorded on streams just before they were destroyed: part of every fence until done.
+  std::uint64_t next_batch_id_ = 1;
+  // Events recorded on streams just before they were destroyed: part of every fence.
   std::vector<detail::pending_event> tombstones_;
-  statistics stats_;
+  statistics stats_;  // device-level parts; per-stream parts live in stream_state::st
+
+  // Streams in creation order, readable without mu_, for sampling peaks (first 1024 streams).
+  static constexpr std::size_t k_sampled_streams = 1024;
+  std::array<std::atomic<stream_state*>, k_sampled_streams> stream_table_{};
+  std::atomic<std::size_t> stream_count_{0};
+  std::atomic<std::int64_t> peak_allocated_{0}, peak_active_{0}, peak_requested_{0};
+
+  mutable std::mutex events_mu_;
+  std::vector<event_handle> free_events_;
+
+  static stream_state& state_of(const pool& p) { return *static_cast<stream_state*>(p.state); }
+  static pool& pool_of(stream_state& st, bool small) { return small ? st.small_pool : st.large_pool; }
 
   // ---- caching_allocator.cpp -----------------------------------------------------------------
-  stream_state& stream_locked(stream_handle stream);
-  pool& pool_locked(stream_handle stream, bool small) {
-    auto& s = stream_locked(stream);
-    return small ? s.small_pool : s.large_pool;
-  }
-  block* best_fit_locked(detail::free_set& set, std::size_t rounded, bool small) const;
-  block* take_pending_locked(stream_handle stream, bool small, std::size_t rounded);
+  stream_state& state_for(stream_handle stream);     // no lock held; may take mu_
+  stream_state& stream_locked(stream_handle stream);  // mu_ held
+  stream_state* owner_locked(const void* ptr);        // mu_ held: owner of the segment, or null
+  block* new_block(stream_state& st);
+  void recycle_block(stream_state& st, block* b);
+  block* best_fit(pool& p, std::size_t rounded) const;
+  block* take_pending_locked(stream_state& st, pool& p, std::size_t rounded);
   block* new_segment_locked(pool& p, std::size_t rounded);
-  block* expandable_fit_locked(pool& p, std::size_t rounded);
   bool map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk);
+  block* expandable_fit_locked(pool& p, std::size_t rounded);
   block* steal_segment_locked(pool& p, std::size_t rounded);
-  block* find_block_locked(pool& p, std::size_t rounded, bool allow_growth);
+  block* find_block_locked(stream_state& st, pool& p, std::size_t rounded);
+  void* finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size);
+  void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small);
   void split_locked(block* b, std::size_t rounded);
-  void free_block_locked(block* b);           // to its pool, merging free neighbours
-  block* merge_locked(block* dst, block* src); // src follows or precedes dst; returns survivor
-  void process_events_locked();
-  void retire_pending_locked(block* b);
-  event_handle get_event_locked();
-  void put_event_locked(event_handle e) { free_events_.push_back(e); }
+  block* free_block_locked(block* b);          // to its pool, merging free neighbours
+  block* merge_locked(block* lo, block* hi);   // address-adjacent; returns the survivor
+  void process_events_locked(stream_state& st);
+  void flush_quick_locked(pool& p);
+  void retire_pending_locked(stream_state& st, block* b);
+  void free_found_locked(stream_state& st, block* b, const stream_handle* stream);
+  event_handle get_event();
+  void put_event(event_handle e);
   void note_use_locked(segment* seg, stream_handle stream);
-  std::string oom_message_locked(std::size_t size, std::size_t rounded, stream_handle stream);
-  std::size_t largest_free_locked() const;
+  void sample_peaks();
+  std::string oom_message_locked(std::size_t size, std::size_t rounded, stream_handle stream,
+                                 const stream_state* held);
+  std::size_t largest_free_locked(const stream_state* held) const;
   [[noreturn]] void throw_invalid_pointer_locked(const void* ptr, const char* what) const;
   void deallocate_impl(void* ptr, const stream_handle* stream);
 
   // ---- release.cpp -------------------------------------------------------------------------
+  // mu_ and the segment owner's stream lock held.
   std::vector<stream_handle> fence_streams_locked(const segment* seg) const;
   release_batch collect_releasable_locked();
   void record_fence_locked(release_batch& batch);
   bool fence_done_locked(const release_batch& batch);
-  // Waits (host) on the batch's fence; called without the lock.
   void wait_fence_unlocked(release_batch& batch);
-  // Gives the batch's memory back; called with lk locked, drops it around driver calls.
+  void restore_batch_locked(release_batch& batch);
   std::size_t release_batch_memory(std::unique_lock<std::mutex>& lk, release_batch& batch);
   std::size_t finish_deferred(std::unique_lock<std::mutex>& lk, bool wait);
   std::size_t release_cached(std::unique_lock<std::mutex>& lk, empty_cache_mode mode);

@@ -7,10 +7,14 @@
 //   active        handed out, in the allocator's active map
 //   pending_free  freed by the host, waiting for events of other streams (pending list)
 //   releasing     detached, behind a release fence, about to go back to the driver
+//   cached        freed on its own stream and parked, unmerged, in its pool's quick cache for
+//                 reuse at the same size; merged back (flushed) on any pool miss and before a
+//                 release
 // Invariants (checked by caching_allocator::check_invariants): blocks tile their segment; two
-// free neighbours with the same mapped state never coexist (they are merged); a block is in
-// exactly one place (free set, active map, pending list or a release batch).
-// Guarded by the owning caching_allocator's mutex.
+// free neighbours with the same mapped state never coexist (they are merged; cached blocks are
+// not free in this sense); a block is in exactly one place (free lists, quick cache, active
+// map, pending list or a release batch).
+// Guarded by the lock of the stream that owns the block's segment (allocator_state.hpp).
 #pragma once
 
 #include <streamsafe/backends/device_backend.hpp>
@@ -26,12 +30,15 @@ namespace streamsafe::detail {
 struct segment;
 struct pool;
 
-enum class block_state : std::uint8_t { free, active, pending_free, releasing };
+enum class block_state : std::uint8_t { free, active, pending_free, releasing, cached };
 
 struct pending_event {
   event_handle event = 0;
   stream_handle stream = 0;
 };
+
+// The stream of a pending_event that is a destroyed stream's tombstone (not pooled).
+inline constexpr stream_handle k_tombstone_stream = ~stream_handle{0};
 
 struct block {
   std::uintptr_t addr = 0;
@@ -45,6 +52,10 @@ struct block {
   std::vector<stream_handle> uses;     // recorded streams other than the segment's stream
   std::vector<pending_event> events;   // must complete before the block is reused
   std::list<block*>::iterator pending_pos;  // valid while pending_free
+  // Links of the free list holding this block (free_lists.hpp); free_class < 0 when in none.
+  block* free_prev = nullptr;
+  block* free_next = nullptr;
+  std::int16_t free_class = -1;
 };
 
 struct segment {
@@ -75,15 +86,5 @@ struct block_order {
 };
 
 using free_set = std::set<block*, block_order>;
-
-// One pool: the free blocks of one stream for one size class.
-struct pool {
-  stream_handle stream = 0;
-  bool small = false;
-  free_set mapped;            // free blocks backed by memory
-  free_set unmapped;          // free address space of expandable segments
-  segment* expandable = nullptr;  // this pool's expandable segment, if any
-  free_set& set_for(const block* b) noexcept { return b->mapped ? mapped : unmapped; }
-};
 
 }  // namespace streamsafe::detail

@@ -1,19 +1,21 @@
 // streamsafe core: allocation, free, record_stream and bookkeeping of the caching allocator.
 //
 // Allocation order for a rounded request on stream s (pool = s's small or large pool):
-//   1. best fit among the pool's free blocks (size, then address);
+//   1. a good fit among the pool's free blocks (segregated lists, free_lists.hpp);
 //   2. a block of the pool whose host free is done but whose other-stream uses are pending:
 //      s waits on their events (stream_wait_event), the host never blocks;
 //   3. growth: a new cudaMalloc segment, or more chunks mapped into s's expandable segment;
 //   4. (out of memory) a whole free segment of another stream's pool, moved behind a fence
 //      that s waits on; then a safe release of the cache (fenced) and one retry; then
 //      out_of_memory.
-// Invariants and the lock: see block.hpp and allocator_state.hpp.
+// Steps 1-2 are the fast path: only s's stream lock is held. Steps 3-4 take the device lock.
+// Invariants and the locks: see block.hpp and allocator_state.hpp.
 #include "allocator_state.hpp"
 #include "logging.hpp"
 #include "size_classes.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cinttypes>
 #include <cstdio>
 #include <sstream>
@@ -21,6 +23,7 @@
 namespace streamsafe {
 
 using detail::block;
+using stream_lock = detail::spin_lock;
 using detail::block_state;
 using detail::pool;
 using detail::segment;
@@ -49,14 +52,29 @@ const char* state_name(block_state s) {
     case block_state::active: return "active";
     case block_state::pending_free: return "freed, waiting for its stream uses";
     case block_state::releasing: return "being released to the driver";
+    case block_state::cached: return "free (cached for reuse)";
   }
   return "?";
 }
 
+std::atomic<std::uint64_t> next_allocator_id{1};
+
+// Each thread remembers the stream states it used last, per allocator (no lock to find them).
+struct stream_cache_entry {
+  std::uint64_t owner = 0;
+  stream_handle stream = 0;
+  void* state = nullptr;
+};
+constexpr int k_stream_cache = 4;
+thread_local stream_cache_entry t_stream_cache[k_stream_cache];
+thread_local unsigned t_stream_cache_next = 0;
+thread_local stream_cache_entry t_last_used;  // the state of this thread's last allocation
+
 }  // namespace
 
+
 caching_allocator::impl::impl(device_backend& backend, options opts)
-    : backend_(backend), opts_(opts) {
+    : backend_(backend), opts_(opts), id_(next_allocator_id.fetch_add(1)) {
   std::size_t free_bytes = 0;
   backend_.memory_info(free_bytes, device_total_bytes_);
   limit_bytes_ = device_total_bytes_;
@@ -82,14 +100,23 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
                       opts_.to_string(), limit_bytes_);
 }
 
+// ---- streams ------------------------------------------------------------------------------------
+
 caching_allocator::impl::stream_state& caching_allocator::impl::stream_locked(stream_handle stream) {
   auto it = streams_.find(stream);
   if (it == streams_.end()) {
     auto state = std::make_unique<stream_state>();
+    state->handle = stream;
     state->small_pool.stream = state->large_pool.stream = stream;
     state->small_pool.small = true;
+    state->small_pool.state = state->large_pool.state = state.get();
+    const std::size_t n = stream_count_.load(std::memory_order_relaxed);
+    if (n < k_sampled_streams) {
+      stream_table_[n].store(state.get(), std::memory_order_release);
+      stream_count_.store(n + 1, std::memory_order_release);
+    }
     it = streams_.emplace(stream, std::move(state)).first;
-  } else if (!it->second->alive) {
+  } else if (!it->second->alive.load(std::memory_order_acquire)) {
     // A handle value recycled by the driver: the new stream must not see the old one's blocks
     // before the old stream's last work has completed.
     for (auto& t : tombstones_) {
@@ -98,18 +125,65 @@ caching_allocator::impl::stream_state& caching_allocator::impl::stream_locked(st
         ++stats_.stream_waits;
       }
     }
-    it->second->alive = true;
+    it->second->alive.store(true, std::memory_order_release);
   }
   return *it->second;
 }
 
-event_handle caching_allocator::impl::get_event_locked() {
-  if (!free_events_.empty()) {
-    event_handle e = free_events_.back();
-    free_events_.pop_back();
-    return e;
+caching_allocator::impl::stream_state& caching_allocator::impl::state_for(stream_handle stream) {
+  for (auto& e : t_stream_cache) {
+    if (e.owner == id_ && e.stream == stream) {
+      auto* st = static_cast<stream_state*>(e.state);
+      if (st->alive.load(std::memory_order_acquire)) return *st;
+      break;
+    }
+  }
+  std::lock_guard<std::mutex> dlk(mu_);
+  stream_state& st = stream_locked(stream);
+  t_stream_cache[t_stream_cache_next++ % k_stream_cache] = {id_, stream, &st};
+  return st;
+}
+
+caching_allocator::impl::stream_state* caching_allocator::impl::owner_locked(const void* ptr) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  auto it = segments_.upper_bound(addr);
+  if (it == segments_.begin()) return nullptr;
+  const segment* seg = std::prev(it)->second;
+  if (addr >= seg->base + seg->size) return nullptr;
+  return &state_of(*seg->owner);
+}
+
+// ---- small helpers --------------------------------------------------------------------------------
+
+block* caching_allocator::impl::new_block(stream_state& st) {
+  if (block* b = st.spare) {
+    st.spare = b->next;
+    *b = block{};
+    return b;
+  }
+  return new block;
+}
+
+void caching_allocator::impl::recycle_block(stream_state& st, block* b) {
+  b->next = st.spare;
+  st.spare = b;
+}
+
+event_handle caching_allocator::impl::get_event() {
+  {
+    std::lock_guard<std::mutex> lk(events_mu_);
+    if (!free_events_.empty()) {
+      event_handle e = free_events_.back();
+      free_events_.pop_back();
+      return e;
+    }
   }
   return backend_.create_event();
+}
+
+void caching_allocator::impl::put_event(event_handle e) {
+  std::lock_guard<std::mutex> lk(events_mu_);
+  free_events_.push_back(e);
 }
 
 void caching_allocator::impl::note_use_locked(segment* seg, stream_handle stream) {
@@ -119,11 +193,32 @@ void caching_allocator::impl::note_use_locked(segment* seg, stream_handle stream
   }
 }
 
-block* caching_allocator::impl::best_fit_locked(detail::free_set& set, std::size_t rounded, bool small) const {
-  auto it = set.lower_bound(detail::block_order::key{rounded, 0});
-  if (it == set.end()) return nullptr;
-  block* b = *it;
-  if (!small && opts_.max_split_size_bytes != 0 && !b->seg->expandable) {
+void caching_allocator::impl::sample_peaks() {
+  // Called when a stream passes its own peak: the device-wide sum may be a new peak.
+  std::int64_t allocated = 0, active = 0, requested = 0;
+  const std::size_t n = stream_count_.load(std::memory_order_acquire);
+  for (std::size_t i = 0; i < n; ++i) {
+    const stream_state* st = stream_table_[i].load(std::memory_order_acquire);
+    allocated += st->cur_allocated.load(std::memory_order_relaxed);
+    active += st->cur_active.load(std::memory_order_relaxed);
+    requested += st->cur_requested.load(std::memory_order_relaxed);
+  }
+  auto raise = [](std::atomic<std::int64_t>& peak, std::int64_t v) {
+    std::int64_t cur = peak.load(std::memory_order_relaxed);
+    while (v > cur && !peak.compare_exchange_weak(cur, v, std::memory_order_relaxed)) {
+    }
+  };
+  raise(peak_allocated_, allocated);
+  raise(peak_active_, active);
+  raise(peak_requested_, requested);
+}
+
+// ---- blocks -------------------------------------------------------------------------------------
+
+block* caching_allocator::impl::best_fit(pool& p, std::size_t rounded) const {
+  block* b = p.mapped.find(rounded);
+  if (!b) return nullptr;
+  if (!p.small && opts_.max_split_size_bytes != 0 && !b->seg->expandable) {
     // Oversize blocks are never split, and serve only requests close to their size.
     if (rounded < opts_.max_split_size_bytes && b->size >= opts_.max_split_size_bytes) return nullptr;
     if (rounded >= opts_.max_split_size_bytes && b->size >= rounded + detail::k_large_segment_bytes) return nullptr;
@@ -131,31 +226,34 @@ block* caching_allocator::impl::best_fit_locked(detail::free_set& set, std::size
   return b;
 }
 
-block* caching_allocator::impl::merge_locked(block* dst, block* src) {
-  // Joins two address-adjacent blocks; the lower one survives.
-  block* lo = dst->addr < src->addr ? dst : src;
-  block* hi = lo == dst ? src : dst;
+block* caching_allocator::impl::merge_locked(block* lo, block* hi) {
   lo->size += hi->size;
   lo->next = hi->next;
   if (hi->next) hi->next->prev = lo;
-  delete hi;
+  recycle_block(state_of(*lo->seg->owner), hi);
   return lo;
 }
 
-void caching_allocator::impl::free_block_locked(block* b) {
+block* caching_allocator::impl::free_block_locked(block* b) {
   b->state = block_state::free;
   b->requested = 0;
   b->uses.clear();
   pool& p = *b->seg->owner;
+  auto remove = [&](block* x) {
+    if (x->mapped) p.mapped.erase(x);
+    else p.unmapped.erase(x);
+  };
   if (block* prev = b->prev; prev && prev->state == block_state::free && prev->mapped == b->mapped) {
-    p.set_for(prev).erase(prev);
+    remove(prev);
     b = merge_locked(prev, b);
   }
   if (block* next = b->next; next && next->state == block_state::free && next->mapped == b->mapped) {
-    p.set_for(next).erase(next);
+    remove(next);
     b = merge_locked(b, next);
   }
-  p.set_for(b).insert(b);
+  if (b->mapped) p.mapped.insert(b);
+  else p.unmapped.insert(b);
+  return b;
 }
 
 void caching_allocator::impl::split_locked(block* b, std::size_t rounded) {
@@ -167,7 +265,7 @@ void caching_allocator::impl::split_locked(block* b, std::size_t rounded) {
     split = false;
   }
   if (!split) return;
-  auto* rest = new block;
+  block* rest = new_block(state_of(*b->seg->owner));
   rest->addr = b->addr + rounded;
   rest->size = remaining;
   rest->seg = b->seg;
@@ -180,43 +278,48 @@ void caching_allocator::impl::split_locked(block* b, std::size_t rounded) {
   free_block_locked(rest);  // merges with a free follower of the same mapped state
 }
 
-void caching_allocator::impl::retire_pending_locked(block* b) {
-  pending_blocks_.erase(b->pending_pos);
-  for (auto& e : b->events) put_event_locked(e.event);
+void caching_allocator::impl::flush_quick_locked(pool& p) {
+  p.quick.drain([&](block* b) { free_block_locked(b); });
+}
+
+void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) {
+  st.pending.erase(b->pending_pos);
+  for (auto& e : b->events) {
+    if (e.stream != detail::k_tombstone_stream) put_event(e.event);  // tombstones are not pooled
+  }
   b->events.clear();
-  stats_.active_bytes.decrease(static_cast<std::int64_t>(b->size));
-  stats_.active.decrease(1);
+  st.st.active_bytes.decrease(static_cast<std::int64_t>(b->size));
+  st.st.active.decrease(1);
+  st.cur_active.store(st.st.active_bytes.current, std::memory_order_relaxed);
   free_block_locked(b);
 }
 
-void caching_allocator::impl::process_events_locked() {
+void caching_allocator::impl::process_events_locked(stream_state& st) {
   // Events of one stream complete in order; as PyTorch does, stop at the first pending block.
-  while (!pending_blocks_.empty()) {
-    block* b = pending_blocks_.front();
+  while (!st.pending.empty()) {
+    block* b = st.pending.front();
     for (auto& e : b->events) {
       if (!backend_.query_event(e.event)) return;
     }
-    retire_pending_locked(b);
+    retire_pending_locked(st, b);
   }
 }
 
-block* caching_allocator::impl::take_pending_locked(stream_handle stream, bool small, std::size_t rounded) {
+block* caching_allocator::impl::take_pending_locked(stream_state& st, pool& p, std::size_t rounded) {
   block* best = nullptr;
-  for (block* b : pending_blocks_) {
-    if (b->seg->stream == stream && b->seg->small == small && b->mapped && b->size >= rounded &&
-        (!best || b->size < best->size)) {
-      best = b;
-    }
+  for (block* b : st.pending) {
+    if (b->seg->owner == &p && b->mapped && b->size >= rounded && (!best || b->size < best->size)) best = b;
   }
   if (!best) return nullptr;
   for (auto& e : best->events) {
-    backend_.stream_wait_event(stream, e.event);
-    ++stats_.stream_waits;
+    backend_.stream_wait_event(p.stream, e.event);
+    ++st.st.stream_waits;
   }
-  pool& p = *best->seg->owner;
-  retire_pending_locked(best);
-  return best_fit_locked(p.mapped, rounded, small);
+  retire_pending_locked(st, best);
+  return best_fit(p, rounded);
 }
+
+// ---- growth (device lock and the stream lock held) -------------------------------------------------
 
 block* caching_allocator::impl::new_segment_locked(pool& p, std::size_t rounded) {
   const std::size_t size = detail::segment_bytes_for(rounded);
@@ -229,7 +332,7 @@ block* caching_allocator::impl::new_segment_locked(pool& p, std::size_t rounded)
   seg->stream = p.stream;
   seg->small = p.small;
   seg->owner = &p;
-  auto* b = new block;
+  block* b = new_block(state_of(p));
   b->addr = seg->base;
   b->size = size;
   b->seg = seg;
@@ -264,6 +367,7 @@ bool caching_allocator::impl::map_chunks_locked(std::uintptr_t addr, std::size_t
 
 block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t rounded) {
   const std::size_t gran = p.small ? small_chunk_bytes_ : large_chunk_bytes_;
+  stream_state& st = state_of(p);
   if (!p.expandable) {
     const std::size_t reserve = detail::round_up(limit_bytes_, gran);
     void* base = backend_.reserve_address_range(reserve);
@@ -274,7 +378,7 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
     seg->small = p.small;
     seg->expandable = true;
     seg->owner = &p;
-    auto* b = new block;
+    block* b = new_block(st);
     b->addr = seg->base;
     b->size = reserve;
     b->seg = seg;
@@ -291,7 +395,7 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
     return have >= rounded ? 0 : detail::round_up(rounded - have, gran);
   };
   block* choice = nullptr;
-  if (block* fit = best_fit_locked(p.unmapped, rounded, p.small)) choice = fit;
+  if (auto it = p.unmapped.lower_bound(detail::block_order::key{rounded, 0}); it != p.unmapped.end()) choice = *it;
   if (!p.unmapped.empty()) {
     block* largest = *p.unmapped.rbegin();
     if (largest->size >= need(largest) && (!choice || need(largest) < need(choice))) choice = largest;
@@ -304,7 +408,7 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   segment* seg = choice->seg;
   p.unmapped.erase(choice);
   if (map_bytes < choice->size) {
-    auto* rest = new block;
+    block* rest = new_block(st);
     rest->addr = choice->addr + map_bytes;
     rest->size = choice->size - map_bytes;
     rest->seg = seg;
@@ -319,37 +423,40 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   choice->mapped = true;
   seg->mapped_bytes += map_bytes;
   stats_.reserved_bytes.increase(static_cast<std::int64_t>(map_bytes));
-  ++stats_.num_device_alloc;
+  stats_.num_device_alloc += map_bytes / gran;
   detail::log().debug("device {}: segment_map {} bytes at {} (stream {})", backend_.device(), map_bytes,
                       hex(choice->addr), hex(p.stream));
   free_block_locked(choice);  // merges with the free mapped block before it
-  return best_fit_locked(p.mapped, rounded, p.small);
+  return best_fit(p, rounded);
 }
 
 block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounded) {
   if (opts_.backend == backend_kind::expandable || opts_.release_fence == fence_scope::device) return nullptr;
   segment* best = nullptr;
   for (auto& [base, seg] : segments_) {
+    if (seg->expandable || seg->owner == &p || seg->small != p.small) continue;
+    stream_state& other = state_of(*seg->owner);
+    std::lock_guard<stream_lock> olk(other.mu);
+    if (seg->owner->quick.count) flush_quick_locked(*seg->owner);
     const block* f = seg->first;
-    if (seg->expandable || seg->owner == &p || seg->small != p.small || f->next || f->state != block_state::free ||
-        f->size < rounded) {
-      continue;
-    }
+    if (f->next || f->state != block_state::free || f->size < rounded) continue;
     if (!best || seg->size < best->size) best = seg;
   }
   if (!best) return nullptr;
+  stream_state& other = state_of(*best->owner);
+  std::lock_guard<stream_lock> olk(other.mu);
   // The new stream waits, on the device, for every stream that may still touch the segment.
   for (stream_handle s : fence_streams_locked(best)) {
     if (s == p.stream) continue;
-    event_handle e = get_event_locked();
+    event_handle e = get_event();
     try {
       backend_.record_event(e, s);
       backend_.stream_wait_event(p.stream, e);
     } catch (...) {
-      put_event_locked(e);
+      put_event(e);
       throw;
     }
-    put_event_locked(e);
+    put_event(e);
     ++stats_.events_recorded;
     ++stats_.stream_waits;
   }
@@ -368,45 +475,112 @@ block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounde
   return best->first;
 }
 
-block* caching_allocator::impl::find_block_locked(pool& p, std::size_t rounded, bool allow_growth) {
-  if (block* b = best_fit_locked(p.mapped, rounded, p.small)) return b;
-  if (block* b = take_pending_locked(p.stream, p.small, rounded)) return b;
-  if (!allow_growth) return nullptr;
+block* caching_allocator::impl::find_block_locked(stream_state& st, pool& p, std::size_t rounded) {
+  if (!st.pending.empty()) process_events_locked(st);
+  if (block* b = p.quick.pop(rounded)) return b;
+  if (p.quick.count) flush_quick_locked(p);
+  if (block* b = best_fit(p, rounded)) return b;
+  if (block* b = take_pending_locked(st, p, rounded)) return b;
   if (opts_.backend == backend_kind::expandable) return expandable_fit_locked(p, rounded);
   return new_segment_locked(p, rounded);
 }
 
-std::size_t caching_allocator::impl::largest_free_locked() const {
+void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size) {
+  if (b->state == block_state::cached) {
+    b->state = block_state::active;  // from the quick cache: exactly the right size
+  } else {
+    b->seg->owner->mapped.erase(b);
+    b->state = block_state::active;  // before the split, so the remainder does not merge back
+    split_locked(b, rounded);
+  }
+  b->requested = size;
+  st.active.insert(b);
+  const std::int64_t old_peak = st.st.allocated_bytes.peak;
+  const auto bytes = static_cast<std::int64_t>(b->size);
+  st.st.allocated_bytes.increase(bytes);
+  st.st.active_bytes.increase(bytes);
+  st.st.requested_bytes.increase(static_cast<std::int64_t>(size));
+  st.st.allocation.increase(1);
+  st.st.active.increase(1);
+  st.cur_allocated.store(st.st.allocated_bytes.current, std::memory_order_relaxed);
+  st.cur_active.store(st.st.active_bytes.current, std::memory_order_relaxed);
+  st.cur_requested.store(st.st.requested_bytes.current, std::memory_order_relaxed);
+  if (st.st.allocated_bytes.current > old_peak) sample_peaks();
+  t_last_used = {id_, st.handle, &st};
+  if (detail::log().should_log(spdlog::level::trace)) {
+    detail::log().trace("alloc {} bytes at {} stream {}", size, hex(b->addr), hex(st.handle));
+  }
+  return reinterpret_cast<void*>(b->addr);
+}
+
+void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small) {
+  std::unique_lock<std::mutex> dlk(mu_);
+  std::unique_lock<stream_lock> slk(st.mu);
+  pool& p = pool_of(st, small);
+  block* b = find_block_locked(st, p, rounded);
+  if (!b && !deferred_.empty()) {
+    slk.unlock();
+    finish_deferred(dlk, false);
+    slk.lock();
+    b = find_block_locked(st, p, rounded);
+  }
+  if (!b) b = steal_segment_locked(p, rounded);
+  if (!b) {
+    ++stats_.num_alloc_retries;
+    slk.unlock();
+    release_cached(dlk, empty_cache_mode::wait);
+    slk.lock();
+    b = find_block_locked(st, p, rounded);
+  }
+  if (!b) {
+    ++stats_.num_ooms;
+    std::string msg = oom_message_locked(size, rounded, p.stream, &st);
+    slk.unlock();
+    dlk.unlock();
+    detail::log().error("{}", msg);
+    throw out_of_memory(msg);
+  }
+  return finish_allocation(st, b, rounded, size);
+}
+
+// ---- diagnostics ----------------------------------------------------------------------------------
+
+std::size_t caching_allocator::impl::largest_free_locked(const stream_state* held) const {
   std::size_t largest = 0;
   for (auto& [s, state] : streams_) {
+    std::unique_lock<stream_lock> slk(state->mu, std::defer_lock);
+    if (state.get() != held) slk.lock();
     for (const pool* p : {&state->small_pool, &state->large_pool}) {
-      if (!p->mapped.empty()) largest = std::max(largest, (*p->mapped.rbegin())->size);
+      if (const block* b = p->mapped.largest()) largest = std::max(largest, b->size);
     }
   }
   return largest;
 }
 
-std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::size_t rounded,
-                                                         stream_handle stream) {
+std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::size_t rounded, stream_handle stream,
+                                                         const stream_state* held) {
   std::size_t free_bytes = 0, total_bytes = 0;
   try {
     backend_.memory_info(free_bytes, total_bytes);
   } catch (const std::exception&) {
   }
+  std::int64_t allocated = 0;
+  for (auto& [s, state] : streams_) allocated += state->cur_allocated.load(std::memory_order_relaxed);
   std::ostringstream os;
   os << "streamsafe: out of memory on device " << backend_.device() << ": tried to allocate "
      << format_bytes(size);
   if (rounded != size) os << " (rounded to " << format_bytes(rounded) << ")";
   os << " on stream " << hex(stream) << "; device total " << format_bytes(total_bytes) << ", free "
-     << format_bytes(free_bytes) << "; allocated " << format_bytes(static_cast<std::size_t>(stats_.allocated_bytes.current))
+     << format_bytes(free_bytes) << "; allocated " << format_bytes(static_cast<std::size_t>(allocated))
      << ", reserved " << format_bytes(static_cast<std::size_t>(stats_.reserved_bytes.current))
-     << ", largest free block " << format_bytes(largest_free_locked()) << "; limit "
+     << ", largest free block " << format_bytes(largest_free_locked(held)) << "; limit "
      << format_bytes(limit_bytes_);
   if (deferred_bytes_ != 0) os << "; " << format_bytes(deferred_bytes_) << " waiting for release fences";
   return os.str();
 }
 
 void caching_allocator::impl::throw_invalid_pointer_locked(const void* ptr, const char* what) const {
+  // mu_ and the owning stream's lock (if any) are held.
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   std::ostringstream os;
   os << "streamsafe: " << what << "(" << hex(addr) << ") on device " << backend_.device() << ": ";
@@ -432,7 +606,103 @@ void caching_allocator::impl::throw_invalid_pointer_locked(const void* ptr, cons
   throw invalid_pointer(os.str());
 }
 
-// ---- public interface -------------------------------------------------------------------------
+// ---- free -------------------------------------------------------------------------------------------
+
+void caching_allocator::impl::free_found_locked(stream_state& st, block* b, const stream_handle* stream) {
+  segment* seg = b->seg;
+  if (b->uses.empty() && (!stream || *stream == seg->stream)) {
+    // Same-stream free: no event, straight to the quick cache (or the free lists).
+    st.active.erase(b->addr);
+    const auto bytes = static_cast<std::int64_t>(b->size);
+    st.st.allocated_bytes.decrease(bytes);
+    st.st.active_bytes.decrease(bytes);
+    st.st.requested_bytes.decrease(static_cast<std::int64_t>(b->requested));
+    st.st.allocation.decrease(1);
+    st.st.active.decrease(1);
+    st.cur_allocated.store(st.st.allocated_bytes.current, std::memory_order_relaxed);
+    st.cur_active.store(st.st.active_bytes.current, std::memory_order_relaxed);
+    st.cur_requested.store(st.st.requested_bytes.current, std::memory_order_relaxed);
+    b->requested = 0;
+    b->state = block_state::cached;
+    if (!seg->owner->quick.push(b)) free_block_locked(b);
+    return;
+  }
+  std::vector<stream_handle> wait_on = b->uses;
+  if (stream && *stream != seg->stream && std::find(wait_on.begin(), wait_on.end(), *stream) == wait_on.end()) {
+    wait_on.push_back(*stream);
+  }
+  // Record every event first: a failure leaves the block active and the state unchanged. (mu_
+  // is held here.) A stream announced as destroyed gets no call: its tombstone event covers it.
+  std::vector<detail::pending_event> events;
+  if (!wait_on.empty()) {
+    events.reserve(wait_on.size());
+    try {
+      for (stream_handle s : wait_on) {
+        auto it = streams_.find(s);
+        if (it != streams_.end() && !it->second->alive.load(std::memory_order_acquire)) {
+          for (auto& t : tombstones_) {
+            if (t.stream == s) events.push_back({t.event, detail::k_tombstone_stream});
+          }
+          continue;
+        }
+        event_handle e = get_event();
+        events.push_back({e, s});
+        backend_.record_event(e, s);
+      }
+    } catch (...) {
+      for (auto& e : events) {
+        if (e.stream != detail::k_tombstone_stream) put_event(e.event);
+      }
+      throw;
+    }
+  }
+  if (stream) note_use_locked(seg, *stream);
+  st.active.erase(b->addr);
+  const auto bytes = static_cast<std::int64_t>(b->size);
+  st.st.allocated_bytes.decrease(bytes);
+  st.st.requested_bytes.decrease(static_cast<std::int64_t>(b->requested));
+  st.st.allocation.decrease(1);
+  st.st.events_recorded += events.size();
+  st.cur_allocated.store(st.st.allocated_bytes.current, std::memory_order_relaxed);
+  st.cur_requested.store(st.st.requested_bytes.current, std::memory_order_relaxed);
+  if (events.empty()) {
+    st.st.active_bytes.decrease(bytes);
+    st.st.active.decrease(1);
+    st.cur_active.store(st.st.active_bytes.current, std::memory_order_relaxed);
+    free_block_locked(b);
+    return;
+  }
+  b->events = std::move(events);
+  b->uses.clear();
+  b->state = block_state::pending_free;
+  b->pending_pos = st.pending.insert(st.pending.end(), b);
+}
+
+void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* stream) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  if (stream) state_for(*stream);  // a stream-ordered free makes the stream known (for fences)
+  // Fast path: a same-stream free of a block of the stream this thread allocated from last.
+  // Frees that record events (uses on other streams) take the device lock below, which lets
+  // them see which streams are gone.
+  if (t_last_used.owner == id_) {
+    auto& st = *static_cast<stream_state*>(t_last_used.state);
+    std::lock_guard<stream_lock> slk(st.mu);
+    if (block* b = st.active.find(addr);
+        b && b->uses.empty() && (!stream || *stream == b->seg->stream)) {
+      free_found_locked(st, b, stream);
+      return;
+    }
+  }
+  std::lock_guard<std::mutex> dlk(mu_);
+  stream_state* owner = owner_locked(ptr);
+  std::unique_lock<stream_lock> slk;
+  if (owner) slk = std::unique_lock<stream_lock>(owner->mu);
+  block* b = owner ? owner->active.find(addr) : nullptr;
+  if (!b) throw_invalid_pointer_locked(ptr, stream ? "deallocate(stream)" : "deallocate");
+  free_found_locked(*owner, b, stream);
+}
+
+// ---- public interface -------------------------------------------------------------------------------
 
 caching_allocator::caching_allocator(device_backend& backend, options opts)
     : impl_(std::make_unique<impl>(backend, opts)) {}
@@ -445,93 +715,33 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
     throw invalid_size("streamsafe: allocate(0 bytes) on device " + std::to_string(m.backend_.device()) +
                        ", stream " + hex(stream) + ": the size must be positive");
   }
-  std::unique_lock<std::mutex> lk(m.mu_);
   if (size_bytes > detail::k_max_request_bytes || size_bytes > m.limit_bytes_) {
+    std::unique_lock<std::mutex> dlk(m.mu_);
     ++m.stats_.num_ooms;
-    std::string msg = m.oom_message_locked(size_bytes, size_bytes, stream) +
+    std::string msg = m.oom_message_locked(size_bytes, size_bytes, stream, nullptr) +
                       "; the request exceeds the device's memory limit";
-    lk.unlock();
+    dlk.unlock();
     detail::log().error("{}", msg);
     throw out_of_memory(msg);
   }
   const std::size_t rounded = detail::round_request(size_bytes);
   const bool small = detail::is_small(rounded);
-  if (!m.pending_blocks_.empty()) m.process_events_locked();
-  block* b = m.find_block_locked(m.pool_locked(stream, small), rounded, true);
-  if (!b && !m.deferred_.empty()) {
-    m.finish_deferred(lk, false);
-    b = m.find_block_locked(m.pool_locked(stream, small), rounded, true);
-  }
-  if (!b) b = m.steal_segment_locked(m.pool_locked(stream, small), rounded);
-  if (!b) {
-    ++m.stats_.num_alloc_retries;
-    m.release_cached(lk, empty_cache_mode::wait);
-    b = m.find_block_locked(m.pool_locked(stream, small), rounded, true);
-  }
-  if (!b) {
-    ++m.stats_.num_ooms;
-    std::string msg = m.oom_message_locked(size_bytes, rounded, stream);
-    lk.unlock();
-    detail::log().error("{}", msg);
-    throw out_of_memory(msg);
-  }
-  b->seg->owner->mapped.erase(b);
-  b->state = block_state::active;  // before the split, so the remainder does not merge back
-  m.split_locked(b, rounded);
-  b->requested = size_bytes;
-  m.active_blocks_.emplace(b->addr, b);
-  m.stats_.allocated_bytes.increase(static_cast<std::int64_t>(b->size));
-  m.stats_.active_bytes.increase(static_cast<std::int64_t>(b->size));
-  m.stats_.requested_bytes.increase(static_cast<std::int64_t>(size_bytes));
-  m.stats_.allocation.increase(1);
-  m.stats_.active.increase(1);
-  if (detail::log().should_log(spdlog::level::trace)) {
-    detail::log().trace("alloc {} bytes at {} stream {}", size_bytes, hex(b->addr), hex(stream));
-  }
-  return reinterpret_cast<void*>(b->addr);
-}
-
-void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* stream) {
-  std::lock_guard<std::mutex> lk(mu_);
-  auto it = active_blocks_.find(reinterpret_cast<std::uintptr_t>(ptr));
-  if (it == active_blocks_.end()) throw_invalid_pointer_locked(ptr, stream ? "deallocate(stream)" : "deallocate");
-  block* b = it->second;
-  segment* seg = b->seg;
-  std::vector<stream_handle> wait_on = b->uses;
-  if (stream && *stream != seg->stream &&
-      std::find(wait_on.begin(), wait_on.end(), *stream) == wait_on.end()) {
-    stream_locked(*stream);
-    wait_on.push_back(*stream);
-  }
-  // Record every event first: a failure leaves the block active and the state unchanged.
-  std::vector<detail::pending_event> events;
-  events.reserve(wait_on.size());
-  try {
-    for (stream_handle s : wait_on) {
-      event_handle e = get_event_locked();
-      events.push_back({e, s});
-      backend_.record_event(e, s);
+  impl::stream_state& st = m.state_for(stream);
+  {
+    std::lock_guard<stream_lock> slk(st.mu);
+    if (!st.pending.empty()) m.process_events_locked(st);
+    pool& p = impl::pool_of(st, small);
+    // An exact-size block from the quick cache; anything else is a best fit after the quick
+    // cache is merged back, so that caching never costs fragmentation.
+    block* b = p.quick.pop(rounded);
+    if (!b) {
+      if (p.quick.count) m.flush_quick_locked(p);
+      b = m.best_fit(p, rounded);
     }
-  } catch (...) {
-    for (auto& e : events) put_event_locked(e.event);
-    throw;
+    if (!b && !st.pending.empty()) b = m.take_pending_locked(st, p, rounded);
+    if (b) return m.finish_allocation(st, b, rounded, size_bytes);
   }
-  if (stream) note_use_locked(seg, *stream);
-  active_blocks_.erase(it);
-  stats_.allocated_bytes.decrease(static_cast<std::int64_t>(b->size));
-  stats_.requested_bytes.decrease(static_cast<std::int64_t>(b->requested));
-  stats_.allocation.decrease(1);
-  stats_.events_recorded += events.size();
-  if (events.empty()) {
-    stats_.active_bytes.decrease(static_cast<std::int64_t>(b->size));
-    stats_.active.decrease(1);
-    free_block_locked(b);
-    return;
-  }
-  b->events = std::move(events);
-  b->uses.clear();
-  b->state = block_state::pending_free;
-  b->pending_pos = pending_blocks_.insert(pending_blocks_.end(), b);
+  return m.allocate_slow(st, size_bytes, rounded, small);
 }
 
 void caching_allocator::deallocate(void* ptr) { impl_->deallocate_impl(ptr, nullptr); }
@@ -540,11 +750,13 @@ void caching_allocator::deallocate(void* ptr, stream_handle stream) { impl_->dea
 
 void caching_allocator::record_stream(void* ptr, stream_handle stream) {
   impl& m = *impl_;
-  std::lock_guard<std::mutex> lk(m.mu_);
-  auto it = m.active_blocks_.find(reinterpret_cast<std::uintptr_t>(ptr));
-  if (it == m.active_blocks_.end()) m.throw_invalid_pointer_locked(ptr, "record_stream");
-  block* b = it->second;
-  m.stream_locked(stream);
+  m.state_for(stream);  // the stream becomes known (for fences)
+  std::lock_guard<std::mutex> dlk(m.mu_);
+  impl::stream_state* owner = m.owner_locked(ptr);
+  std::unique_lock<stream_lock> slk;
+  if (owner) slk = std::unique_lock<stream_lock>(owner->mu);
+  block* b = owner ? owner->active.find(reinterpret_cast<std::uintptr_t>(ptr)) : nullptr;
+  if (!b) m.throw_invalid_pointer_locked(ptr, "record_stream");
   if (stream != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
     b->uses.push_back(stream);
   }
@@ -555,48 +767,81 @@ void caching_allocator::notify_stream_destroyed(stream_handle stream) {
   impl& m = *impl_;
   std::lock_guard<std::mutex> lk(m.mu_);
   auto it = m.streams_.find(stream);
-  if (it == m.streams_.end() || !it->second->alive) return;
-  event_handle e = m.get_event_locked();
+  if (it == m.streams_.end() || !it->second->alive.load()) return;
+  event_handle e = m.get_event();
   try {
     m.backend_.record_event(e, stream);
   } catch (...) {
-    m.put_event_locked(e);
+    m.put_event(e);
     throw;
   }
   ++m.stats_.events_recorded;
   m.tombstones_.push_back({e, stream});
-  it->second->alive = false;
+  it->second->alive.store(false, std::memory_order_release);
 }
 
 statistics caching_allocator::stats() const {
   const impl& m = *impl_;
-  std::lock_guard<std::mutex> lk(m.mu_);
+  std::lock_guard<std::mutex> dlk(m.mu_);
   statistics s = m.stats_;
   std::int64_t inactive_split = 0;
+  for (auto& [h, st] : m.streams_) {
+    std::lock_guard<stream_lock> slk(st->mu);
+    auto add = [](stat& to, const stat& from) {
+      to.current += from.current;
+      to.allocated += from.allocated;
+      to.freed += from.freed;
+      to.peak = std::max(to.peak, from.peak);
+    };
+    add(s.allocated_bytes, st->st.allocated_bytes);
+    add(s.active_bytes, st->st.active_bytes);
+    add(s.requested_bytes, st->st.requested_bytes);
+    add(s.allocation, st->st.allocation);
+    add(s.active, st->st.active);
+    s.events_recorded += st->st.events_recorded;
+    s.stream_waits += st->st.stream_waits;
+  }
   for (auto& [base, seg] : m.segments_) {
+    std::lock_guard<stream_lock> slk(impl::state_of(*seg->owner).mu);
     for (const block* b = seg->first; b; b = b->next) {
-      if (b->state == block_state::free && b->mapped && (b->prev || b->next)) {
+      if ((b->state == block_state::free || b->state == block_state::cached) && b->mapped && (b->prev || b->next)) {
         inactive_split += static_cast<std::int64_t>(b->size);
       }
     }
   }
+  // Device-wide peaks: sampled whenever a stream passes its own peak (exact for one stream).
+  s.allocated_bytes.peak = std::max({s.allocated_bytes.peak, s.allocated_bytes.current, m.peak_allocated_.load()});
+  s.active_bytes.peak = std::max({s.active_bytes.peak, s.active_bytes.current, m.peak_active_.load()});
+  s.requested_bytes.peak = std::max({s.requested_bytes.peak, s.requested_bytes.current, m.peak_requested_.load()});
   s.inactive_split_bytes.current = inactive_split;
   s.inactive_split_bytes.peak = std::max(s.inactive_split_bytes.peak, inactive_split);
   return s;
 }
 
 void caching_allocator::reset_peak_stats() {
-  std::lock_guard<std::mutex> lk(impl_->mu_);
-  statistics& s = impl_->stats_;
-  for (stat* st : {&s.allocated_bytes, &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes,
-                   &s.requested_bytes, &s.allocation, &s.segment, &s.active}) {
-    st->reset_peak();
+  impl& m = *impl_;
+  std::lock_guard<std::mutex> dlk(m.mu_);
+  std::int64_t allocated = 0, active = 0, requested = 0;
+  for (auto& [h, st] : m.streams_) {
+    std::lock_guard<stream_lock> slk(st->mu);
+    for (stat* x : {&st->st.allocated_bytes, &st->st.active_bytes, &st->st.requested_bytes, &st->st.allocation,
+                    &st->st.active}) {
+      x->reset_peak();
+    }
+    allocated += st->st.allocated_bytes.current;
+    active += st->st.active_bytes.current;
+    requested += st->st.requested_bytes.current;
   }
+  m.peak_allocated_ = allocated;
+  m.peak_active_ = active;
+  m.peak_requested_ = requested;
+  statistics& s = m.stats_;
+  for (stat* x : {&s.reserved_bytes, &s.inactive_split_bytes, &s.segment}) x->reset_peak();
 }
 
 std::size_t caching_allocator::largest_free_block_bytes() const {
-  std::lock_guard<std::mutex> lk(impl_->mu_);
-  return impl_->largest_free_locked();
+  std::lock_guard<std::mutex> dlk(impl_->mu_);
+  return impl_->largest_free_locked(nullptr);
 }
 
 int caching_allocator::device() const noexcept { return impl_->backend_.device(); }
@@ -604,20 +849,28 @@ int caching_allocator::device() const noexcept { return impl_->backend_.device()
 const options& caching_allocator::config() const noexcept { return impl_->opts_; }
 
 caching_allocator::block_info caching_allocator::find_block(const void* ptr) const {
-  std::lock_guard<std::mutex> lk(impl_->mu_);
-  auto it = impl_->active_blocks_.find(reinterpret_cast<std::uintptr_t>(ptr));
-  if (it == impl_->active_blocks_.end()) return {};
-  return {it->second->addr, it->second->size, it->second->seg->stream};
+  impl& m = *impl_;
+  std::lock_guard<std::mutex> dlk(m.mu_);
+  impl::stream_state* owner = m.owner_locked(ptr);
+  if (!owner) return {};
+  std::lock_guard<stream_lock> slk(owner->mu);
+  const block* b = owner->active.find(reinterpret_cast<std::uintptr_t>(ptr));
+  if (!b) return {};
+  return {b->addr, b->size, b->seg->stream};
 }
 
 void caching_allocator::check_invariants() const {
   const impl& m = *impl_;
-  std::lock_guard<std::mutex> lk(m.mu_);
+  std::lock_guard<std::mutex> dlk(m.mu_);
+  std::vector<std::unique_lock<stream_lock>> locks;
+  for (auto& [h, st] : m.streams_) locks.emplace_back(st->mu);
   auto fail = [](const std::string& what) { throw std::logic_error("streamsafe invariant violated: " + what); };
   std::int64_t reserved = 0, allocated = 0, active = 0;
-  std::size_t active_count = 0, free_in_sets = 0, free_seen = 0, pending_seen = 0;
+  std::size_t active_count = 0, free_seen = 0, pending_seen = 0, free_in_pools = 0, pending_total = 0,
+              active_total = 0, cached_seen = 0, cached_in_pools = 0;
   for (auto& [base, seg] : m.segments_) {
     if (seg->base != base) fail("segment map key differs from its base");
+    const impl::stream_state& owner = impl::state_of(*seg->owner);
     std::uintptr_t expect = seg->base;
     std::size_t mapped = 0;
     for (const block* b = seg->first; b; b = b->next) {
@@ -627,33 +880,38 @@ void caching_allocator::check_invariants() const {
       if (b->size == 0 || b->size % detail::k_min_block_bytes != 0) fail("block size not a multiple of 512");
       if (b->mapped) mapped += b->size;
       if (!seg->expandable && !b->mapped) fail("unmapped block in a cuda_malloc segment");
-      const auto& set = b->mapped ? seg->owner->mapped : seg->owner->unmapped;
-      const bool in_set = set.count(const_cast<block*>(b)) != 0;
+      const bool in_mapped = detail::free_lists::contains(b);
+      const bool in_unmapped = seg->owner->unmapped.count(const_cast<block*>(b)) != 0;
+      const bool in_pool = b->mapped ? in_mapped : in_unmapped;
+      if (b->mapped && in_unmapped) fail("mapped block in the unmapped set");
       switch (b->state) {
         case block_state::free:
           ++free_seen;
-          if (!in_set) fail("free block " + hex(b->addr) + " missing from its pool");
+          if (!in_pool) fail("free block " + hex(b->addr) + " missing from its pool");
           if (b->next && b->next->state == block_state::free && b->next->mapped == b->mapped)
             fail("two free neighbours not merged at " + hex(b->addr));
           break;
-        case block_state::active: {
-          if (in_set) fail("active block " + hex(b->addr) + " is in a free pool");
-          auto it = m.active_blocks_.find(b->addr);
-          if (it == m.active_blocks_.end() || it->second != b) fail("active block missing from the active map");
+        case block_state::active:
+          if (in_pool || in_mapped) fail("active block " + hex(b->addr) + " is in a free pool");
+          if (owner.active.find(b->addr) != b) fail("active block missing from its stream's active map");
           allocated += static_cast<std::int64_t>(b->size);
           active += static_cast<std::int64_t>(b->size);
           ++active_count;
           if (!b->mapped) fail("active block is unmapped");
           break;
-        }
         case block_state::pending_free:
-          if (in_set) fail("pending block in a free pool");
-          if (*b->pending_pos != b) fail("pending block not in the pending list");
+          if (in_pool || in_mapped) fail("pending block in a free pool");
+          if (*b->pending_pos != b) fail("pending block not in its stream's pending list");
           active += static_cast<std::int64_t>(b->size);
           ++pending_seen;
           break;
         case block_state::releasing:
-          if (in_set) fail("releasing block in a free pool");
+          if (in_pool || in_mapped) fail("releasing block in a free pool");
+          break;
+        case block_state::cached:
+          if (in_pool || in_mapped) fail("cached block " + hex(b->addr) + " is also in the free lists");
+          if (!b->mapped) fail("cached block is unmapped");
+          ++cached_seen;
           break;
       }
       expect += b->size;
@@ -662,23 +920,41 @@ void caching_allocator::check_invariants() const {
     if (mapped != seg->mapped_bytes) fail("mapped bytes of segment " + hex(seg->base) + " disagree");
     reserved += static_cast<std::int64_t>(mapped);
   }
-  for (auto& [s, state] : m.streams_) {
-    for (const pool* p : {&state->small_pool, &state->large_pool}) {
-      free_in_sets += p->mapped.size() + p->unmapped.size();
-      for (const block* b : p->mapped) {
+  std::int64_t stat_allocated = 0, stat_active = 0;
+  for (auto& [h, st] : m.streams_) {
+    for (const pool* p : {&st->small_pool, &st->large_pool}) {
+      free_in_pools += p->mapped.size() + p->unmapped.size();
+      p->mapped.for_each([&](const block* b) {
         if (b->seg->owner != p || !b->mapped || b->state != block_state::free) fail("pool holds a foreign or non-free block");
-      }
+      });
       for (const block* b : p->unmapped) {
         if (b->seg->owner != p || b->mapped || b->state != block_state::free) fail("unmapped pool holds a bad block");
       }
+      std::size_t in_quick = 0;
+      p->quick.for_each([&](const block* b) {
+        ++in_quick;
+        if (b->seg->owner != p || b->state != block_state::cached) fail("quick cache holds a foreign or non-cached block");
+      });
+      if (in_quick != p->quick.count) fail("quick cache count disagrees");
+      cached_in_pools += in_quick;
     }
+    pending_total += st->pending.size();
+    active_total += st->active.size();
+    st->active.for_each([&](const block* b) {
+      if (&impl::state_of(*b->seg->owner) != st.get() || b->state != block_state::active)
+        fail("active map holds a block of another stream or not active");
+    });
+    stat_allocated += st->st.allocated_bytes.current;
+    stat_active += st->st.active_bytes.current;
+    if (st->cur_allocated.load() != st->st.allocated_bytes.current) fail("allocated mirror disagrees");
   }
-  if (free_in_sets != free_seen) fail("pools hold blocks that are not in any segment");
-  if (pending_seen != m.pending_blocks_.size()) fail("pending list size disagrees");
-  if (active_count != m.active_blocks_.size()) fail("active map holds blocks not in any segment");
+  if (free_in_pools != free_seen) fail("pools hold blocks that are not in any segment");
+  if (cached_in_pools != cached_seen) fail("quick caches hold blocks that are not in any segment");
+  if (pending_seen != pending_total) fail("pending lists disagree with pending blocks");
+  if (active_count != active_total) fail("active maps hold blocks not in any segment");
   if (reserved != m.stats_.reserved_bytes.current) fail("reserved bytes statistic disagrees with segments");
-  if (allocated != m.stats_.allocated_bytes.current) fail("allocated bytes statistic disagrees with blocks");
-  if (active != m.stats_.active_bytes.current) fail("active bytes statistic disagrees with blocks");
+  if (allocated != stat_allocated) fail("allocated bytes statistic disagrees with blocks");
+  if (active != stat_active) fail("active bytes statistic disagrees with blocks");
 }
 
 }  // namespace streamsafe

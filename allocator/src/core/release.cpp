@@ -5,9 +5,10 @@
 // releasing). A fence then covers every stream that may still touch that memory, chosen by the
 // fence scope: one event per stream, recorded now, not one per free. In wait mode the host
 // waits on exactly those events (never a device-wide sync unless the scope is `device`), with
-// the lock dropped; in defer mode a batch whose fence is still pending is queued and finished by
-// later calls (reclaim, empty_cache, the allocation slow path). Only then are free_segment /
-// unmap called, also without the lock. A failed driver call puts its memory back in the pool.
+// the device lock dropped; in defer mode a batch whose fence is still pending is queued and
+// finished by later calls (reclaim, empty_cache, the allocation slow path). Only then are
+// free_segment / unmap called, also without the lock. A failed driver call puts its memory back
+// in the pool. Every function here runs with the device lock (mu_) held on entry.
 #include "allocator_state.hpp"
 #include "logging.hpp"
 #include "size_classes.hpp"
@@ -18,27 +19,14 @@
 namespace streamsafe {
 
 using detail::block;
+using stream_lock = detail::spin_lock;
 using detail::block_state;
 using detail::pending_event;
 using detail::segment;
 
 namespace {
 
-// Splits b at offset: b keeps [0, offset), the returned block takes the rest (same state).
-block* split_off(block* b, std::size_t offset) {
-  auto* rest = new block;
-  rest->addr = b->addr + offset;
-  rest->size = b->size - offset;
-  rest->seg = b->seg;
-  rest->prev = b;
-  rest->next = b->next;
-  rest->mapped = b->mapped;
-  rest->state = b->state;
-  if (b->next) b->next->prev = rest;
-  b->next = rest;
-  b->size = offset;
-  return rest;
-}
+constexpr stream_handle k_tombstone = detail::k_tombstone_stream;  // marks tombstone entries of a fence
 
 }  // namespace
 
@@ -46,7 +34,7 @@ std::vector<stream_handle> caching_allocator::impl::fence_streams_locked(const s
   std::vector<stream_handle> out;
   auto alive = [&](stream_handle s) {
     auto it = streams_.find(s);
-    return it != streams_.end() && it->second->alive;
+    return it != streams_.end() && it->second->alive.load(std::memory_order_acquire);
   };
   switch (opts_.release_fence) {
     case fence_scope::allocation_stream:
@@ -60,7 +48,7 @@ std::vector<stream_handle> caching_allocator::impl::fence_streams_locked(const s
       break;
     case fence_scope::all_streams:
       for (auto& [s, state] : streams_) {
-        if (state->alive) out.push_back(s);
+        if (state->alive.load(std::memory_order_acquire)) out.push_back(s);
       }
       break;
     case fence_scope::device:
@@ -71,7 +59,14 @@ std::vector<stream_handle> caching_allocator::impl::fence_streams_locked(const s
 
 caching_allocator::impl::release_batch caching_allocator::impl::collect_releasable_locked() {
   release_batch batch;
+  auto add_streams = [&](const segment* seg) {
+    for (stream_handle s : fence_streams_locked(seg)) {
+      if (std::find(batch.streams.begin(), batch.streams.end(), s) == batch.streams.end()) batch.streams.push_back(s);
+    }
+  };
   for (auto& [base, seg] : segments_) {
+    stream_state& owner = state_of(*seg->owner);
+    std::lock_guard<stream_lock> slk(owner.mu);
     if (!seg->expandable) {
       block* f = seg->first;
       if (!f->next && f->state == block_state::free) {
@@ -79,10 +74,12 @@ caching_allocator::impl::release_batch caching_allocator::impl::collect_releasab
         f->state = block_state::releasing;
         batch.blocks.push_back(f);
         batch.bytes += f->size;
+        add_streams(seg);
       }
       continue;
     }
     const std::size_t gran = chunk_bytes(seg);
+    bool took = false;
     for (block* b = seg->first; b; b = b->next) {
       if (b->state != block_state::free || !b->mapped) continue;
       const std::uintptr_t lo = seg->base + detail::round_up(b->addr - seg->base, gran);
@@ -90,21 +87,46 @@ caching_allocator::impl::release_batch caching_allocator::impl::collect_releasab
       if (hi <= lo) continue;
       seg->owner->mapped.erase(b);
       block* mid = b;
+      auto split_off = [&](block* x, std::size_t offset) {
+        block* rest = new_block(owner);
+        rest->addr = x->addr + offset;
+        rest->size = x->size - offset;
+        rest->seg = x->seg;
+        rest->prev = x;
+        rest->next = x->next;
+        rest->mapped = x->mapped;
+        rest->state = x->state;
+        if (x->next) x->next->prev = rest;
+        x->next = rest;
+        x->size = offset;
+        return rest;
+      };
       if (lo > b->addr) {
         mid = split_off(b, lo - b->addr);
         seg->owner->mapped.insert(b);
       }
-      if (hi < mid->addr + mid->size) {
-        block* tail = split_off(mid, hi - mid->addr);
-        seg->owner->mapped.insert(tail);
-      }
+      if (hi < mid->addr + mid->size) seg->owner->mapped.insert(split_off(mid, hi - mid->addr));
       mid->state = block_state::releasing;
       batch.blocks.push_back(mid);
       batch.bytes += mid->size;
+      took = true;
       b = mid;
     }
+    if (took) add_streams(seg);
   }
   return batch;
+}
+
+void caching_allocator::impl::restore_batch_locked(release_batch& batch) {
+  for (auto& e : batch.fence) {
+    if (e.stream != k_tombstone) put_event(e.event);
+  }
+  batch.fence.clear();
+  for (block* b : batch.blocks) {
+    std::lock_guard<stream_lock> slk(state_of(*b->seg->owner).mu);
+    free_block_locked(b);
+  }
+  batch.blocks.clear();
 }
 
 void caching_allocator::impl::record_fence_locked(release_batch& batch) {
@@ -112,21 +134,15 @@ void caching_allocator::impl::record_fence_locked(release_batch& batch) {
     batch.device_sync = true;
     return;
   }
-  std::vector<stream_handle> streams;
-  for (const block* b : batch.blocks) {
-    for (stream_handle s : fence_streams_locked(b->seg)) {
-      if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
-    }
-  }
   try {
-    for (stream_handle s : streams) {
-      event_handle e = get_event_locked();
+    for (stream_handle s : batch.streams) {
+      event_handle e = get_event();
       batch.fence.push_back({e, s});
       backend_.record_event(e, s);
       ++stats_.events_recorded;
     }
   } catch (...) {
-    for (auto& e : batch.fence) put_event_locked(e.event);
+    for (auto& e : batch.fence) put_event(e.event);
     batch.fence.clear();
     throw;
   }
@@ -162,7 +178,7 @@ std::size_t caching_allocator::impl::release_batch_memory(std::unique_lock<std::
   std::exception_ptr error;
   lk.unlock();
   for (std::size_t i = 0; i < batch.blocks.size(); ++i) {
-    block* b = batch.blocks[i];
+    block* b = batch.blocks[i];  // detached: nobody else touches it or its size
     try {
       if (b->seg->expandable) {
         backend_.unmap(reinterpret_cast<void*>(b->addr), b->size);
@@ -176,13 +192,15 @@ std::size_t caching_allocator::impl::release_batch_memory(std::unique_lock<std::
   }
   lk.lock();
   for (auto& e : batch.fence) {
-    if (e.stream != ~stream_handle{0}) put_event_locked(e.event);  // tombstones are not pooled
+    if (e.stream != k_tombstone) put_event(e.event);
   }
   batch.fence.clear();
   std::size_t released = 0;
   for (std::size_t i = 0; i < batch.blocks.size(); ++i) {
     block* b = batch.blocks[i];
     segment* seg = b->seg;
+    stream_state& owner = state_of(*seg->owner);
+    std::lock_guard<stream_lock> slk(owner.mu);
     if (!done[i]) {
       free_block_locked(b);  // still mapped: back to the pool
       continue;
@@ -190,86 +208,96 @@ std::size_t caching_allocator::impl::release_batch_memory(std::unique_lock<std::
     released += b->size;
     stats_.reserved_bytes.decrease(static_cast<std::int64_t>(b->size));
     stats_.bytes_released += b->size;
-    ++stats_.num_device_free;
     if (seg->expandable) {
+      stats_.num_device_free += b->size / chunk_bytes(seg);
       seg->mapped_bytes -= b->size;
       b->mapped = false;
       detail::log().debug("device {}: segment_unmap {} bytes at {:#x}", backend_.device(), b->size, b->addr);
       free_block_locked(b);
     } else {
+      ++stats_.num_device_free;
       detail::log().debug("device {}: segment_free {} bytes at {:#x}", backend_.device(), b->size, b->addr);
       stats_.segment.decrease(1);
       segments_.erase(seg->base);
-      delete b;
+      recycle_block(owner, b);
       delete seg;
     }
   }
+  batch.blocks.clear();
   if (error) std::rethrow_exception(error);
   return released;
 }
 
 std::size_t caching_allocator::impl::finish_deferred(std::unique_lock<std::mutex>& lk, bool wait) {
+  // A failing backend call (query, synchronize) leaves the batch queued: nothing is lost.
   std::size_t released = 0;
   while (!deferred_.empty()) {
-    if (!fence_done_locked(deferred_.front()) && !wait) break;
-    release_batch batch = std::move(deferred_.front());
-    deferred_.pop_front();
-    deferred_bytes_ -= batch.bytes;
-    if (!fence_done_locked(batch)) {
-      for (auto& t : tombstones_) batch.fence.push_back({t.event, ~stream_handle{0}});
+    const bool done = fence_done_locked(deferred_.front());
+    if (!done && !wait) break;
+    if (!done) {
+      release_batch& front = deferred_.front();
+      const std::uint64_t waited_id = front.id;
+      release_batch waiting;  // a copy of the fence (plus tombstones) to wait on without the lock
+      waiting.fence = front.fence;
+      waiting.device_sync = front.device_sync;
+      for (auto& t : tombstones_) waiting.fence.push_back({t.event, k_tombstone});
       lk.unlock();
       try {
-        wait_fence_unlocked(batch);
+        wait_fence_unlocked(waiting);
       } catch (...) {
         lk.lock();
-        deferred_bytes_ += batch.bytes;
-        deferred_.push_front(std::move(batch));
         throw;
       }
       lk.lock();
+      if (deferred_.empty() || deferred_.front().id != waited_id) continue;  // finished by another thread
     }
+    release_batch batch = std::move(deferred_.front());
+    deferred_.pop_front();
+    deferred_bytes_ -= batch.bytes;
     released += release_batch_memory(lk, batch);
   }
   return released;
 }
 
 std::size_t caching_allocator::impl::release_cached(std::unique_lock<std::mutex>& lk, empty_cache_mode mode) {
-  if (!pending_blocks_.empty()) process_events_locked();
+  for (auto& [s, st] : streams_) {
+    std::lock_guard<stream_lock> slk(st->mu);
+    if (!st->pending.empty()) process_events_locked(*st);
+    flush_quick_locked(st->small_pool);
+    flush_quick_locked(st->large_pool);
+  }
   std::size_t released = 0;
   release_batch batch = collect_releasable_locked();
   if (!batch.blocks.empty()) {
+    // Until the memory is given back or queued, any failure puts the blocks back in their pools.
+    bool locked = true;
     try {
       record_fence_locked(batch);
-    } catch (...) {
-      for (block* b : batch.blocks) free_block_locked(b);
-      throw;
-    }
-    if (mode == empty_cache_mode::defer && !fence_done_locked(batch)) {
-      ++stats_.releases_deferred;
-      deferred_bytes_ += batch.bytes;
-      detail::log().debug("device {}: release of {} bytes deferred behind {} fence event(s)", backend_.device(),
-                          batch.bytes, batch.fence.size());
-      deferred_.push_back(std::move(batch));
-    } else {
-      if (mode == empty_cache_mode::wait && !fence_done_locked(batch)) {
-        for (auto& t : tombstones_) batch.fence.push_back({t.event, ~stream_handle{0}});
+      const bool done = fence_done_locked(batch);
+      if (mode == empty_cache_mode::defer && !done) {
+        ++stats_.releases_deferred;
+        deferred_bytes_ += batch.bytes;
+        batch.id = next_batch_id_++;
+        detail::log().debug("device {}: release of {} bytes deferred behind {} fence event(s)", backend_.device(),
+                            batch.bytes, batch.fence.size());
+        deferred_.push_back(std::move(batch));
+        batch = release_batch{};
+      } else if (!done) {
+        for (auto& t : tombstones_) batch.fence.push_back({t.event, k_tombstone});
         lk.unlock();
-        try {
-          wait_fence_unlocked(batch);
-        } catch (...) {
-          lk.lock();
-          for (auto& e : batch.fence) {
-            if (e.stream != ~stream_handle{0}) put_event_locked(e.event);
-          }
-          for (block* b : batch.blocks) free_block_locked(b);
-          throw;
-        }
+        locked = false;
+        wait_fence_unlocked(batch);
         lk.lock();
+        locked = true;
         detail::log().debug("device {}: waited on {} fence event(s) to release {} bytes", backend_.device(),
                             batch.fence.size(), batch.bytes);
       }
-      released += release_batch_memory(lk, batch);
+    } catch (...) {
+      if (!locked) lk.lock();
+      restore_batch_locked(batch);
+      throw;
     }
+    if (!batch.blocks.empty()) released += release_batch_memory(lk, batch);
   }
   released += finish_deferred(lk, mode == empty_cache_mode::wait);
   return released;
@@ -278,37 +306,53 @@ std::size_t caching_allocator::impl::release_cached(std::unique_lock<std::mutex>
 void caching_allocator::impl::destroy_all() {
   try {
     std::unique_lock<std::mutex> lk(mu_);
-    while (!pending_blocks_.empty()) {
-      block* b = pending_blocks_.front();
-      for (auto& e : b->events) backend_.synchronize_event(e.event);
-      retire_pending_locked(b);
-    }
-    release_cached(lk, empty_cache_mode::wait);
-    if (!active_blocks_.empty()) {
-      detail::log().warn("device {}: allocator destroyed with {} live block(s), {} bytes; their segments are kept",
-                         backend_.device(), active_blocks_.size(), stats_.allocated_bytes.current);
-    }
-    for (auto it = segments_.begin(); it != segments_.end();) {
-      segment* seg = it->second;
-      if (seg->expandable && seg->mapped_bytes == 0) {
-        backend_.release_address_range(reinterpret_cast<void*>(seg->base), seg->size);
-        for (block* b = seg->first; b;) {
-          block* next = b->next;
-          delete b;
-          b = next;
-        }
-        delete seg;
-        it = segments_.erase(it);
-      } else {
-        ++it;
+    for (auto& [s, st] : streams_) {
+      std::lock_guard<stream_lock> slk(st->mu);
+      while (!st->pending.empty()) {
+        block* b = st->pending.front();
+        for (auto& e : b->events) backend_.synchronize_event(e.event);
+        retire_pending_locked(*st, b);
       }
     }
-    for (event_handle e : free_events_) backend_.destroy_event(e);
-    free_events_.clear();
+    release_cached(lk, empty_cache_mode::wait);
+    std::size_t live = 0;
+    for (auto& [s, st] : streams_) live += st->active.size();
+    if (live != 0) {
+      detail::log().warn("device {}: allocator destroyed with {} live block(s); their device memory is kept",
+                         backend_.device(), live);
+    }
+    for (auto& [base, seg] : segments_) {
+      if (seg->expandable && seg->mapped_bytes == 0) {
+        backend_.release_address_range(reinterpret_cast<void*>(seg->base), seg->size);
+      }
+    }
+    {
+      std::lock_guard<std::mutex> elk(events_mu_);
+      for (event_handle e : free_events_) backend_.destroy_event(e);
+      free_events_.clear();
+    }
     for (auto& t : tombstones_) backend_.destroy_event(t.event);
     tombstones_.clear();
   } catch (const std::exception& e) {
     detail::log().error("device {}: error while destroying the allocator: {}", backend_.device(), e.what());
+  }
+  // Host bookkeeping goes in every case.
+  for (auto& [base, seg] : segments_) {
+    for (block* b = seg->first; b;) {
+      block* next = b->next;
+      delete b;
+      b = next;
+    }
+    delete seg;
+  }
+  segments_.clear();
+  for (auto& [s, st] : streams_) {
+    for (block* b = st->spare; b;) {
+      block* next = b->next;
+      delete b;
+      b = next;
+    }
+    st->spare = nullptr;
   }
 }
 
@@ -323,7 +367,10 @@ std::size_t caching_allocator::empty_cache(empty_cache_mode mode) {
 
 std::size_t caching_allocator::reclaim() {
   std::unique_lock<std::mutex> lk(impl_->mu_);
-  if (!impl_->pending_blocks_.empty()) impl_->process_events_locked();
+  for (auto& [s, st] : impl_->streams_) {
+    std::lock_guard<stream_lock> slk(st->mu);
+    if (!st->pending.empty()) impl_->process_events_locked(*st);
+  }
   return impl_->finish_deferred(lk, false);
 }
 

@@ -167,7 +167,9 @@ struct simulated_device::impl {
                                   "multiple of 512, got " +
                                   std::to_string(config_.granularity_bytes));
     }
-    next_address_ = round_up(address_space_base, config_.granularity_bytes);
+    // Like unified virtual addressing: each device's addresses live in their own 16 TiB window.
+    next_address_ = round_up(address_space_base + (static_cast<std::uintptr_t>(config_.device) << 44),
+                             config_.granularity_bytes);
     stream_state default_stream;
     default_stream.handle = 0;
     streams_.emplace(0, std::move(default_stream));
