@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages streamsafe builds with (CUDA itself is expected under /usr/local/cuda).
 set -euo pipefail
-pkgs=(cmake ninja-build g++ catch2 libspdlog-dev libfmt-dev libbenchmark-dev)
+pkgs=(cmake ninja-build g++ catch2 libspdlog-dev libfmt-dev libbenchmark-dev zlib1g-dev)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -39,9 +39,25 @@ struct caching_allocator::impl {
   using segment = detail::segment;
   using pool = detail::pool;
 
-  // Statistics kept per stream (under its lock) and summed by stats().
+  // A counter of the fast path: current, total ever added, peak (freed = total - current).
+  struct fast_stat {
+    std::int64_t current = 0, total = 0, peak = 0;
+    void add(std::int64_t n) noexcept {
+      current += n;
+      total += n;
+      if (current > peak) peak = current;
+    }
+    void sub(std::int64_t n) noexcept { current -= n; }
+    stat to_stat() const noexcept { return stat{current, peak, total, total - current}; }
+  };
+
+  // Statistics kept per stream (under its lock) and summed by stats(). Active = allocated +
+  // pending (freed by the host, waiting for other streams), so the fast path updates only the
+  // allocated, requested and count counters.
   struct stream_stats {
-    stat allocated_bytes, active_bytes, requested_bytes, allocation, active;
+    fast_stat allocated_bytes, requested_bytes, allocation;
+    fast_stat pending_bytes, pending;
+    std::int64_t active_bytes_peak = 0, active_peak = 0;
     std::uint64_t events_recorded = 0;
     std::uint64_t stream_waits = 0;
   };
@@ -58,7 +74,7 @@ struct caching_allocator::impl {
     stream_stats st;
     block* spare = nullptr;       // recycled block objects (linked through next)
     // Mirrors of st's current values, read without the lock to sample device-wide peaks.
-    std::atomic<std::int64_t> cur_allocated{0}, cur_active{0}, cur_requested{0};
+    std::atomic<std::int64_t> cur_allocated{0}, cur_pending{0}, cur_requested{0};
     std::atomic<bool> alive{true};
   };
 
@@ -77,6 +93,7 @@ struct caching_allocator::impl {
   device_backend& backend_;
   options opts_;
   const std::uint64_t id_;  // distinguishes allocators in the threads' stream caches
+  bool trace_log_ = false;  // the logger was at trace level when the allocator was made
   std::size_t limit_bytes_ = 0;
   std::size_t device_total_bytes_ = 0;
   std::size_t small_chunk_bytes_ = 0;  // expandable small pools: the driver's granularity
@@ -127,6 +144,7 @@ struct caching_allocator::impl {
   void flush_quick_locked(pool& p);
   void retire_pending_locked(stream_state& st, block* b);
   void free_found_locked(stream_state& st, block* b, const stream_handle* stream);
+  void free_same_stream_locked(stream_state& st, block* b);  // b already out of the active map
   event_handle get_event();
   void put_event(event_handle e);
   void note_use_locked(segment* seg, stream_handle stream);

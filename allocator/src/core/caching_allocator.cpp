@@ -66,9 +66,14 @@ struct stream_cache_entry {
   void* state = nullptr;
 };
 constexpr int k_stream_cache = 4;
-thread_local stream_cache_entry t_stream_cache[k_stream_cache];
-thread_local unsigned t_stream_cache_next = 0;
-thread_local stream_cache_entry t_last_used;  // the state of this thread's last allocation
+struct thread_cache {
+  stream_cache_entry streams[k_stream_cache];
+  unsigned next = 0;
+  stream_cache_entry last_used;  // the state of this thread's last allocation
+};
+// initial-exec: one TLS access without __tls_get_addr, also in position-independent code (the
+// 128 bytes fit glibc's static TLS surplus, so a dlopen'ed library may use it too).
+thread_local thread_cache t_cache __attribute__((tls_model("initial-exec")));
 
 }  // namespace
 
@@ -98,6 +103,7 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
   }
   detail::log().debug("device {}: {} backend, {}, limit {} bytes", backend_.device(), backend_.name(),
                       opts_.to_string(), limit_bytes_);
+  trace_log_ = detail::log().should_log(spdlog::level::trace);
 }
 
 // ---- streams ------------------------------------------------------------------------------------
@@ -131,7 +137,8 @@ caching_allocator::impl::stream_state& caching_allocator::impl::stream_locked(st
 }
 
 caching_allocator::impl::stream_state& caching_allocator::impl::state_for(stream_handle stream) {
-  for (auto& e : t_stream_cache) {
+  thread_cache& tc = t_cache;
+  for (auto& e : tc.streams) {
     if (e.owner == id_ && e.stream == stream) {
       auto* st = static_cast<stream_state*>(e.state);
       if (st->alive.load(std::memory_order_acquire)) return *st;
@@ -140,7 +147,7 @@ caching_allocator::impl::stream_state& caching_allocator::impl::state_for(stream
   }
   std::lock_guard<std::mutex> dlk(mu_);
   stream_state& st = stream_locked(stream);
-  t_stream_cache[t_stream_cache_next++ % k_stream_cache] = {id_, stream, &st};
+  tc.streams[tc.next++ % k_stream_cache] = {id_, stream, &st};
   return st;
 }
 
@@ -200,7 +207,7 @@ void caching_allocator::impl::sample_peaks() {
   for (std::size_t i = 0; i < n; ++i) {
     const stream_state* st = stream_table_[i].load(std::memory_order_acquire);
     allocated += st->cur_allocated.load(std::memory_order_relaxed);
-    active += st->cur_active.load(std::memory_order_relaxed);
+    active += st->cur_allocated.load(std::memory_order_relaxed) + st->cur_pending.load(std::memory_order_relaxed);
     requested += st->cur_requested.load(std::memory_order_relaxed);
   }
   auto raise = [](std::atomic<std::int64_t>& peak, std::int64_t v) {
@@ -288,9 +295,9 @@ void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) 
     if (e.stream != detail::k_tombstone_stream) put_event(e.event);  // tombstones are not pooled
   }
   b->events.clear();
-  st.st.active_bytes.decrease(static_cast<std::int64_t>(b->size));
-  st.st.active.decrease(1);
-  st.cur_active.store(st.st.active_bytes.current, std::memory_order_relaxed);
+  st.st.pending_bytes.sub(static_cast<std::int64_t>(b->size));
+  st.st.pending.sub(1);
+  st.cur_pending.store(st.st.pending_bytes.current, std::memory_order_relaxed);
   free_block_locked(b);
 }
 
@@ -497,19 +504,16 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
   st.active.insert(b);
   const std::int64_t old_peak = st.st.allocated_bytes.peak;
   const auto bytes = static_cast<std::int64_t>(b->size);
-  st.st.allocated_bytes.increase(bytes);
-  st.st.active_bytes.increase(bytes);
-  st.st.requested_bytes.increase(static_cast<std::int64_t>(size));
-  st.st.allocation.increase(1);
-  st.st.active.increase(1);
+  st.st.allocated_bytes.add(bytes);
+  st.st.requested_bytes.add(static_cast<std::int64_t>(size));
+  st.st.allocation.add(1);
+  st.st.active_bytes_peak = std::max(st.st.active_bytes_peak, st.st.allocated_bytes.current + st.st.pending_bytes.current);
+  st.st.active_peak = std::max(st.st.active_peak, st.st.allocation.current + st.st.pending.current);
   st.cur_allocated.store(st.st.allocated_bytes.current, std::memory_order_relaxed);
-  st.cur_active.store(st.st.active_bytes.current, std::memory_order_relaxed);
   st.cur_requested.store(st.st.requested_bytes.current, std::memory_order_relaxed);
   if (st.st.allocated_bytes.current > old_peak) sample_peaks();
-  t_last_used = {id_, st.handle, &st};
-  if (detail::log().should_log(spdlog::level::trace)) {
-    detail::log().trace("alloc {} bytes at {} stream {}", size, hex(b->addr), hex(st.handle));
-  }
+  t_cache.last_used = {id_, st.handle, &st};
+  if (trace_log_) detail::log().trace("alloc {} bytes at {} stream {}", size, hex(b->addr), hex(st.handle));
   return reinterpret_cast<void*>(b->addr);
 }
 
@@ -608,23 +612,24 @@ void caching_allocator::impl::throw_invalid_pointer_locked(const void* ptr, cons
 
 // ---- free -------------------------------------------------------------------------------------------
 
+void caching_allocator::impl::free_same_stream_locked(stream_state& st, block* b) {
+  // No event: straight to the quick cache (or the free lists).
+  const auto bytes = static_cast<std::int64_t>(b->size);
+  st.st.allocated_bytes.sub(bytes);
+  st.st.requested_bytes.sub(static_cast<std::int64_t>(b->requested));
+  st.st.allocation.sub(1);
+  st.cur_allocated.store(st.st.allocated_bytes.current, std::memory_order_relaxed);
+  st.cur_requested.store(st.st.requested_bytes.current, std::memory_order_relaxed);
+  b->requested = 0;
+  b->state = block_state::cached;
+  if (!b->seg->owner->quick.push(b)) free_block_locked(b);
+}
+
 void caching_allocator::impl::free_found_locked(stream_state& st, block* b, const stream_handle* stream) {
   segment* seg = b->seg;
   if (b->uses.empty() && (!stream || *stream == seg->stream)) {
-    // Same-stream free: no event, straight to the quick cache (or the free lists).
     st.active.erase(b->addr);
-    const auto bytes = static_cast<std::int64_t>(b->size);
-    st.st.allocated_bytes.decrease(bytes);
-    st.st.active_bytes.decrease(bytes);
-    st.st.requested_bytes.decrease(static_cast<std::int64_t>(b->requested));
-    st.st.allocation.decrease(1);
-    st.st.active.decrease(1);
-    st.cur_allocated.store(st.st.allocated_bytes.current, std::memory_order_relaxed);
-    st.cur_active.store(st.st.active_bytes.current, std::memory_order_relaxed);
-    st.cur_requested.store(st.st.requested_bytes.current, std::memory_order_relaxed);
-    b->requested = 0;
-    b->state = block_state::cached;
-    if (!seg->owner->quick.push(b)) free_block_locked(b);
+    free_same_stream_locked(st, b);
     return;
   }
   std::vector<stream_handle> wait_on = b->uses;
@@ -659,19 +664,19 @@ void caching_allocator::impl::free_found_locked(stream_state& st, block* b, cons
   if (stream) note_use_locked(seg, *stream);
   st.active.erase(b->addr);
   const auto bytes = static_cast<std::int64_t>(b->size);
-  st.st.allocated_bytes.decrease(bytes);
-  st.st.requested_bytes.decrease(static_cast<std::int64_t>(b->requested));
-  st.st.allocation.decrease(1);
+  st.st.allocated_bytes.sub(bytes);
+  st.st.requested_bytes.sub(static_cast<std::int64_t>(b->requested));
+  st.st.allocation.sub(1);
   st.st.events_recorded += events.size();
   st.cur_allocated.store(st.st.allocated_bytes.current, std::memory_order_relaxed);
   st.cur_requested.store(st.st.requested_bytes.current, std::memory_order_relaxed);
   if (events.empty()) {
-    st.st.active_bytes.decrease(bytes);
-    st.st.active.decrease(1);
-    st.cur_active.store(st.st.active_bytes.current, std::memory_order_relaxed);
     free_block_locked(b);
     return;
   }
+  st.st.pending_bytes.add(bytes);  // still active: waiting for other streams
+  st.st.pending.add(1);
+  st.cur_pending.store(st.st.pending_bytes.current, std::memory_order_relaxed);
   b->events = std::move(events);
   b->uses.clear();
   b->state = block_state::pending_free;
@@ -684,13 +689,15 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   // Fast path: a same-stream free of a block of the stream this thread allocated from last.
   // Frees that record events (uses on other streams) take the device lock below, which lets
   // them see which streams are gone.
-  if (t_last_used.owner == id_) {
-    auto& st = *static_cast<stream_state*>(t_last_used.state);
+  if (const stream_cache_entry& last = t_cache.last_used; last.owner == id_) {
+    auto& st = *static_cast<stream_state*>(last.state);
     std::lock_guard<stream_lock> slk(st.mu);
-    if (block* b = st.active.find(addr);
-        b && b->uses.empty() && (!stream || *stream == b->seg->stream)) {
-      free_found_locked(st, b, stream);
-      return;
+    if (block* b = st.active.erase(addr)) {
+      if (b->uses.empty() && (!stream || *stream == b->seg->stream)) {
+        free_same_stream_locked(st, b);
+        return;
+      }
+      st.active.insert(b);  // needs events: the slow path below
     }
   }
   std::lock_guard<std::mutex> dlk(mu_);
@@ -793,11 +800,15 @@ statistics caching_allocator::stats() const {
       to.freed += from.freed;
       to.peak = std::max(to.peak, from.peak);
     };
-    add(s.allocated_bytes, st->st.allocated_bytes);
-    add(s.active_bytes, st->st.active_bytes);
-    add(s.requested_bytes, st->st.requested_bytes);
-    add(s.allocation, st->st.allocation);
-    add(s.active, st->st.active);
+    const auto& x = st->st;
+    add(s.allocated_bytes, x.allocated_bytes.to_stat());
+    add(s.requested_bytes, x.requested_bytes.to_stat());
+    add(s.allocation, x.allocation.to_stat());
+    const std::int64_t active_bytes = x.allocated_bytes.current + x.pending_bytes.current;
+    add(s.active_bytes, stat{active_bytes, x.active_bytes_peak, x.allocated_bytes.total,
+                             x.allocated_bytes.total - active_bytes});
+    const std::int64_t active = x.allocation.current + x.pending.current;
+    add(s.active, stat{active, x.active_peak, x.allocation.total, x.allocation.total - active});
     s.events_recorded += st->st.events_recorded;
     s.stream_waits += st->st.stream_waits;
   }
@@ -824,13 +835,15 @@ void caching_allocator::reset_peak_stats() {
   std::int64_t allocated = 0, active = 0, requested = 0;
   for (auto& [h, st] : m.streams_) {
     std::lock_guard<stream_lock> slk(st->mu);
-    for (stat* x : {&st->st.allocated_bytes, &st->st.active_bytes, &st->st.requested_bytes, &st->st.allocation,
-                    &st->st.active}) {
-      x->reset_peak();
+    auto& x = st->st;
+    for (impl::fast_stat* f : {&x.allocated_bytes, &x.requested_bytes, &x.allocation, &x.pending_bytes, &x.pending}) {
+      f->peak = f->current;
     }
-    allocated += st->st.allocated_bytes.current;
-    active += st->st.active_bytes.current;
-    requested += st->st.requested_bytes.current;
+    x.active_bytes_peak = x.allocated_bytes.current + x.pending_bytes.current;
+    x.active_peak = x.allocation.current + x.pending.current;
+    allocated += x.allocated_bytes.current;
+    active += x.active_bytes_peak;
+    requested += x.requested_bytes.current;
   }
   m.peak_allocated_ = allocated;
   m.peak_active_ = active;
@@ -945,7 +958,7 @@ void caching_allocator::check_invariants() const {
         fail("active map holds a block of another stream or not active");
     });
     stat_allocated += st->st.allocated_bytes.current;
-    stat_active += st->st.active_bytes.current;
+    stat_active += st->st.allocated_bytes.current + st->st.pending_bytes.current;
     if (st->cur_allocated.load() != st->st.allocated_bytes.current) fail("allocated mirror disagrees");
   }
   if (free_in_pools != free_seen) fail("pools hold blocks that are not in any segment");
