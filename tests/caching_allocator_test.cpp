@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <limits>
 #include <set>
+#include <sstream>
 
 using namespace streamsafe;
 using namespace streamsafe::test;
@@ -282,4 +283,80 @@ TEST_CASE("A stream announced as destroyed is fenced by its last event and a rec
   CHECK(env.dev.value_at(addr(q)) == std::optional<std::uint8_t>(0x22));
   env.alloc.deallocate(q);
   env.alloc.check_invariants();
+}
+
+TEST_CASE("A snapshot shows every segment and block with its state and the streams a pending block waits for",
+          "[core][snapshot]") {
+  sim_env env;
+  auto s1 = env.dev.create_stream();
+  auto s2 = env.dev.create_stream();
+  void* a = env.alloc.allocate(20 * MiB, s1);
+  void* b = env.alloc.allocate(4 * KiB, s1);
+  auto h = env.dev.hold(s2);
+  env.alloc.record_stream(a, s2);
+  env.alloc.deallocate(a);  // pending on s2
+  const memory_snapshot snap = env.alloc.snapshot();
+  snap.check_consistency();
+  REQUIRE(snap.segments.size() == 2);
+  bool saw_pending = false, saw_active = false;
+  for (const auto& seg : snap.segments) {
+    for (const auto& blk : seg.blocks) {
+      if (blk.address == addr(a)) {
+        CHECK(blk.state == snapshot_block_state::pending_free);
+        CHECK(blk.waiting_on == std::vector<stream_handle>{s2});
+        saw_pending = true;
+      }
+      if (blk.address == addr(b)) {
+        CHECK(blk.state == snapshot_block_state::active);
+        CHECK(blk.requested_bytes == 4 * KiB);
+        saw_active = true;
+      }
+    }
+  }
+  CHECK(saw_pending);
+  CHECK(saw_active);
+  CHECK(snap.stats.active_bytes.current == static_cast<std::int64_t>(20 * MiB + 4 * KiB));
+  env.dev.open(h);
+  env.dev.run_until_idle();
+  env.alloc.deallocate(b);
+}
+
+TEST_CASE("The trace records allocations, frees, segment operations, deferred releases and out of memory",
+          "[core][trace]") {
+  options o = make_options(backend_kind::expandable, fence_scope::all_streams, empty_cache_mode::defer);
+  o.trace_capacity = 64;
+  o.memory_limit_bytes = 100 * MiB;
+  sim_env env(o);
+  auto s1 = env.dev.create_stream();
+  auto s2 = env.dev.create_stream();
+  void* p = env.alloc.allocate(30 * MiB, s1);
+  env.alloc.record_stream(p, s2);
+  auto h = env.dev.hold(s2);
+  env.alloc.deallocate(p);
+  env.dev.open(h);
+  env.dev.run_until_idle();
+  env.alloc.reclaim();
+  void* q = env.alloc.allocate(1 * MiB, s2);
+  auto h2 = env.dev.hold(s2);
+  env.alloc.empty_cache();  // s2 is busy: deferred
+  REQUIRE_THROWS_AS(env.alloc.allocate(200 * MiB, s1), out_of_memory);
+  env.dev.open(h2);
+  env.dev.run_until_idle();
+  env.alloc.reclaim();
+  env.alloc.deallocate(q);
+  REQUIRE(env.alloc.trace() != nullptr);
+  std::vector<trace_action> actions;
+  for (const auto& e : env.alloc.trace()->events()) actions.push_back(e.action);
+  auto has = [&](trace_action a) { return std::find(actions.begin(), actions.end(), a) != actions.end(); };
+  CHECK(has(trace_action::alloc));
+  CHECK(has(trace_action::free_requested));
+  CHECK(has(trace_action::free_completed));
+  CHECK(has(trace_action::segment_map));
+  CHECK(has(trace_action::segment_unmap));
+  CHECK(has(trace_action::release_deferred));
+  CHECK(has(trace_action::oom));
+  CHECK(actions.front() == trace_action::segment_map);
+  std::ostringstream csv;
+  env.alloc.trace()->to_csv(csv);
+  CHECK(csv.str().rfind("time_us,action,address,size,stream", 0) == 0);
 }

@@ -93,6 +93,9 @@ TEST_CASE("On the GPU empty_cache waits for exactly the stream that still uses t
   REQUIRE(cudaStreamCreateWithFlags(&unrelated, cudaStreamNonBlocking) == cudaSuccess);
   void* seen_on_t = alloc.allocate(512, gpu_env::h(env.t));  // t is a stream the allocator has seen
   void* p = alloc.allocate(k_bytes, gpu_env::h(env.s));
+  // Load the kernels' module before the unrelated kernel runs (lazy loading would wait for it).
+  REQUIRE(kernels::launch_fill(p, 512, 0, env.s) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(env.s) == cudaSuccess);
   REQUIRE(kernels::launch_spin(unrelated, 1000) == cudaSuccess);  // 1 s on a stream the allocator never saw
   env.pending_write_on_t(alloc, p, 100);
   alloc.deallocate(p);  // no record_stream, as FSDP2

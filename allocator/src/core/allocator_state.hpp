@@ -94,6 +94,11 @@ struct caching_allocator::impl {
   options opts_;
   const std::uint64_t id_;  // distinguishes allocators in the threads' stream caches
   bool trace_log_ = false;  // the logger was at trace level when the allocator was made
+  std::unique_ptr<trace_recorder> own_trace_;    // when options::trace_capacity is set
+  std::atomic<trace_recorder*> trace_{nullptr};  // where trace events go (nullptr: off)
+  void trace(trace_action action, std::uintptr_t address, std::size_t size, stream_handle stream) noexcept {
+    if (trace_recorder* t = trace_.load(std::memory_order_acquire)) t->record(action, address, size, stream, backend_.device());
+  }
   std::size_t limit_bytes_ = 0;
   std::size_t device_total_bytes_ = 0;
   std::size_t small_chunk_bytes_ = 0;  // expandable small pools: the driver's granularity

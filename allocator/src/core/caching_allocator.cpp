@@ -104,6 +104,10 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
   detail::log().debug("device {}: {} backend, {}, limit {} bytes", backend_.device(), backend_.name(),
                       opts_.to_string(), limit_bytes_);
   trace_log_ = detail::log().should_log(spdlog::level::trace);
+  if (opts_.trace_capacity != 0) {
+    own_trace_ = std::make_unique<trace_recorder>(opts_.trace_capacity);
+    trace_.store(own_trace_.get());
+  }
 }
 
 // ---- streams ------------------------------------------------------------------------------------
@@ -291,6 +295,7 @@ void caching_allocator::impl::flush_quick_locked(pool& p) {
 
 void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) {
   st.pending.erase(b->pending_pos);
+  trace(trace_action::free_completed, b->addr, b->size, b->seg->stream);
   for (auto& e : b->events) {
     if (e.stream != detail::k_tombstone_stream) put_event(e.event);  // tombstones are not pooled
   }
@@ -349,6 +354,7 @@ block* caching_allocator::impl::new_segment_locked(pool& p, std::size_t rounded)
   stats_.reserved_bytes.increase(static_cast<std::int64_t>(size));
   stats_.segment.increase(1);
   ++stats_.num_device_alloc;
+  trace(trace_action::segment_alloc, seg->base, size, p.stream);
   detail::log().debug("device {}: segment_alloc {} bytes at {} for stream {}", backend_.device(), size,
                       hex(seg->base), hex(p.stream));
   return b;
@@ -431,6 +437,7 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   seg->mapped_bytes += map_bytes;
   stats_.reserved_bytes.increase(static_cast<std::int64_t>(map_bytes));
   stats_.num_device_alloc += map_bytes / gran;
+  trace(trace_action::segment_map, choice->addr, map_bytes, p.stream);
   detail::log().debug("device {}: segment_map {} bytes at {} (stream {})", backend_.device(), map_bytes,
                       hex(choice->addr), hex(p.stream));
   free_block_locked(choice);  // merges with the free mapped block before it
@@ -513,6 +520,7 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
   st.cur_requested.store(st.st.requested_bytes.current, std::memory_order_relaxed);
   if (st.st.allocated_bytes.current > old_peak) sample_peaks();
   t_cache.last_used = {id_, st.handle, &st};
+  trace(trace_action::alloc, b->addr, size, st.handle);
   if (trace_log_) detail::log().trace("alloc {} bytes at {} stream {}", size, hex(b->addr), hex(st.handle));
   return reinterpret_cast<void*>(b->addr);
 }
@@ -538,6 +546,7 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   }
   if (!b) {
     ++stats_.num_ooms;
+    trace(trace_action::oom, 0, size, p.stream);
     std::string msg = oom_message_locked(size, rounded, p.stream, &st);
     slk.unlock();
     dlk.unlock();
@@ -614,6 +623,10 @@ void caching_allocator::impl::throw_invalid_pointer_locked(const void* ptr, cons
 
 void caching_allocator::impl::free_same_stream_locked(stream_state& st, block* b) {
   // No event: straight to the quick cache (or the free lists).
+  if (trace_.load(std::memory_order_relaxed)) {
+    trace(trace_action::free_requested, b->addr, b->requested, st.handle);
+    trace(trace_action::free_completed, b->addr, b->requested, st.handle);
+  }
   const auto bytes = static_cast<std::int64_t>(b->size);
   st.st.allocated_bytes.sub(bytes);
   st.st.requested_bytes.sub(static_cast<std::int64_t>(b->requested));
@@ -664,6 +677,8 @@ void caching_allocator::impl::free_found_locked(stream_state& st, block* b, cons
   if (stream) note_use_locked(seg, *stream);
   st.active.erase(b->addr);
   const auto bytes = static_cast<std::int64_t>(b->size);
+  trace(trace_action::free_requested, b->addr, b->requested, seg->stream);
+  if (events.empty()) trace(trace_action::free_completed, b->addr, b->requested, seg->stream);
   st.st.allocated_bytes.sub(bytes);
   st.st.requested_bytes.sub(static_cast<std::int64_t>(b->requested));
   st.st.allocation.sub(1);
@@ -725,6 +740,7 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
   if (size_bytes > detail::k_max_request_bytes || size_bytes > m.limit_bytes_) {
     std::unique_lock<std::mutex> dlk(m.mu_);
     ++m.stats_.num_ooms;
+    m.trace(trace_action::oom, 0, size_bytes, stream);
     std::string msg = m.oom_message_locked(size_bytes, size_bytes, stream, nullptr) +
                       "; the request exceeds the device's memory limit";
     dlk.unlock();
@@ -870,6 +886,62 @@ caching_allocator::block_info caching_allocator::find_block(const void* ptr) con
   const block* b = owner->active.find(reinterpret_cast<std::uintptr_t>(ptr));
   if (!b) return {};
   return {b->addr, b->size, b->seg->stream};
+}
+
+void caching_allocator::set_trace_recorder(trace_recorder* recorder) noexcept {
+  impl_->trace_.store(recorder, std::memory_order_release);
+}
+
+const trace_recorder* caching_allocator::trace() const noexcept {
+  return impl_->trace_.load(std::memory_order_acquire);
+}
+
+memory_snapshot caching_allocator::snapshot() const {
+  const impl& m = *impl_;
+  memory_snapshot snap;
+  snap.stats = stats();  // then the walk, under all locks (the two may differ by concurrent calls)
+  snap.device = m.backend_.device();
+  snap.time_us = trace_recorder::now_us();
+  std::lock_guard<std::mutex> dlk(m.mu_);
+  std::vector<std::unique_lock<stream_lock>> locks;
+  for (auto& [h, st] : m.streams_) locks.emplace_back(st->mu);
+  for (auto& [base, seg] : m.segments_) {
+    segment_snapshot ss;
+    ss.address = seg->base;
+    ss.size_bytes = seg->size;
+    ss.mapped_bytes = seg->mapped_bytes;
+    ss.stream = seg->stream;
+    ss.pool = seg->small ? snapshot_pool::small : snapshot_pool::large;
+    ss.expandable = seg->expandable;
+    for (const block* b = seg->first; b; b = b->next) {
+      block_snapshot bs;
+      bs.address = b->addr;
+      bs.size_bytes = b->size;
+      bs.stream = seg->stream;
+      switch (b->state) {
+        case block_state::active:
+          bs.state = snapshot_block_state::active;
+          bs.requested_bytes = b->requested;
+          break;
+        case block_state::pending_free:
+          bs.state = snapshot_block_state::pending_free;
+          for (const auto& e : b->events) {
+            if (e.stream != detail::k_tombstone_stream) bs.waiting_on.push_back(e.stream);
+          }
+          break;
+        case block_state::releasing:
+          bs.state = snapshot_block_state::releasing;
+          break;
+        case block_state::free:
+        case block_state::cached:
+          bs.state = b->mapped ? snapshot_block_state::inactive : snapshot_block_state::unmapped;
+          break;
+      }
+      ss.blocks.push_back(std::move(bs));
+    }
+    snap.segments.push_back(std::move(ss));
+  }
+  return snap;
 }
 
 void caching_allocator::check_invariants() const {

@@ -132,10 +132,12 @@ options options::parse(std::string_view conf, std::vector<std::string>* warnings
       auto bytes = static_cast<std::size_t>(mb * 1024 * 1024);
       if (bytes == 0 || bytes % (std::size_t{2} << 20) != 0) bad_value(key, value, "a positive multiple of 2 (MiB)");
       o.expandable_chunk_bytes = bytes;
+    } else if (key == "trace_capacity") {
+      o.trace_capacity = static_cast<std::size_t>(parse_number(key, value, "a count of trace events (0 = off)"));
     } else {
       throw config_error("streamsafe: unknown STREAMSAFE_ALLOC_CONF key '" + std::string(key) +
                          "'; known keys: backend, expandable_segments, release_fence, empty_cache, "
-                         "max_split_size_mb, memory_limit, memory_fraction, expandable_chunk_mb");
+                         "max_split_size_mb, memory_limit, memory_fraction, expandable_chunk_mb, trace_capacity");
     }
   }
   return o;
@@ -152,7 +154,7 @@ std::string options::to_string() const {
      << ",empty_cache:" << streamsafe::to_string(empty_cache)
      << ",max_split_size_mb:" << max_split_size_bytes / (1024 * 1024)
      << ",memory_limit:" << memory_limit_bytes << ",memory_fraction:" << memory_fraction
-     << ",expandable_chunk_mb:" << expandable_chunk_bytes / (1024 * 1024);
+     << ",expandable_chunk_mb:" << expandable_chunk_bytes / (1024 * 1024) << ",trace_capacity:" << trace_capacity;
   return os.str();
 }
 

@@ -212,10 +212,12 @@ std::size_t caching_allocator::impl::release_batch_memory(std::unique_lock<std::
       stats_.num_device_free += b->size / chunk_bytes(seg);
       seg->mapped_bytes -= b->size;
       b->mapped = false;
+      trace(trace_action::segment_unmap, b->addr, b->size, seg->stream);
       detail::log().debug("device {}: segment_unmap {} bytes at {:#x}", backend_.device(), b->size, b->addr);
       free_block_locked(b);
     } else {
       ++stats_.num_device_free;
+      trace(trace_action::segment_free, b->addr, b->size, seg->stream);
       detail::log().debug("device {}: segment_free {} bytes at {:#x}", backend_.device(), b->size, b->addr);
       stats_.segment.decrease(1);
       segments_.erase(seg->base);
@@ -278,6 +280,7 @@ std::size_t caching_allocator::impl::release_cached(std::unique_lock<std::mutex>
         ++stats_.releases_deferred;
         deferred_bytes_ += batch.bytes;
         batch.id = next_batch_id_++;
+        trace(trace_action::release_deferred, batch.blocks.front()->addr, batch.bytes, batch.blocks.front()->seg->stream);
         detail::log().debug("device {}: release of {} bytes deferred behind {} fence event(s)", backend_.device(),
                             batch.bytes, batch.fence.size());
         deferred_.push_back(std::move(batch));

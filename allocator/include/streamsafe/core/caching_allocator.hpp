@@ -25,7 +25,9 @@
 #include <streamsafe/backends/device_backend.hpp>
 #include <streamsafe/core/errors.hpp>
 #include <streamsafe/core/options.hpp>
+#include <streamsafe/core/snapshot.hpp>
 #include <streamsafe/core/statistics.hpp>
+#include <streamsafe/core/trace.hpp>
 
 #include <cstddef>
 #include <memory>
@@ -74,6 +76,19 @@ class caching_allocator {
 
   statistics stats() const;
   void reset_peak_stats();
+
+  // Every segment and block with address, size, stream and state (active, pending free with
+  // the streams it waits for, inactive, unmapped, releasing), and the statistics, taken
+  // atomically (all locks held). See core/snapshot.hpp for the JSON form.
+  memory_snapshot snapshot() const;
+
+  // The trace: alloc, free_requested, free_completed, segment_alloc / free / map / unmap,
+  // release_deferred and oom events go to `recorder` (a bounded ring, core/trace.hpp), which
+  // must outlive the allocator or be detached with nullptr. The allocator owns one when
+  // options::trace_capacity is set; trace() returns the one in use (nullptr when off).
+  // Tracing off costs one pointer test per call.
+  void set_trace_recorder(trace_recorder* recorder) noexcept;
+  const trace_recorder* trace() const noexcept;
   std::size_t largest_free_block_bytes() const;
   int device() const noexcept;
   const options& config() const noexcept;

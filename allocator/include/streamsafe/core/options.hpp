@@ -43,6 +43,8 @@ struct options {
   // segments, rounded up to the driver's granularity; small pools use the granularity (2 MiB).
   // PyTorch's expandable segments use 20 MiB pages for large pools.
   std::size_t expandable_chunk_bytes = std::size_t{20} << 20;
+  // Events kept in the allocator's own trace ring (0 = no trace).
+  std::size_t trace_capacity = 0;
 
   // Parses "key:value,key:value". Unknown keys and bad values throw config_error.
   static options parse(std::string_view conf, std::vector<std::string>* warnings = nullptr);
