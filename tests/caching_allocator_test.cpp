@@ -360,3 +360,36 @@ TEST_CASE("The trace records allocations, frees, segment operations, deferred re
   env.alloc.trace()->to_csv(csv);
   CHECK(csv.str().rfind("time_us,action,address,size,stream", 0) == 0);
 }
+
+TEST_CASE("roundup_power2_divisions rounds sizes to a few steps per power of two", "[core][config]") {
+  options o = options::parse("roundup_power2_divisions:4");
+  sim_env env(o);
+  void* p = env.alloc.allocate(5 * MiB + 1, 0);  // between 4 and 8 MiB: steps of 1 MiB
+  CHECK(env.alloc.find_block(p).size_bytes == 6 * MiB);
+  void* q = env.alloc.allocate(4 * MiB, 0);  // a power of two stays
+  CHECK(env.alloc.find_block(q).size_bytes == 4 * MiB);
+  void* r = env.alloc.allocate(700, 0);  // small steps never go below 512 B
+  CHECK(env.alloc.find_block(r).size_bytes == 1024);
+  for (void* x : {p, q, r}) env.alloc.deallocate(x);
+  REQUIRE_THROWS_WITH(options::parse("roundup_power2_divisions:3"), Catch::Contains("power of two"));
+}
+
+TEST_CASE("garbage_collection_threshold and max_cached_bytes give cached segments back before growing",
+          "[core][config]") {
+  for (const char* conf : {"memory_limit:100MB,garbage_collection_threshold:0.5", "max_cached_bytes:10MB"}) {
+    INFO(conf);
+    sim_env env(options::parse(conf));
+    auto s1 = env.dev.create_stream();
+    auto s2 = env.dev.create_stream();
+    void* a = env.alloc.allocate(30 * MiB, s1);
+    env.dev.launch(s1, 100, {writes(a, 30 * MiB)});
+    env.alloc.deallocate(a);  // 30 MiB cached on s1, unusable by s2
+    void* b = env.alloc.allocate(30 * MiB, s2);
+    CHECK(env.alloc.stats().reserved_bytes.current == 30 * MiB);  // s1's segment went back first
+    CHECK(env.dev.counters().segment_frees == 1);
+    CHECK(env.dev.fault_count() == 0);  // behind its fence
+    env.alloc.deallocate(b);
+    env.alloc.check_invariants();
+  }
+  REQUIRE_THROWS_WITH(options::parse("garbage_collection_threshold:1.5"), Catch::Contains("fraction"));
+}

@@ -142,6 +142,7 @@ struct caching_allocator::impl {
   block* find_block_locked(stream_state& st, pool& p, std::size_t rounded);
   void* finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size);
   void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small);
+  bool wants_collection_locked(std::size_t rounded) const;  // mu_ held
   void split_locked(block* b, std::size_t rounded);
   block* free_block_locked(block* b);          // to its pool, merging free neighbours
   block* merge_locked(block* lo, block* hi);   // address-adjacent; returns the survivor

@@ -527,6 +527,10 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
 
 void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small) {
   std::unique_lock<std::mutex> dlk(mu_);
+  if (wants_collection_locked(rounded)) {
+    // garbage_collection_threshold / max_cached_bytes: give free cached segments back first.
+    release_cached(dlk, empty_cache_mode::wait);
+  }
   std::unique_lock<stream_lock> slk(st.mu);
   pool& p = pool_of(st, small);
   block* b = find_block_locked(st, p, rounded);
@@ -554,6 +558,23 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
     throw out_of_memory(msg);
   }
   return finish_allocation(st, b, rounded, size);
+}
+
+bool caching_allocator::impl::wants_collection_locked(std::size_t rounded) const {
+  if (opts_.garbage_collection_threshold <= 0 && opts_.max_cached_bytes == 0) return false;
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+  if (opts_.garbage_collection_threshold > 0 &&
+      static_cast<double>(reserved + detail::segment_bytes_for(rounded)) >
+          opts_.garbage_collection_threshold * static_cast<double>(limit_bytes_)) {
+    return true;
+  }
+  if (opts_.max_cached_bytes != 0) {
+    std::int64_t allocated = 0;
+    for (auto& [s, state] : streams_) allocated += state->cur_allocated.load(std::memory_order_relaxed);
+    const auto cached = static_cast<std::int64_t>(reserved) - allocated;
+    if (cached > static_cast<std::int64_t>(opts_.max_cached_bytes)) return true;
+  }
+  return false;
 }
 
 // ---- diagnostics ----------------------------------------------------------------------------------
@@ -747,7 +768,9 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
     detail::log().error("{}", msg);
     throw out_of_memory(msg);
   }
-  const std::size_t rounded = detail::round_request(size_bytes);
+  const std::size_t rounded = m.opts_.roundup_power2_divisions
+                                  ? detail::round_power2_divisions(size_bytes, m.opts_.roundup_power2_divisions)
+                                  : detail::round_request(size_bytes);
   const bool small = detail::is_small(rounded);
   impl::stream_state& st = m.state_for(stream);
   {

@@ -132,12 +132,26 @@ options options::parse(std::string_view conf, std::vector<std::string>* warnings
       auto bytes = static_cast<std::size_t>(mb * 1024 * 1024);
       if (bytes == 0 || bytes % (std::size_t{2} << 20) != 0) bad_value(key, value, "a positive multiple of 2 (MiB)");
       o.expandable_chunk_bytes = bytes;
+    } else if (key == "roundup_power2_divisions") {
+      double d = parse_number(key, value, "a power of two from 1 to 64 (0 = off)");
+      const auto n = static_cast<std::size_t>(d);
+      if (static_cast<double>(n) != d || n > 64 || (n & (n - 1)) != 0) {
+        bad_value(key, value, "a power of two from 1 to 64 (0 = off)");
+      }
+      o.roundup_power2_divisions = n;
+    } else if (key == "garbage_collection_threshold") {
+      double f = parse_number(key, value, "a fraction in (0, 1)");
+      if (f <= 0 || f >= 1) bad_value(key, value, "a fraction in (0, 1)");
+      o.garbage_collection_threshold = f;
+    } else if (key == "max_cached_bytes") {
+      o.max_cached_bytes = parse_bytes(key, value);
     } else if (key == "trace_capacity") {
       o.trace_capacity = static_cast<std::size_t>(parse_number(key, value, "a count of trace events (0 = off)"));
     } else {
       throw config_error("streamsafe: unknown STREAMSAFE_ALLOC_CONF key '" + std::string(key) +
                          "'; known keys: backend, expandable_segments, release_fence, empty_cache, "
-                         "max_split_size_mb, memory_limit, memory_fraction, expandable_chunk_mb, trace_capacity");
+                         "max_split_size_mb, memory_limit, memory_fraction, expandable_chunk_mb, roundup_power2_divisions, "
+                         "garbage_collection_threshold, max_cached_bytes, trace_capacity");
     }
   }
   return o;
@@ -154,7 +168,9 @@ std::string options::to_string() const {
      << ",empty_cache:" << streamsafe::to_string(empty_cache)
      << ",max_split_size_mb:" << max_split_size_bytes / (1024 * 1024)
      << ",memory_limit:" << memory_limit_bytes << ",memory_fraction:" << memory_fraction
-     << ",expandable_chunk_mb:" << expandable_chunk_bytes / (1024 * 1024) << ",trace_capacity:" << trace_capacity;
+     << ",expandable_chunk_mb:" << expandable_chunk_bytes / (1024 * 1024) << ",roundup_power2_divisions:" << roundup_power2_divisions
+     << ",garbage_collection_threshold:" << garbage_collection_threshold << ",max_cached_bytes:" << max_cached_bytes
+     << ",trace_capacity:" << trace_capacity;
   return os.str();
 }
 

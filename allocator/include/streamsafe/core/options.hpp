@@ -43,6 +43,16 @@ struct options {
   // segments, rounded up to the driver's granularity; small pools use the granularity (2 MiB).
   // PyTorch's expandable segments use 20 MiB pages for large pools.
   std::size_t expandable_chunk_bytes = std::size_t{20} << 20;
+  // Round requests above 512 B up to one of this many steps per power of two (0 = off), as
+  // PyTorch's roundup_power2_divisions: fewer distinct sizes, better reuse, more rounding.
+  std::size_t roundup_power2_divisions = 0;
+  // When taking memory from the driver would bring reserved bytes above this fraction of the
+  // limit, first release the free cached segments behind a fence (0 = off). PyTorch's
+  // garbage_collection_threshold, applied whenever the allocator grows.
+  double garbage_collection_threshold = 0.0;
+  // When the allocator grows while more than this many cached (reserved, unallocated) bytes
+  // sit in its pools, it first releases the free segments behind a fence (0 = no cap).
+  std::size_t max_cached_bytes = 0;
   // Events kept in the allocator's own trace ring (0 = no trace).
   std::size_t trace_capacity = 0;
 
