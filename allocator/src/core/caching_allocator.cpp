@@ -127,11 +127,29 @@ caching_allocator::impl::stream_state& caching_allocator::impl::stream_locked(st
     }
     it = streams_.emplace(stream, std::move(state)).first;
   } else if (!it->second->alive.load(std::memory_order_acquire)) {
-    // A handle value recycled by the driver: the new stream must not see the old one's blocks
-    // before the old stream's last work has completed.
+    // A handle value recycled by the driver: the new stream inherits the old one's cached
+    // blocks, so it waits, on the device, for the old stream's last work (its tombstone) and,
+    // as for a segment moved between streams, for every stream the fence scope covers (uses
+    // that were legal without a record, FSDP2-style).
     for (auto& t : tombstones_) {
       if (t.stream == stream) {
         backend_.stream_wait_event(stream, t.event);
+        ++stats_.stream_waits;
+      }
+    }
+    if (opts_.release_fence != fence_scope::allocation_stream) {
+      for (auto& [other, state] : streams_) {
+        if (other == stream || !state->alive.load(std::memory_order_acquire)) continue;
+        event_handle e = get_event();
+        try {
+          backend_.record_event(e, other);
+          backend_.stream_wait_event(stream, e);
+        } catch (...) {
+          put_event(e);
+          throw;
+        }
+        put_event(e);
+        ++stats_.events_recorded;
         ++stats_.stream_waits;
       }
     }

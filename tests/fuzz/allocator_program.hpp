@@ -1,0 +1,895 @@
+// streamsafe tests: random allocator programs on the simulated device, decoded from bytes.
+//
+// One interpreter serves two drivers: the libFuzzer harness (tests/fuzz/allocator_fuzzer.cpp,
+// the bytes are the fuzzer's input) and the seeded million-operation run
+// (tests/million_ops_test.cpp, the bytes come from a seeded generator). A program is a
+// configuration (two bytes: backend, fence scope, empty_cache mode, memory limit, chunk and split
+// sizes, stream-handle reuse, unrecorded uses) followed by operations, one opcode byte plus its
+// arguments each: allocate (every size class, 0 and sizes near SIZE_MAX included), host free,
+// stream-ordered free, uses on other streams recorded with record_stream or left unrecorded and
+// ordered by the program as FSDP2 does, holds and their opening, clock advances, empty_cache in
+// both modes, reclaim, stream destruction announced with notify_stream_destroyed (handles may be
+// recycled), bad pointers, and backend failures injected into the next allocator call.
+//
+// Checked after every step (or every `check_every` steps), any breach throws `violation`:
+//  * check_invariants() passes; allocated / requested bytes and the allocation count equal what
+//    the program holds; reserved bytes equal the simulated device's bytes in use and stay
+//    under the limit (bytes conserved);
+//  * a new block is 512-byte aligned, at least the size asked for, on the asking stream, and
+//    overlaps no live block (no block handed out twice);
+//  * under a safe fence scope the simulated device records no fault (no release or reuse while
+//    unordered work may touch the memory, no access to unmapped memory);
+//  * errors are the documented ones: invalid_size for 0 bytes, out_of_memory for sizes beyond
+//    the limit, invalid_pointer (statistics unchanged) for every pointer that is not a live
+//    block, backend_error only from an injected failure or, in a synchronous wait, from a hold
+//    the host would wait on forever (the simulated device's stand-in for a hang);
+//  * after a call fails, the state is intact (the block stays live, allocated bytes unchanged)
+//    and the same call without the injected failure succeeds.
+// At the end every block is freed, every hold opened, and the cache must drain to zero reserved
+// bytes; destroying the allocator must give back every event it created.
+#pragma once
+
+#include <streamsafe/core/caching_allocator.hpp>
+#include <streamsafe/core/errors.hpp>
+#include <streamsafe/sim/simulated_device.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <limits>
+#include <map>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace streamsafe::fuzz {
+
+inline constexpr std::size_t KiB = std::size_t{1} << 10;
+inline constexpr std::size_t MiB = std::size_t{1} << 20;
+inline constexpr std::size_t GiB = std::size_t{1} << 30;
+
+// A breach of a checked property. Deliberately not derived from any streamsafe error, so that
+// no handler inside the interpreter swallows it.
+class violation : public std::exception {
+ public:
+  explicit violation(std::string message) : message_(std::move(message)) {}
+  const char* what() const noexcept override { return message_.c_str(); }
+
+ private:
+  std::string message_;
+};
+
+// Bytes from a buffer (the fuzzer's input); zeros once exhausted.
+class span_source {
+ public:
+  span_source(const std::uint8_t* data, std::size_t size) : data_(data), size_(size) {}
+  std::uint8_t byte() { return pos_ < size_ ? data_[pos_++] : 0; }
+  bool exhausted() const { return pos_ >= size_; }
+
+ private:
+  const std::uint8_t* data_;
+  std::size_t size_;
+  std::size_t pos_ = 0;
+};
+
+// Bytes from a seeded generator (never exhausted).
+class random_source {
+ public:
+  explicit random_source(std::uint64_t seed) : rng_(seed) {}
+  std::uint8_t byte() {
+    if (left_ == 0) {
+      bits_ = rng_();
+      left_ = 8;
+    }
+    --left_;
+    const auto b = static_cast<std::uint8_t>(bits_ & 0xFF);
+    bits_ >>= 8;
+    return b;
+  }
+  bool exhausted() const { return false; }
+
+ private:
+  std::mt19937_64 rng_;
+  std::uint64_t bits_ = 0;
+  int left_ = 0;
+};
+
+struct program_config {
+  backend_kind backend = backend_kind::cuda_malloc;
+  fence_scope scope = fence_scope::all_streams;
+  empty_cache_mode mode = empty_cache_mode::wait;
+  bool unrecorded_uses = false;  // FSDP2-style uses; only where the scope covers them
+  std::size_t memory_limit_bytes = 256 * MiB;
+  std::size_t device_bytes = 2 * GiB;
+  std::size_t expandable_chunk_bytes = 20 * MiB;
+  std::size_t max_split_size_bytes = 0;
+  bool reuse_stream_handles = false;
+  bool holds = true;             // holds (kernels that wait for the host) may be enqueued
+  bool inject_failures = true;   // backend failures may be injected
+  bool destroy_streams = true;   // streams may be destroyed (notify_stream_destroyed)
+  // Work-arounds for known core bugs (see docs/reliability.md); on, so that fuzzing gets past
+  // them. Each has a [!mayfail] reproducer in the host tests.
+  bool avoid_known_bugs = true;
+
+  bool safe() const { return scope != fence_scope::allocation_stream; }
+
+  static program_config decode(std::uint8_t b0, std::uint8_t b1) {
+    program_config c;
+    c.backend = (b0 & 1) ? backend_kind::expandable : backend_kind::cuda_malloc;
+    c.mode = (b0 & 2) ? empty_cache_mode::defer : empty_cache_mode::wait;
+    static constexpr fence_scope scopes[] = {fence_scope::all_streams, fence_scope::used_streams,
+                                             fence_scope::device, fence_scope::all_streams,
+                                             fence_scope::used_streams, fence_scope::all_streams,
+                                             fence_scope::device, fence_scope::allocation_stream};
+    c.scope = scopes[(b0 >> 2) & 7];
+    c.unrecorded_uses = ((b0 >> 5) & 1) != 0 &&
+                        (c.scope == fence_scope::all_streams || c.scope == fence_scope::device ||
+                         c.scope == fence_scope::allocation_stream);
+    static constexpr std::size_t limits[] = {64 * MiB, 128 * MiB, 256 * MiB, 1 * GiB};
+    c.memory_limit_bytes = limits[(b0 >> 6) & 3];
+    c.expandable_chunk_bytes = (b1 & 1) ? 2 * MiB : 20 * MiB;
+    static constexpr std::size_t splits[] = {0, 0, 16 * MiB, 40 * MiB};
+    c.max_split_size_bytes = splits[(b1 >> 1) & 3];
+    c.reuse_stream_handles = ((b1 >> 3) & 1) != 0;
+    return c;
+  }
+
+  std::string to_string() const {
+    std::ostringstream os;
+    os << "backend:" << streamsafe::to_string(backend) << " scope:" << streamsafe::to_string(scope)
+       << " mode:" << streamsafe::to_string(mode) << " unrecorded:" << unrecorded_uses
+       << " limit:" << memory_limit_bytes << " chunk:" << expandable_chunk_bytes
+       << " max_split:" << max_split_size_bytes << " reuse_handles:" << reuse_stream_handles;
+    return os.str();
+  }
+};
+
+struct program_stats {
+  std::uint64_t operations = 0;
+  std::uint64_t allocations = 0;
+  std::uint64_t frees = 0;
+  std::uint64_t out_of_memory = 0;
+  std::uint64_t injections = 0;          // backend calls armed to fail
+  std::uint64_t injected_errors = 0;     // allocator calls that failed because of them
+  std::uint64_t hold_deadlocks = 0;      // synchronous waits refused because of a hold
+  std::uint64_t bad_pointer_checks = 0;
+  std::uint64_t streams_destroyed = 0;
+  std::uint64_t invariant_checks = 0;
+
+  program_stats& operator+=(const program_stats& o) {
+    operations += o.operations;
+    allocations += o.allocations;
+    frees += o.frees;
+    out_of_memory += o.out_of_memory;
+    injections += o.injections;
+    injected_errors += o.injected_errors;
+    hold_deadlocks += o.hold_deadlocks;
+    bad_pointer_checks += o.bad_pointer_checks;
+    streams_destroyed += o.streams_destroyed;
+    invariant_checks += o.invariant_checks;
+    return *this;
+  }
+};
+
+class program {
+ public:
+  explicit program(program_config config)
+      : config_(config), dev_(device_config(config)) {
+    options o;
+    o.backend = config_.backend;
+    o.release_fence = config_.scope;
+    o.empty_cache = config_.mode;
+    o.memory_limit_bytes = config_.memory_limit_bytes;
+    o.expandable_chunk_bytes = config_.expandable_chunk_bytes;
+    o.max_split_size_bytes = config_.max_split_size_bytes;
+    alloc_.emplace(dev_, o);
+    dev_.set_reuse_stream_handles(config_.reuse_stream_handles);
+    streams_.push_back({next_uid_++, 0, false});
+    for (int i = 0; i < 3; ++i) streams_.push_back({next_uid_++, dev_.create_stream(), false});
+    for (std::size_t i = 0; i < streams_.size(); ++i) introduce(i);
+  }
+
+  ~program() {
+    // On an escaping violation the allocator may hold segments under unopened holds: open them
+    // so that its destructor can release, and keep quiet.
+    for (std::uint64_t h : holds_) dev_.open(h);
+    alloc_.reset();
+  }
+
+  program(const program&) = delete;
+  program& operator=(const program&) = delete;
+
+  // Runs up to max_ops operations (fewer if the source runs dry), checking every check_every.
+  template <class Source>
+  void run(Source& src, std::uint64_t max_ops, std::uint64_t check_every = 1) {
+    for (std::uint64_t i = 0; i < max_ops && !src.exhausted(); ++i) {
+      step(src);
+      if (++since_check_ >= check_every) {
+        since_check_ = 0;
+        check();
+      }
+    }
+    check();
+  }
+
+  // Frees everything, drains the device and the cache, destroys the allocator and checks that
+  // nothing leaked.
+  void finish() {
+    for (std::uint64_t h : holds_) dev_.open(h);
+    holds_.clear();
+    while (!live_.empty()) {
+      expect_ok("final deallocate", [&] { alloc_->deallocate(live_.back().ptr); });
+      live_.pop_back();
+    }
+    dev_.run_until_idle();
+    expect_ok("final empty_cache", [&] { alloc_->empty_cache(empty_cache_mode::wait); });
+    expect_ok("final reclaim", [&] { alloc_->reclaim(); });
+    check();
+    const statistics s = alloc_->stats();
+    require(s.reserved_bytes.current == 0, "reserved bytes " + std::to_string(s.reserved_bytes.current) +
+                                               " left after freeing everything and empty_cache(wait)");
+    require(s.active_bytes.current == 0, "active bytes left after draining");
+    require(alloc_->pending_release_bytes() == 0, "deferred releases left after empty_cache(wait)");
+    require(dev_.bytes_in_use() == 0, "device memory still in use after draining");
+    alloc_.reset();
+    for (auto& [uid, e] : final_events_) dev_.destroy_event(e);
+    final_events_.clear();
+    for (auto& [uid, list] : owed_) {
+      for (event_handle e : list) dev_.destroy_event(e);
+    }
+    owed_.clear();
+    for (auto& [h, list] : orphaned_) {
+      for (event_handle e : list) dev_.destroy_event(e);
+    }
+    orphaned_.clear();
+    const sim::counters c = dev_.counters();
+    require(c.events_created == c.events_destroyed,
+            "events leaked: created " + std::to_string(c.events_created) + ", destroyed " +
+                std::to_string(c.events_destroyed));
+    if (config_.safe()) require(dev_.fault_count() == 0, "fault at the end: " + first_fault());
+  }
+
+  const program_stats& stats() const { return stats_; }
+  const program_config& config() const { return config_; }
+  sim::simulated_device& device() { return dev_; }
+  caching_allocator& allocator() { return *alloc_; }  // until finish()
+  std::size_t fault_count() const { return dev_.fault_count(); }
+  // The operations run so far, one line each (for a reproducer).
+  const std::vector<std::string>& trace() const { return trace_; }
+  void keep_trace(bool on) { keep_trace_ = on; }
+
+ private:
+  struct stream_slot {
+    std::uint64_t uid;
+    stream_handle handle;
+    bool seen;  // the allocator has seen it (the all_streams fence covers it)
+  };
+
+  struct live_block {
+    void* ptr;
+    std::size_t size;        // requested
+    std::size_t block_size;  // as find_block reports
+    std::uint64_t stream_uid;
+    std::vector<std::uint64_t> users;  // uids of streams that used it (recorded or not)
+    std::vector<std::uint64_t> recorded;  // uids given to record_stream
+  };
+
+  struct armed_failure {
+    sim::call call;
+    int count;
+  };
+
+  static sim::device_config device_config(const program_config& c) {
+    sim::device_config d;
+    d.total_bytes = c.device_bytes;
+    return d;
+  }
+
+  // ---- helpers -----------------------------------------------------------------------------
+
+  void require(bool ok, const std::string& what) const {
+    if (!ok) throw violation(what + " [" + config_.to_string() + ", op " + std::to_string(stats_.operations) + "]");
+  }
+
+  std::string first_fault() const {
+    auto faults = dev_.faults();
+    return faults.empty() ? std::string("none") : faults.front().message;
+  }
+
+  void note(const std::string& line) {
+    if (keep_trace_) trace_.push_back(line);
+  }
+
+  template <class Source>
+  static std::size_t pick(Source& src, std::size_t n) {
+    if (n <= 1) return 0;
+    if (n <= 256) return src.byte() % n;
+    const std::size_t v = (static_cast<std::size_t>(src.byte()) << 8) | src.byte();
+    return v % n;
+  }
+
+  template <class Source>
+  static std::size_t u16(Source& src) {
+    return (static_cast<std::size_t>(src.byte()) << 8) | src.byte();
+  }
+
+  std::size_t slot_of(std::uint64_t uid) const {
+    for (std::size_t i = 0; i < streams_.size(); ++i) {
+      if (streams_[i].uid == uid) return i;
+    }
+    return streams_.size();
+  }
+  bool alive(std::uint64_t uid) const { return slot_of(uid) < streams_.size(); }
+
+  // Makes stream `waiter` wait for the work enqueued so far on stream uid (the program's own
+  // ordering, not the allocator's).
+  void order_after(stream_handle waiter, std::uint64_t uid) {
+    const std::size_t i = slot_of(uid);
+    if (i < streams_.size()) {
+      if (streams_[i].handle == waiter) return;
+      event_handle e = dev_.create_event();
+      dev_.record_event(e, streams_[i].handle);
+      dev_.stream_wait_event(waiter, e);
+      dev_.destroy_event(e);
+    } else {
+      dev_.stream_wait_event(waiter, final_events_.at(uid));
+    }
+  }
+
+  void order_after_block(stream_handle waiter, const live_block& b) {
+    order_after(waiter, b.stream_uid);
+    for (std::uint64_t u : b.users) order_after(waiter, u);
+  }
+
+  // Unrecorded uses owed to a stream: it waits for them before it next allocates.
+  void settle(std::uint64_t uid) {
+    auto it = owed_.find(uid);
+    if (it == owed_.end()) return;
+    const stream_handle h = streams_[slot_of(uid)].handle;
+    for (event_handle e : it->second) {
+      dev_.stream_wait_event(h, e);
+      dev_.destroy_event(e);
+    }
+    owed_.erase(it);
+  }
+
+  // The allocator sees a stream once it allocates there (as in safety_property_test.cpp).
+  void introduce(std::size_t slot) {
+    stream_slot& s = streams_[slot];
+    try {
+      void* p = alloc_->allocate(512, s.handle);
+      alloc_->deallocate(p);
+      s.seen = true;
+    } catch (const out_of_memory&) {
+      ++stats_.out_of_memory;
+    } catch (const backend_error& e) {
+      if (!deadlock_error(e)) throw;
+      ++stats_.hold_deadlocks;
+    }
+  }
+
+  bool deadlock_error(const backend_error& e) const {
+    return !holds_.empty() && std::string(e.what()).find("would never complete") != std::string::npos;
+  }
+
+  // Runs an allocator call with the armed failure (if any) in force, and disarms it after.
+  template <class F>
+  void with_armed(F&& f) {
+    if (!armed_) {
+      f();
+      return;
+    }
+    const armed_failure a = *armed_;
+    armed_.reset();
+    dev_.fail_next(a.call, a.count);
+    try {
+      f();
+    } catch (...) {
+      dev_.fail_next(a.call, 0);
+      throw;
+    }
+    dev_.fail_next(a.call, 0);
+  }
+
+  // A call that must succeed (no failure injected, no hold in the way of a wait).
+  template <class F>
+  void expect_ok(const char* what, F&& f) {
+    try {
+      f();
+    } catch (const violation&) {
+      throw;
+    } catch (const std::exception& e) {
+      require(false, std::string(what) + " threw: " + e.what());
+    }
+  }
+
+  // The documented error of a failing call: backend_error from an injected failure or from a
+  // hold that a synchronous wait would wait on forever. Returns normally when acceptable.
+  void accept_backend_error(const char* what, const backend_error& e, bool injected) {
+    if (injected) {
+      ++stats_.injected_errors;
+      return;
+    }
+    if (deadlock_error(e)) {
+      ++stats_.hold_deadlocks;
+      return;
+    }
+    require(false, std::string(what) + " threw backend_error with no injected failure and no hold: " + e.what());
+  }
+
+  struct snapshot {
+    std::int64_t allocated, requested, allocation;
+  };
+  snapshot snap() const {
+    const statistics s = alloc_->stats();
+    return {s.allocated_bytes.current, s.requested_bytes.current, s.allocation.current};
+  }
+  void require_same(const snapshot& a, const char* what) const {
+    const snapshot b = snap();
+    require(a.allocated == b.allocated && a.requested == b.requested && a.allocation == b.allocation,
+            std::string(what) + " failed but changed the allocated statistics");
+  }
+
+  // ---- the checks ----------------------------------------------------------------------------
+
+  void check() {
+    ++stats_.invariant_checks;
+    try {
+      alloc_->check_invariants();
+    } catch (const std::logic_error& e) {
+      require(false, e.what());
+    }
+    const statistics s = alloc_->stats();
+    std::int64_t allocated = 0, requested = 0;
+    for (const live_block& b : live_) {
+      allocated += static_cast<std::int64_t>(b.block_size);
+      requested += static_cast<std::int64_t>(b.size);
+    }
+    require(s.allocated_bytes.current == allocated,
+            "allocated_bytes " + std::to_string(s.allocated_bytes.current) + " != live blocks " + std::to_string(allocated));
+    require(s.requested_bytes.current == requested, "requested_bytes disagrees with the live blocks");
+    require(s.allocation.current == static_cast<std::int64_t>(live_.size()), "allocation count disagrees");
+    require(s.active_bytes.current >= s.allocated_bytes.current, "active < allocated");
+    require(s.reserved_bytes.current >= s.active_bytes.current, "reserved < active");
+    require(static_cast<std::size_t>(s.reserved_bytes.current) == dev_.bytes_in_use(),
+            "reserved_bytes " + std::to_string(s.reserved_bytes.current) + " != device bytes in use " +
+                std::to_string(dev_.bytes_in_use()));
+    require(static_cast<std::size_t>(s.reserved_bytes.current) <= config_.memory_limit_bytes,
+            "reserved bytes above the memory limit");
+    require(alloc_->pending_release_bytes() <= static_cast<std::size_t>(s.reserved_bytes.current),
+            "pending release bytes above reserved");
+    if (config_.safe()) require(dev_.fault_count() == 0, "simulated fault: " + first_fault());
+  }
+
+  // ---- operations ----------------------------------------------------------------------------
+
+  template <class Source>
+  void step(Source& src) {
+    ++stats_.operations;
+    const std::uint8_t op = src.byte() % 32;
+    if (op < 8) return op_allocate(src);
+    if (op < 12) return op_use(src);
+    if (op < 15) return op_free(src);
+    if (op < 17) return op_stream_free(src);
+    if (op == 17) return op_hold(src);
+    if (op == 18) return op_open(src);
+    if (op < 21) return op_advance(src);
+    if (op < 24) return op_empty_cache(op - 21);
+    if (op == 24) return op_reclaim();
+    if (op == 25) return op_destroy_stream(src);
+    if (op < 28) return op_inject(src);
+    if (op == 28) return op_bad_pointer(src);
+    if (op == 29) return op_queries(src);
+    if (op == 30) return op_record_only(src);
+    return op_churn(src);
+  }
+
+  template <class Source>
+  std::size_t pick_size(Source& src) {
+    const std::uint8_t cls = src.byte() % 8;
+    const std::size_t v = u16(src);
+    switch (cls) {
+      case 0: case 1: case 2: return 1 + v * 16;                    // up to 1 MiB
+      case 3: case 4: return MiB + v * 320;                          // 1 .. 21 MiB
+      case 5: return 20 * MiB + v * 1280;                            // 20 .. 100 MiB
+      case 6: {
+        const std::size_t edges[] = {1, 511, 512, 513, MiB - 1, MiB, MiB + 1, 2 * MiB, 10 * MiB - 1, 10 * MiB,
+                                     20 * MiB, 20 * MiB + 1, config_.expandable_chunk_bytes,
+                                     config_.memory_limit_bytes / 2, config_.memory_limit_bytes};
+        return edges[v % (sizeof edges / sizeof edges[0])];
+      }
+      default: {
+        const std::size_t max = std::numeric_limits<std::size_t>::max();
+        const std::size_t edges[] = {0, max, max - 1, max - 511, max / 2, max / 2 + 1,
+                                     config_.memory_limit_bytes + 1, config_.device_bytes, 1};
+        return edges[v % (sizeof edges / sizeof edges[0])];
+      }
+    }
+  }
+
+  template <class Source>
+  void op_allocate(Source& src) {
+    const std::size_t slot = pick(src, streams_.size());
+    const std::size_t size = pick_size(src);
+    const std::uint64_t duration = src.byte();
+    allocate_on(slot, size, duration);
+  }
+
+  // Returns the index of the new live block, or nothing.
+  std::optional<std::size_t> allocate_on(std::size_t slot, std::size_t size, std::uint64_t duration) {
+    if (live_.size() >= 64) return std::nullopt;
+    stream_slot& s = streams_[slot];
+    settle(s.uid);
+    note("allocate " + std::to_string(size) + " on stream " + std::to_string(s.handle));
+    const snapshot before = snap();
+    const bool injected = armed_.has_value();
+    void* p = nullptr;
+    try {
+      with_armed([&] { p = alloc_->allocate(size, s.handle); });
+    } catch (const invalid_size&) {
+      require(size == 0, "invalid_size for a size of " + std::to_string(size));
+      require_same(before, "allocate(0)");
+      return std::nullopt;
+    } catch (const out_of_memory& e) {
+      require(size != 0, "allocate(0) threw out_of_memory, not invalid_size");
+      require(std::string(e.what()).find("out of memory") != std::string::npos, "out_of_memory without a message");
+      ++stats_.out_of_memory;
+      require_same(before, "allocate");
+      return std::nullopt;
+    } catch (const backend_error& e) {
+      accept_backend_error("allocate", e, injected);
+      require_same(before, "allocate");
+      return std::nullopt;
+    }
+    require(size != 0, "allocate(0) succeeded");
+    require(size <= config_.memory_limit_bytes, "allocate beyond the memory limit succeeded");
+    ++stats_.allocations;
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    require(a % 512 == 0, "block not 512-byte aligned");
+    const caching_allocator::block_info info = alloc_->find_block(p);
+    require(info.address == a, "find_block does not find a new block");
+    require(info.size_bytes >= size && info.size_bytes % 512 == 0, "block smaller than the request");
+    require(info.stream == s.handle, "block's stream is not the asking stream");
+    for (const live_block& b : live_) {
+      const auto ba = reinterpret_cast<std::uintptr_t>(b.ptr);
+      require(!(a < ba + b.block_size && ba < a + info.size_bytes),
+              "block handed out twice: [" + std::to_string(a) + ", +" + std::to_string(info.size_bytes) +
+                  ") overlaps a live block at " + std::to_string(ba));
+    }
+    // The new owner writes it at once, on its stream.
+    dev_.launch(s.handle, duration, {sim::range{a, size, sim::access::write, static_cast<std::uint8_t>(duration)}},
+                "write after allocate");
+    s.seen = true;
+    live_.push_back({p, size, info.size_bytes, s.uid, {}, {}});
+    return live_.size() - 1;
+  }
+
+  template <class Source>
+  std::size_t pick_other_stream(Source& src, std::uint64_t not_uid) {
+    const std::size_t i = pick(src, streams_.size());
+    if (streams_[i].uid != not_uid) return i;
+    return (i + 1) % streams_.size();
+  }
+
+  template <class Source>
+  void op_use(Source& src) {
+    if (live_.empty()) return;
+    live_block& b = live_[pick(src, live_.size())];
+    const std::size_t ti = pick_other_stream(src, b.stream_uid);
+    stream_slot& t = streams_[ti];
+    const std::uint8_t flags = src.byte();
+    const std::uint64_t duration = static_cast<std::uint64_t>(src.byte()) * 8;
+    order_after_block(t.handle, b);
+    const bool write = (flags & 1) != 0;
+    dev_.launch(t.handle, duration,
+                {sim::range{reinterpret_cast<std::uintptr_t>(b.ptr), b.size, write ? sim::access::write : sim::access::read,
+                            write ? std::optional<std::uint8_t>(flags) : std::nullopt}},
+                "use on another stream");
+    // FSDP2-style unrecorded use: the program orders the allocation stream after it before it
+    // next allocates there; only the release fence (all_streams / device) covers the release.
+    const bool unrecorded = config_.unrecorded_uses && (flags & 2) != 0 && alive(b.stream_uid) &&
+                            (t.seen || config_.scope == fence_scope::device);
+    if (!std::count(b.users.begin(), b.users.end(), t.uid)) b.users.push_back(t.uid);
+    if (unrecorded) {
+      note("unrecorded use on stream " + std::to_string(t.handle));
+      event_handle e = dev_.create_event();
+      dev_.record_event(e, t.handle);
+      owed_[b.stream_uid].push_back(e);
+      return;
+    }
+    note("record_stream on stream " + std::to_string(t.handle));
+    record(b, t);
+  }
+
+  void record(live_block& b, stream_slot& t) {
+    const snapshot before = snap();
+    const bool injected = armed_.has_value();
+    try {
+      with_armed([&] { alloc_->record_stream(b.ptr, t.handle); });
+    } catch (const backend_error& e) {
+      accept_backend_error("record_stream", e, injected);
+      require_same(before, "record_stream");
+      expect_ok("record_stream after a failure", [&] { alloc_->record_stream(b.ptr, t.handle); });
+    }
+    t.seen = true;
+    if (!std::count(b.recorded.begin(), b.recorded.end(), t.uid)) b.recorded.push_back(t.uid);
+  }
+
+  template <class Source>
+  void op_record_only(Source& src) {
+    if (live_.empty()) return;
+    live_block& b = live_[pick(src, live_.size())];
+    stream_slot& t = streams_[pick(src, streams_.size())];
+    note("record_stream without use on stream " + std::to_string(t.handle));
+    record(b, t);
+  }
+
+  void remember_freed(void* p) {
+    freed_.push_back(p);
+    if (freed_.size() > 16) freed_.erase(freed_.begin());
+  }
+
+  // Host free of live_[i], or stream-ordered free on stream slot `on`.
+  void free_block(std::size_t i, std::optional<std::size_t> on) {
+    live_block b = live_[i];
+    const snapshot before = snap();
+    const bool injected = armed_.has_value();
+    auto call = [&] {
+      if (on) alloc_->deallocate(b.ptr, streams_[*on].handle);
+      else alloc_->deallocate(b.ptr);
+    };
+    try {
+      with_armed(call);
+    } catch (const backend_error& e) {
+      accept_backend_error("deallocate", e, injected);
+      require_same(before, "deallocate");
+      require(alloc_->find_block(b.ptr).address == reinterpret_cast<std::uintptr_t>(b.ptr),
+              "a failed deallocate did not leave the block live");
+      expect_ok("deallocate after a failure", call);
+    }
+    ++stats_.frees;
+    live_.erase(live_.begin() + static_cast<std::ptrdiff_t>(i));
+    remember_freed(b.ptr);
+  }
+
+  template <class Source>
+  void op_free(Source& src) {
+    if (live_.empty()) return;
+    const std::size_t i = pick(src, live_.size());
+    note("deallocate block " + std::to_string(i));
+    free_block(i, std::nullopt);
+  }
+
+  template <class Source>
+  void op_stream_free(Source& src) {
+    if (live_.empty()) return;
+    const std::size_t i = pick(src, live_.size());
+    const std::size_t ti = pick(src, streams_.size());
+    const std::uint64_t duration = src.byte();
+    live_block& b = live_[i];
+    stream_slot& t = streams_[ti];
+    order_after_block(t.handle, b);
+    dev_.launch(t.handle, duration,
+                {sim::range{reinterpret_cast<std::uintptr_t>(b.ptr), b.size, sim::access::read, std::nullopt}},
+                "last use before a stream-ordered free");
+    note("deallocate block " + std::to_string(i) + " on stream " + std::to_string(t.handle));
+    free_block(i, ti);
+    t.seen = true;
+  }
+
+  template <class Source>
+  void op_hold(Source& src) {
+    const std::size_t i = pick(src, streams_.size());
+    if (!config_.holds || holds_.size() >= 2) return;
+    note("hold on stream " + std::to_string(streams_[i].handle));
+    holds_.push_back(dev_.hold(streams_[i].handle));
+  }
+
+  template <class Source>
+  void op_open(Source& src) {
+    if (holds_.empty()) return;
+    const std::size_t i = pick(src, holds_.size());
+    note("open hold");
+    dev_.open(holds_[i]);
+    holds_.erase(holds_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+
+  template <class Source>
+  void op_advance(Source& src) {
+    const std::uint64_t us = static_cast<std::uint64_t>(src.byte()) * 16;
+    note("advance " + std::to_string(us));
+    dev_.advance(us);
+  }
+
+  void op_empty_cache(int which) {
+    note(which == 0 ? "empty_cache()" : which == 1 ? "empty_cache(wait)" : "empty_cache(defer)");
+    const snapshot before = snap();
+    const bool injected = armed_.has_value();
+    auto call = [&] {
+      if (which == 0) alloc_->empty_cache();
+      else alloc_->empty_cache(which == 1 ? empty_cache_mode::wait : empty_cache_mode::defer);
+    };
+    try {
+      with_armed(call);
+    } catch (const backend_error& e) {
+      accept_backend_error("empty_cache", e, injected);
+      require_same(before, "empty_cache");
+      if (injected) {
+        try {
+          call();
+        } catch (const backend_error& again) {
+          accept_backend_error("empty_cache after a failure", again, false);
+        }
+      }
+    }
+  }
+
+  void op_reclaim() {
+    note("reclaim");
+    const bool injected = armed_.has_value();
+    try {
+      with_armed([&] { alloc_->reclaim(); });
+    } catch (const backend_error& e) {
+      require(injected, std::string("reclaim threw without an injected failure: ") + e.what());
+      ++stats_.injected_errors;
+      expect_ok("reclaim after a failure", [&] { alloc_->reclaim(); });
+    }
+  }
+
+  template <class Source>
+  void op_destroy_stream(Source& src) {
+    if (!config_.destroy_streams || streams_.size() < 2) return;
+    const std::size_t i = 1 + pick(src, streams_.size() - 1);  // never the legacy default stream
+    stream_slot s = streams_[i];
+    note("notify_stream_destroyed + destroy stream " + std::to_string(s.handle));
+    const bool injected = armed_.has_value();
+    try {
+      with_armed([&] { alloc_->notify_stream_destroyed(s.handle); });
+    } catch (const backend_error& e) {
+      require(injected, std::string("notify_stream_destroyed threw without an injected failure: ") + e.what());
+      ++stats_.injected_errors;
+      expect_ok("notify_stream_destroyed after a failure", [&] { alloc_->notify_stream_destroyed(s.handle); });
+    }
+    event_handle last = dev_.create_event();
+    dev_.record_event(last, s.handle);
+    final_events_[s.uid] = last;
+    // The program's promises to a dead stream die with it. BUG (reported): a recycled handle
+    // inherits the dead stream's cached blocks behind a wait on that stream alone, not on the
+    // unrecorded uses elsewhere; the work-around hands the promises on to the recycled handle.
+    std::vector<event_handle> orphaned;
+    if (auto it = owed_.find(s.uid); it != owed_.end()) {
+      orphaned = std::move(it->second);
+      owed_.erase(it);
+    }
+    dev_.destroy_stream(s.handle);
+    ++stats_.streams_destroyed;
+    streams_.erase(streams_.begin() + static_cast<std::ptrdiff_t>(i));
+    const stream_handle fresh = dev_.create_stream();
+    streams_.push_back({next_uid_++, fresh, false});
+    if (config_.avoid_known_bugs) {
+      auto& to = orphaned_[s.handle];
+      to.insert(to.end(), orphaned.begin(), orphaned.end());
+      if (auto it = orphaned_.find(fresh); it != orphaned_.end()) {
+        owed_[streams_.back().uid] = std::move(it->second);
+        orphaned_.erase(it);
+      }
+    } else {
+      for (event_handle e : orphaned) dev_.destroy_event(e);
+    }
+    introduce(streams_.size() - 1);
+  }
+
+  template <class Source>
+  void op_inject(Source& src) {
+    if (!config_.inject_failures) return;
+    static constexpr sim::call calls[] = {
+        sim::call::allocate_segment, sim::call::free_segment,   sim::call::reserve_address_range,
+        sim::call::map,              sim::call::unmap,          sim::call::create_event,
+        sim::call::record_event,     sim::call::query_event,    sim::call::synchronize_event,
+        sim::call::stream_wait_event, sim::call::synchronize_device};
+    const std::uint8_t b = src.byte();
+    const sim::call c = calls[b % (sizeof calls / sizeof calls[0])];
+    armed_ = armed_failure{c, 1 + (b >> 6)};
+    ++stats_.injections;
+    note("inject failure " + std::to_string(b % (sizeof calls / sizeof calls[0])) + " x" +
+         std::to_string(1 + (b >> 6)));
+    // The failure applies to the allocator calls of the next operation only.
+    const std::uint8_t op = src.byte() % 32;
+    if (op < 8) op_allocate(src);
+    else if (op < 12) op_use(src);
+    else if (op < 15) op_free(src);
+    else if (op < 17) op_stream_free(src);
+    else if (op < 21) op_empty_cache(1);
+    else if (op < 24) op_empty_cache(op - 21);
+    else if (op < 26) op_reclaim();
+    else if (op < 28) op_destroy_stream(src);
+    else op_churn(src);
+    armed_.reset();
+  }
+
+  template <class Source>
+  void op_bad_pointer(Source& src) {
+    ++stats_.bad_pointer_checks;
+    const std::uint8_t kind = src.byte() % 4;
+    void* p = nullptr;
+    std::string expect;
+    if (kind == 0 && !freed_.empty()) {
+      p = freed_[pick(src, freed_.size())];
+      for (const live_block& b : live_) {
+        if (b.ptr == p) return;  // handed out again: not stale
+      }
+    } else if (kind == 1 && !live_.empty()) {
+      const live_block& b = live_[pick(src, live_.size())];
+      if (b.block_size <= 512) return;
+      const std::size_t off = 512 * (1 + pick(src, b.block_size / 512 - 1));
+      p = static_cast<char*>(b.ptr) + off;
+      expect = "interior pointer";
+    } else if (kind == 2) {
+      static const std::uintptr_t foreign[] = {0x1234000, 0x7f0000000000ULL - 512, 1, 0xdeadbeef000ULL};
+      p = reinterpret_cast<void*>(foreign[src.byte() % 4]);
+      expect = "unknown pointer";
+    } else {
+      p = nullptr;
+    }
+    note("bad pointer kind " + std::to_string(kind));
+    const std::string before = alloc_->stats().to_string();
+    const int which = src.byte() % 3;
+    bool threw = false;
+    try {
+      if (which == 0) alloc_->deallocate(p);
+      else if (which == 1) alloc_->deallocate(p, streams_[0].handle);
+      else alloc_->record_stream(p, streams_[0].handle);
+    } catch (const invalid_pointer& e) {
+      threw = true;
+      require(expect.empty() || std::string(e.what()).find(expect) != std::string::npos,
+              "invalid_pointer message lacks '" + expect + "': " + e.what());
+    }
+    require(threw, "a bad pointer was accepted");
+    require(alloc_->stats().to_string() == before, "a rejected pointer changed the statistics");
+  }
+
+  template <class Source>
+  void op_queries(Source& src) {
+    note("queries");
+    const statistics s = alloc_->stats();
+    const std::size_t largest = alloc_->largest_free_block_bytes();
+    require(largest <= static_cast<std::size_t>(s.reserved_bytes.current), "largest free block above reserved");
+    if (!live_.empty()) {
+      const live_block& b = live_[pick(src, live_.size())];
+      require(alloc_->find_block(b.ptr).size_bytes == b.block_size, "find_block changed its answer");
+      require(alloc_->find_block(static_cast<char*>(b.ptr) + 1).size_bytes == 0, "find_block of an interior address");
+    }
+    if (src.byte() % 4 == 0) alloc_->reset_peak_stats();
+  }
+
+  // Allocate, use, free at once (the hot path), with whatever failure is armed.
+  template <class Source>
+  void op_churn(Source& src) {
+    const std::size_t slot = pick(src, streams_.size());
+    const std::size_t size = 1 + u16(src) * 8;
+    auto i = allocate_on(slot, size, 1);
+    if (i) free_block(*i, std::nullopt);
+  }
+
+  program_config config_;
+  sim::simulated_device dev_;
+  std::optional<caching_allocator> alloc_;
+  std::vector<stream_slot> streams_;
+  std::uint64_t next_uid_ = 1;
+  std::vector<live_block> live_;
+  std::vector<void*> freed_;
+  std::vector<std::uint64_t> holds_;
+  std::map<std::uint64_t, std::vector<event_handle>> owed_;  // stream uid -> events of unrecorded uses
+  std::map<std::uint64_t, event_handle> final_events_;       // dead stream uid -> its last event
+  std::map<stream_handle, std::vector<event_handle>> orphaned_;  // promises to dead handles
+  std::optional<armed_failure> armed_;
+  std::uint64_t since_check_ = 0;
+  program_stats stats_;
+  bool keep_trace_ = false;
+  std::vector<std::string> trace_;
+};
+
+}  // namespace streamsafe::fuzz
