@@ -12,15 +12,7 @@ seconds=${1:-${STREAMSAFE_FUZZ_SECONDS:-120}}
 build=${STREAMSAFE_FUZZ_BUILD_DIR:-build-fuzz}
 
 # Debian 12: clang is clang-14; libFuzzer and the sanitizer runtimes are in libclang-rt-14-dev.
-pkgs=(clang libclang-rt-14-dev cmake ninja-build libspdlog-dev libfmt-dev)
-missing=()
-for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
-if [ ${#missing[@]} -gt 0 ]; then
-  sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
-  export DEBIAN_FRONTEND=noninteractive
-  $sudo apt-get update -qq
-  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+bash .ci/deps.sh --host-only clang libclang-rt-14-dev cmake ninja-build libspdlog-dev libfmt-dev
 
 cmake -S tests/fuzz -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++
 cmake --build "$build"

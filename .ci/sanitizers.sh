@@ -10,15 +10,7 @@ cd "$(dirname "$0")/.."
 which=("$@")
 [ ${#which[@]} -eq 0 ] && which=(asan tsan)
 
-pkgs=(clang libclang-rt-14-dev cmake ninja-build catch2 libspdlog-dev libfmt-dev)
-missing=()
-for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
-if [ ${#missing[@]} -gt 0 ]; then
-  sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
-  export DEBIAN_FRONTEND=noninteractive
-  $sudo apt-get update -qq
-  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+bash .ci/deps.sh --host-only clang libclang-rt-14-dev cmake ninja-build catch2 libspdlog-dev libfmt-dev
 
 # Sanitizer runs are slower: the million-operation run ([soak]) is left to the plain build.
 read -r -a test_args <<< "${STREAMSAFE_SANITIZER_TEST_ARGS:-~[soak]}"
