@@ -1066,8 +1066,9 @@ void caching_allocator::check_invariants() const {
     }
     pending_total += st->pending.size();
     active_total += st->active.size();
+    const impl::stream_state* owner_state = st.get();  // (clang 14: no lambda capture of a binding)
     st->active.for_each([&](const block* b) {
-      if (&impl::state_of(*b->seg->owner) != st.get() || b->state != block_state::active)
+      if (&impl::state_of(*b->seg->owner) != owner_state || b->state != block_state::active)
         fail("active map holds a block of another stream or not active");
     });
     stat_allocated += st->st.allocated_bytes.current;
