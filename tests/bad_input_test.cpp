@@ -349,6 +349,38 @@ TEST_CASE("K6: a host free after the recorded stream was destroyed makes no call
   CHECK(env.dev.fault_count() == 0);
 }
 
+TEST_CASE("K6: a recycled stream handle does not inherit a block behind another stream's unrecorded use",
+          "[bad-input][K6]") {
+  // With the all_streams scope a use on another stream may go unrecorded (FSDP2) as long as the
+  // program orders that stream before the next use on the allocation stream s. After s is
+  // destroyed and the driver recycles its handle value, the new stream takes s's cached blocks:
+  // it must wait for every stream the fence covers, not for s's tombstone alone (found by the
+  // seeded fuzz run, seed 47; fixed in the core).
+  sim_env env;
+  env.dev.set_reuse_stream_handles(true);
+  auto s = env.dev.create_stream();
+  auto t = env.dev.create_stream();
+  env.alloc.deallocate(env.alloc.allocate(512, t));  // t is a stream the allocator has seen
+  void* p = env.alloc.allocate(1 * MiB, s);
+  env.dev.launch(s, 10, {writes(p, 1 * MiB)});
+  auto ev = env.dev.create_event();
+  env.dev.record_event(ev, s);
+  env.dev.stream_wait_event(t, ev);
+  auto h = env.dev.hold(t);
+  env.dev.launch(t, 10, {reads(p, 1 * MiB)}, "unrecorded read on t");
+  env.alloc.deallocate(p);
+  env.alloc.notify_stream_destroyed(s);
+  env.dev.destroy_stream(s);
+  auto s_new = env.dev.create_stream();
+  REQUIRE(s_new == s);
+  void* q = env.alloc.allocate(1 * MiB, s_new);
+  env.dev.launch(s_new, 10, {writes(q, 1 * MiB)}, "the new stream writes");
+  CHECK(env.dev.fault_count() == 0);
+  env.dev.open(h);
+  env.dev.run_until_idle();
+  env.alloc.deallocate(q);
+}
+
 TEST_CASE("The device fence scope in defer mode: empty_cache(wait) finishes the deferred release instead of "
           "spinning",
           "[bad-input]") {
@@ -429,22 +461,22 @@ TEST_CASE("An allocator with static storage duration is destroyed cleanly at pro
   CHECK(how == "exit 0");
 }
 
-// ---- defects the core still has ---------------------------------------------------------------
+// ---- defects found by the fuzz runs, now fixed -------------------------------------------------
 
-TEST_CASE("K6: a recycled stream handle does not inherit a block behind another stream's unrecorded use",
+TEST_CASE("K6: a recycled stream handle does not inherit a block behind an unrecorded use on a stream that is "
+          "gone too",
           "[bad-input][K6]") {
-  // Was a bug (fixed in stream_locked): with the all_streams scope a use on another stream may go unrecorded (FSDP2) as long as
-  // the program orders that stream before the next use on the allocation stream s. After s is
-  // destroyed (notify_stream_destroyed) and the driver recycles its handle value, the new stream
-  // takes s's cached blocks behind a wait on s's tombstone only, not on the other streams the
-  // all_streams fence covers: its first write races with the pending unrecorded use. A revived
-  // handle (or any stream taking a dead stream's pool) should wait like a moved segment does, on
-  // every stream of the fence. Found by the seeded fuzz run (seed 47).
+  // Was a bug (fixed in stream_locked): when a recycled handle revived, the new stream waited on its own old
+  // tombstone and on an event of every *live* stream, but not on the tombstones of other
+  // destroyed streams. If the stream t that used a block of s without a record (FSDP2, legal
+  // under all_streams) is destroyed too, before s's handle is recycled, the new stream takes the
+  // block while t's last work is still pending: cross_stream_race. Waiting on every tombstone
+  // (as steal_segment_locked does) fixes it. Found while checking the fix of seed 47.
   sim_env env;
   env.dev.set_reuse_stream_handles(true);
   auto s = env.dev.create_stream();
   auto t = env.dev.create_stream();
-  env.alloc.deallocate(env.alloc.allocate(512, t));  // t is a stream the allocator has seen
+  env.alloc.deallocate(env.alloc.allocate(512, t));
   void* p = env.alloc.allocate(1 * MiB, s);
   env.dev.launch(s, 10, {writes(p, 1 * MiB)});
   auto ev = env.dev.create_event();
@@ -455,6 +487,8 @@ TEST_CASE("K6: a recycled stream handle does not inherit a block behind another 
   env.alloc.deallocate(p);
   env.alloc.notify_stream_destroyed(s);
   env.dev.destroy_stream(s);
+  env.alloc.notify_stream_destroyed(t);
+  env.dev.destroy_stream(t);
   auto s_new = env.dev.create_stream();
   REQUIRE(s_new == s);
   void* q = env.alloc.allocate(1 * MiB, s_new);

@@ -131,13 +131,14 @@ caching_allocator::impl::stream_state& caching_allocator::impl::stream_locked(st
     // blocks, so it waits, on the device, for the old stream's last work (its tombstone) and,
     // as for a segment moved between streams, for every stream the fence scope covers (uses
     // that were legal without a record, FSDP2-style).
+    const bool every_stream = opts_.release_fence != fence_scope::allocation_stream;
     for (auto& t : tombstones_) {
-      if (t.stream == stream) {
+      if (t.stream == stream || every_stream) {  // other dead streams may have used its blocks too
         backend_.stream_wait_event(stream, t.event);
         ++stats_.stream_waits;
       }
     }
-    if (opts_.release_fence != fence_scope::allocation_stream) {
+    if (every_stream) {
       for (auto& [other, state] : streams_) {
         if (other == stream || !state->alive.load(std::memory_order_acquire)) continue;
         event_handle e = get_event();
