@@ -7,7 +7,6 @@
 //
 // A breach prints the configuration and what broke, then aborts (libFuzzer saves the input).
 // To see the operations of a saved input:  STREAMSAFE_FUZZ_TRACE=1 ./allocator_fuzzer crash-FILE
-// To fuzz without the work-arounds for known core bugs:  STREAMSAFE_FUZZ_KNOWN_BUGS=1
 #include "allocator_program.hpp"
 
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -36,15 +35,6 @@ void print_totals() {
                static_cast<unsigned long long>(totals.streams_destroyed));
 }
 
-// STREAMSAFE_FUZZ_KNOWN_BUGS=1 turns off the work-arounds for known core bugs (to check a fix).
-bool known_bugs_wanted() {
-  static const bool wanted = [] {
-    const char* v = std::getenv("STREAMSAFE_FUZZ_KNOWN_BUGS");
-    return v && *v && *v != '0';
-  }();
-  return wanted;
-}
-
 bool trace_wanted() {
   static const bool wanted = [] {
     const char* v = std::getenv("STREAMSAFE_FUZZ_TRACE");
@@ -66,8 +56,7 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace streamsafe::fuzz;
   if (size < 2) return 0;
-  program_config config = program_config::decode(data[0], data[1]);
-  config.avoid_known_bugs = !known_bugs_wanted();
+  const program_config config = program_config::decode(data[0], data[1]);
   span_source src(data + 2, size - 2);
   program p(config);
   p.keep_trace(trace_wanted());

@@ -110,9 +110,6 @@ struct program_config {
   bool holds = true;             // holds (kernels that wait for the host) may be enqueued
   bool inject_failures = true;   // backend failures may be injected
   bool destroy_streams = true;   // streams may be destroyed (notify_stream_destroyed)
-  // Work-arounds for known core bugs (see docs/reliability.md); on, so that fuzzing gets past
-  // them. Each has a [!mayfail] reproducer in the host tests.
-  bool avoid_known_bugs = true;
 
   bool safe() const { return scope != fence_scope::allocation_stream; }
 
@@ -241,10 +238,6 @@ class program {
       for (event_handle e : list) dev_.destroy_event(e);
     }
     owed_.clear();
-    for (auto& [h, list] : orphaned_) {
-      for (event_handle e : list) dev_.destroy_event(e);
-    }
-    orphaned_.clear();
     const sim::counters c = dev_.counters();
     require(c.events_created == c.events_destroyed,
             "events leaked: created " + std::to_string(c.events_created) + ", destroyed " +
@@ -754,30 +747,16 @@ class program {
     event_handle last = dev_.create_event();
     dev_.record_event(last, s.handle);
     final_events_[s.uid] = last;
-    // The program's promises to a dead stream die with it. BUG (reported): a recycled handle
-    // inherits the dead stream's cached blocks without waiting for the tombstones of the other
-    // dead streams, which may hold unrecorded uses of them; the work-around hands the promises
-    // on to the recycled handle (bad_input_test.cpp has the [!mayfail] reproducer).
-    std::vector<event_handle> orphaned;
+    // The program's promises to a dead stream die with it: a recycled handle is a new stream,
+    // which the allocator must order after the unrecorded uses of the blocks it inherits.
     if (auto it = owed_.find(s.uid); it != owed_.end()) {
-      orphaned = std::move(it->second);
+      for (event_handle e : it->second) dev_.destroy_event(e);
       owed_.erase(it);
     }
     dev_.destroy_stream(s.handle);
     ++stats_.streams_destroyed;
     streams_.erase(streams_.begin() + static_cast<std::ptrdiff_t>(i));
-    const stream_handle fresh = dev_.create_stream();
-    streams_.push_back({next_uid_++, fresh, false});
-    if (config_.avoid_known_bugs) {
-      auto& to = orphaned_[s.handle];
-      to.insert(to.end(), orphaned.begin(), orphaned.end());
-      if (auto it = orphaned_.find(fresh); it != orphaned_.end()) {
-        owed_[streams_.back().uid] = std::move(it->second);
-        orphaned_.erase(it);
-      }
-    } else {
-      for (event_handle e : orphaned) dev_.destroy_event(e);
-    }
+    streams_.push_back({next_uid_++, dev_.create_stream(), false});
     introduce(streams_.size() - 1);
   }
 
@@ -883,7 +862,6 @@ class program {
   std::vector<std::uint64_t> holds_;
   std::map<std::uint64_t, std::vector<event_handle>> owed_;  // stream uid -> events of unrecorded uses
   std::map<std::uint64_t, event_handle> final_events_;       // dead stream uid -> its last event
-  std::map<stream_handle, std::vector<event_handle>> orphaned_;  // promises to dead handles
   std::optional<armed_failure> armed_;
   std::uint64_t since_check_ = 0;
   program_stats stats_;
