@@ -154,6 +154,7 @@ struct caching_allocator::impl {
   event_handle get_event();
   void put_event(event_handle e);
   void note_use_locked(segment* seg, stream_handle stream);
+  void order_after_locked(stream_handle waiter, stream_handle on);  // mu_ held
   void sample_peaks();
   std::string oom_message_locked(std::size_t size, std::size_t rounded, stream_handle stream,
                                  const stream_state* held);

@@ -141,17 +141,7 @@ caching_allocator::impl::stream_state& caching_allocator::impl::stream_locked(st
     if (every_stream) {
       for (auto& [other, state] : streams_) {
         if (other == stream || !state->alive.load(std::memory_order_acquire)) continue;
-        event_handle e = get_event();
-        try {
-          backend_.record_event(e, other);
-          backend_.stream_wait_event(stream, e);
-        } catch (...) {
-          put_event(e);
-          throw;
-        }
-        put_event(e);
-        ++stats_.events_recorded;
-        ++stats_.stream_waits;
+        order_after_locked(stream, other);
       }
     }
     it->second->alive.store(true, std::memory_order_release);
@@ -214,6 +204,21 @@ event_handle caching_allocator::impl::get_event() {
 void caching_allocator::impl::put_event(event_handle e) {
   std::lock_guard<std::mutex> lk(events_mu_);
   free_events_.push_back(e);
+}
+
+void caching_allocator::impl::order_after_locked(stream_handle waiter, stream_handle on) {
+  // waiter waits, on the device, for the work enqueued on `on` so far (one pooled event).
+  event_handle e = get_event();
+  try {
+    backend_.record_event(e, on);
+    backend_.stream_wait_event(waiter, e);
+  } catch (...) {
+    put_event(e);
+    throw;
+  }
+  put_event(e);
+  ++stats_.events_recorded;
+  ++stats_.stream_waits;
 }
 
 void caching_allocator::impl::note_use_locked(segment* seg, stream_handle stream) {
@@ -481,17 +486,7 @@ block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounde
   // The new stream waits, on the device, for every stream that may still touch the segment.
   for (stream_handle s : fence_streams_locked(best)) {
     if (s == p.stream) continue;
-    event_handle e = get_event();
-    try {
-      backend_.record_event(e, s);
-      backend_.stream_wait_event(p.stream, e);
-    } catch (...) {
-      put_event(e);
-      throw;
-    }
-    put_event(e);
-    ++stats_.events_recorded;
-    ++stats_.stream_waits;
+    order_after_locked(p.stream, s);
   }
   for (auto& t : tombstones_) {
     backend_.stream_wait_event(p.stream, t.event);
