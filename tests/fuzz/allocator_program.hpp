@@ -23,6 +23,8 @@
 //    the limit, invalid_pointer (statistics unchanged) for every pointer that is not a live
 //    block, backend_error only from an injected failure or, in a synchronous wait, from a hold
 //    the host would wait on forever (the simulated device's stand-in for a hang);
+//  * with empty_cache:defer an allocation never waits on the host, not even on its
+//    out-of-memory path (case K8);
 //  * after a call fails, the state is intact (the block stays live, allocated bytes unchanged)
 //    and the same call without the injected failure succeeds.
 // At the end every block is freed, every hold opened, and the cache must drain to zero reserved
@@ -519,6 +521,15 @@ class program {
     const snapshot before = snap();
     const bool injected = armed_.has_value();
     void* p = nullptr;
+    // K8: with empty_cache:defer an allocation never blocks the host (no synchronize call, even
+    // on the out-of-memory path), whatever it returns or throws.
+    const sim::counters counted = dev_.counters();
+    auto no_host_wait = [&] {
+      if (config_.mode != empty_cache_mode::defer) return;
+      const sim::counters now = dev_.counters();
+      require(now.event_syncs == counted.event_syncs && now.device_syncs == counted.device_syncs,
+              "allocate waited on the host under empty_cache:defer (K8)");
+    };
     try {
       with_armed([&] { p = alloc_->allocate(size, s.handle); });
     } catch (const invalid_size&) {
@@ -530,12 +541,17 @@ class program {
       require(std::string(e.what()).find("out of memory") != std::string::npos, "out_of_memory without a message");
       ++stats_.out_of_memory;
       require_same(before, "allocate");
+      no_host_wait();
       return std::nullopt;
     } catch (const backend_error& e) {
+      require(config_.mode != empty_cache_mode::defer || !deadlock_error(e),
+              std::string("allocate tried a host wait under empty_cache:defer (K8): ") + e.what());
       accept_backend_error("allocate", e, injected);
       require_same(before, "allocate");
+      no_host_wait();
       return std::nullopt;
     }
+    no_host_wait();
     require(size != 0, "allocate(0) succeeded");
     require(size <= config_.memory_limit_bytes, "allocate beyond the memory limit succeeded");
     ++stats_.allocations;

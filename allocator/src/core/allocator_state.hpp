@@ -168,6 +168,8 @@ struct caching_allocator::impl {
   release_batch collect_releasable_locked();
   void record_fence_locked(release_batch& batch);
   bool fence_done_locked(const release_batch& batch);
+  // Moves out of `batch` the blocks whose fence streams are idle now (polled, never waited on).
+  release_batch take_safe_locked(release_batch& batch);
   void wait_fence_unlocked(release_batch& batch);
   void restore_batch_locked(release_batch& batch);
   std::size_t release_batch_memory(std::unique_lock<std::mutex>& lk, release_batch& batch);

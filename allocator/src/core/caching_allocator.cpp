@@ -542,8 +542,9 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
 void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small) {
   std::unique_lock<std::mutex> dlk(mu_);
   if (wants_collection_locked(rounded)) {
-    // garbage_collection_threshold / max_cached_bytes: give free cached segments back first.
-    release_cached(dlk, empty_cache_mode::wait);
+    // garbage_collection_threshold / max_cached_bytes: give free cached segments back first
+    // (in defer mode only what is safe now, never waiting).
+    release_cached(dlk, opts_.empty_cache);
   }
   std::unique_lock<stream_lock> slk(st.mu);
   pool& p = pool_of(st, small);
@@ -558,7 +559,10 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   if (!b) {
     ++stats_.num_alloc_retries;
     slk.unlock();
-    release_cached(dlk, empty_cache_mode::wait);
+    // empty_cache:wait waits (host, no lock held) on exactly the fence events; empty_cache:defer
+    // never blocks the host here: it releases what is safe now and queues the rest (case K8: a
+    // fenced stream may run a collective that waits for work this thread has yet to enqueue).
+    release_cached(dlk, opts_.empty_cache);
     slk.lock();
     b = find_block_locked(st, p, rounded);
   }
@@ -623,7 +627,32 @@ std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::s
      << ", reserved " << format_bytes(static_cast<std::size_t>(stats_.reserved_bytes.current))
      << ", largest free block " << format_bytes(largest_free_locked(held)) << "; limit "
      << format_bytes(limit_bytes_);
-  if (deferred_bytes_ != 0) os << "; " << format_bytes(deferred_bytes_) << " waiting for release fences";
+  if (deferred_bytes_ != 0) {
+    // Which streams the queued releases still wait for (polled; a failing query names none).
+    std::vector<stream_handle> busy;
+    bool device_wide = false;
+    for (const release_batch& batch : deferred_) {
+      device_wide = device_wide || batch.device_sync;
+      for (const auto& e : batch.fence) {
+        bool done = true;
+        try {
+          done = backend_.query_event(e.event);
+        } catch (const std::exception&) {
+        }
+        if (!done && std::find(busy.begin(), busy.end(), e.stream) == busy.end()) busy.push_back(e.stream);
+      }
+    }
+    os << "; " << format_bytes(deferred_bytes_) << " waiting behind release fences";
+    if (device_wide) {
+      os << " (a device-wide fence)";
+    } else if (!busy.empty()) {
+      os << " (streams still busy:";
+      for (stream_handle s : busy) os << " " << hex(s);
+      os << ")";
+    }
+    os << ": call reclaim() once that work has completed, or set empty_cache:wait to let the allocator wait "
+          "on the fences";
+  }
   return os.str();
 }
 

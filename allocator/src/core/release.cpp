@@ -261,6 +261,41 @@ std::size_t caching_allocator::impl::finish_deferred(std::unique_lock<std::mutex
   return released;
 }
 
+caching_allocator::impl::release_batch caching_allocator::impl::take_safe_locked(release_batch& batch) {
+  // Polls every event first (a failing query throws before anything moves), then moves out the
+  // blocks whose own fence streams (fence_streams_locked of their segment) are all idle.
+  release_batch safe;
+  if (batch.device_sync) return safe;
+  for (const auto& t : tombstones_) {
+    if (!backend_.query_event(t.event)) return safe;
+  }
+  std::vector<stream_handle> busy;
+  for (const auto& e : batch.fence) {
+    if (!backend_.query_event(e.event)) busy.push_back(e.stream);
+  }
+  std::vector<block*> keep;
+  for (block* b : batch.blocks) {
+    bool idle = true;
+    if (!busy.empty()) {
+      for (stream_handle s : fence_streams_locked(b->seg)) {
+        if (std::find(busy.begin(), busy.end(), s) != busy.end()) {
+          idle = false;
+          break;
+        }
+      }
+    }
+    if (idle) {
+      safe.blocks.push_back(b);
+      safe.bytes += b->size;
+    } else {
+      keep.push_back(b);
+    }
+  }
+  batch.blocks.swap(keep);
+  batch.bytes -= safe.bytes;
+  return safe;
+}
+
 std::size_t caching_allocator::impl::release_cached(std::unique_lock<std::mutex>& lk, empty_cache_mode mode) {
   for (auto& [s, st] : streams_) {
     std::lock_guard<stream_lock> slk(st->mu);
@@ -272,35 +307,48 @@ std::size_t caching_allocator::impl::release_cached(std::unique_lock<std::mutex>
   release_batch batch = collect_releasable_locked();
   if (!batch.blocks.empty()) {
     // Until the memory is given back or queued, any failure puts the blocks back in their pools.
+    release_batch now;  // what goes back to the driver in this call
     bool locked = true;
     try {
       record_fence_locked(batch);
-      const bool done = fence_done_locked(batch);
-      if (mode == empty_cache_mode::defer && !done) {
-        ++stats_.releases_deferred;
-        deferred_bytes_ += batch.bytes;
-        batch.id = next_batch_id_++;
-        trace(trace_action::release_deferred, batch.blocks.front()->addr, batch.bytes, batch.blocks.front()->seg->stream);
-        detail::log().debug("device {}: release of {} bytes deferred behind {} fence event(s)", backend_.device(),
-                            batch.bytes, batch.fence.size());
-        deferred_.push_back(std::move(batch));
+      if (mode == empty_cache_mode::defer) {
+        // Never blocks: what is safe now goes back, the rest waits in the queue behind its fence.
+        now = take_safe_locked(batch);
+        if (batch.blocks.empty()) {
+          now.fence = std::move(batch.fence);  // its events go back to the pool after the release
+          batch = release_batch{};
+        } else {
+          ++stats_.releases_deferred;
+          deferred_bytes_ += batch.bytes;
+          batch.id = next_batch_id_++;
+          trace(trace_action::release_deferred, batch.blocks.front()->addr, batch.bytes,
+                batch.blocks.front()->seg->stream);
+          detail::log().debug("device {}: release of {} bytes deferred behind {} fence event(s)", backend_.device(),
+                              batch.bytes, batch.fence.size());
+          deferred_.push_back(std::move(batch));
+          batch = release_batch{};
+        }
+      } else {
+        if (!fence_done_locked(batch)) {
+          for (auto& t : tombstones_) batch.fence.push_back({t.event, k_tombstone});
+          lk.unlock();
+          locked = false;
+          wait_fence_unlocked(batch);
+          lk.lock();
+          locked = true;
+          detail::log().debug("device {}: waited on {} fence event(s) to release {} bytes", backend_.device(),
+                              batch.fence.size(), batch.bytes);
+        }
+        now = std::move(batch);
         batch = release_batch{};
-      } else if (!done) {
-        for (auto& t : tombstones_) batch.fence.push_back({t.event, k_tombstone});
-        lk.unlock();
-        locked = false;
-        wait_fence_unlocked(batch);
-        lk.lock();
-        locked = true;
-        detail::log().debug("device {}: waited on {} fence event(s) to release {} bytes", backend_.device(),
-                            batch.fence.size(), batch.bytes);
       }
     } catch (...) {
       if (!locked) lk.lock();
+      restore_batch_locked(now);
       restore_batch_locked(batch);
       throw;
     }
-    if (!batch.blocks.empty()) released += release_batch_memory(lk, batch);
+    if (!now.blocks.empty()) released += release_batch_memory(lk, now);
   }
   released += finish_deferred(lk, mode == empty_cache_mode::wait);
   return released;
@@ -309,13 +357,23 @@ std::size_t caching_allocator::impl::release_cached(std::unique_lock<std::mutex>
 void caching_allocator::impl::destroy_all() {
   try {
     std::unique_lock<std::mutex> lk(mu_);
+    // Pending frees: the host waits on their events with no lock held (as everywhere: no lock
+    // across a host-blocking driver call), then retires them.
+    std::vector<event_handle> waits;
     for (auto& [s, st] : streams_) {
       std::lock_guard<stream_lock> slk(st->mu);
-      while (!st->pending.empty()) {
-        block* b = st->pending.front();
-        for (auto& e : b->events) backend_.synchronize_event(e.event);
-        retire_pending_locked(*st, b);
+      for (block* b : st->pending) {
+        for (auto& e : b->events) waits.push_back(e.event);
       }
+    }
+    if (!waits.empty()) {
+      lk.unlock();
+      for (event_handle e : waits) backend_.synchronize_event(e);
+      lk.lock();
+    }
+    for (auto& [s, st] : streams_) {
+      std::lock_guard<stream_lock> slk(st->mu);
+      while (!st->pending.empty()) retire_pending_locked(*st, st->pending.front());
     }
     release_cached(lk, empty_cache_mode::wait);
     std::size_t live = 0;
