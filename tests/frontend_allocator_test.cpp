@@ -309,12 +309,8 @@ TEST_CASE("On the GPU, the front end serves, routes and empties the cache", "[gp
 }
 
 TEST_CASE("On the GPU, a block freed while another device is current returns to its own device (K7)",
-          "[gpu][frontend]") {
-  STREAMSAFE_REQUIRE_GPU();
-  if (streamsafe::test::gpu_count() < 2) {
-    WARN("skipped: needs two GPUs");
-    return;
-  }
+          "[gpu][frontend][multigpu]") {
+  STREAMSAFE_REQUIRE_GPUS(2);
   allocator alloc;
   void* p = alloc.allocate(MiB, 1, nullptr);
   REQUIRE(cudaSetDevice(0) == cudaSuccess);

@@ -1,5 +1,5 @@
-// Internal to streamsafe_kernels: element access (fp32 / bf16, scalar and 4-wide), argument
-// checks, and the host side of the foreach chunking (multi-tensor apply).
+// Internal to streamsafe_kernels: the global timer, element access (fp32 / bf16, scalar and
+// 4-wide), argument checks, and the host side of the foreach chunking (multi-tensor apply).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -13,6 +13,13 @@
 namespace streamsafe::kernels::detail {
 
 using bf16 = __nv_bfloat16;
+
+// The GPU's global timer, in nanoseconds (for bounded spins).
+__device__ __forceinline__ std::uint64_t globaltimer_ns() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 // ---- element access ---------------------------------------------------------------------------
 

@@ -13,11 +13,7 @@ namespace {
 inline constexpr int bytes_block_threads = 256;
 inline constexpr std::size_t bytes_max_blocks = 4096;
 
-__device__ __forceinline__ std::uint64_t globaltimer_ns() {
-  std::uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+using detail::globaltimer_ns;
 
 __global__ void spin_kernel(std::uint64_t ns) {
   const std::uint64_t start = globaltimer_ns();

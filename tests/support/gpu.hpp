@@ -1,6 +1,7 @@
 // Test support: is there a GPU? [gpu] tests call STREAMSAFE_REQUIRE_GPU() first, which skips
 // the test with a message where none is present (no driver: cudaErrorInsufficientDriver; a
-// driver and no device: cudaErrorNoDevice).
+// driver and no device: cudaErrorNoDevice). Tests that need several GPUs ([multigpu]) call
+// STREAMSAFE_REQUIRE_GPUS(n), which skips them, with a message, where fewer are present.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -29,4 +30,12 @@ inline int gpu_count() {
       WARN("skipped: no GPU present (cudaGetDeviceCount found none)");    \
       return;                                                             \
     }                                                                     \
+  } while (0)
+
+#define STREAMSAFE_REQUIRE_GPUS(n)                                                                     \
+  do {                                                                                                 \
+    if (::streamsafe::test::gpu_count() < (n)) {                                                       \
+      WARN("skipped: needs " << (n) << " GPUs, " << ::streamsafe::test::gpu_count() << " present"); \
+      return;                                                                                          \
+    }                                                                                                  \
   } while (0)

@@ -48,6 +48,22 @@ expandable_backend::expandable_backend(int device) : cuda_event_ops(device) {
       &recommended, &prop_, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
   if (recommended == 0) recommended = min_granularity;
   granularity_ = (min_granularity + recommended - 1) / recommended * recommended;
+  CUmemAccessDesc self{};
+  self.location = prop_.location;
+  self.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  access_.push_back(self);
+  int count = 0;
+  STREAMSAFE_CUDA_CHECK(cudaGetDeviceCount(&count));
+  for (int peer = 0; peer < count; ++peer) {
+    if (peer == device) continue;
+    int can_access = 0;
+    STREAMSAFE_CUDA_CHECK(cudaDeviceCanAccessPeer(&can_access, peer, device));
+    if (can_access == 0) continue;
+    peers_.push_back(peer);
+    CUmemAccessDesc desc = self;
+    desc.location.id = peer;
+    access_.push_back(desc);
+  }
   std::size_t free_bytes = 0;
   STREAMSAFE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes_));
 }
@@ -193,12 +209,10 @@ bool expandable_backend::map(void* addr, std::size_t size_bytes) {
     failed_call = "cuMemMap(base, size, 0, handle, 0)";
     STREAMSAFE_CU_CHECK_NOTHROW(driver::mem_release(handle));
   } else {
-    CUmemAccessDesc access{};
-    access.location = prop_.location;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    failure = driver::mem_set_access(base, size_bytes, &access, 1);
+    // Read/write for the device and every peer that can access it (one call for all).
+    failure = driver::mem_set_access(base, size_bytes, access_.data(), access_.size());
     if (failure != CUDA_SUCCESS) {
-      failed_call = "cuMemSetAccess(base, size, &access, 1)";
+      failed_call = "cuMemSetAccess(base, size, access (device and peers), count)";
       const mapping m{handle, size_bytes};
       unmap_and_release(base, &m, 1);
     }

@@ -6,8 +6,12 @@
 //  * reserve_address_range / release_address_range: cuMemAddressReserve / cuMemAddressFree,
 //    sizes rounded up to the granularity (the same rounding on both sides).
 //  * map(addr, size): ONE physical allocation (cuMemCreate) of the whole range, cuMemMap'ed,
-//    then cuMemSetAccess read/write for the device. Out of memory: nothing stays mapped and
-//    map returns false. The caching allocator maps one chunk per call (expandable_chunk_mb).
+//    then cuMemSetAccess read/write for the device AND for every peer device that can access
+//    it (cudaDeviceCanAccessPeer, asked once at construction; peer_devices()). So kernels on a
+//    peer device may read and write any block of an expandable segment, including chunks
+//    mapped later; VMM memory needs no cudaDeviceEnablePeerAccess. Out of memory: nothing stays
+//    mapped and map returns false. The caching allocator maps one chunk per call
+//    (expandable_chunk_mb).
 //  * unmap(addr, size): cuMemUnmap + cuMemRelease of each mapped range inside; the range must
 //    be a union of whole ranges given to map(). NO synchronisation: the allocator fences
 //    before it (this is the call that faults under pending work).
@@ -32,6 +36,7 @@
 #include <cstddef>
 #include <map>
 #include <mutex>
+#include <vector>
 
 namespace streamsafe::cuda {
 
@@ -56,6 +61,9 @@ class expandable_backend final : public cuda_event_ops {
 
   // Ranges mapped now, one per map() call (statistics, tests).
   std::size_t mapped_chunk_count() const;
+  // The other devices that map() grants read/write access to (those that can access this
+  // device's memory), in increasing order; empty on a single-GPU machine.
+  const std::vector<int>& peer_devices() const noexcept { return peers_; }
 
  private:
   struct mapping {
@@ -71,6 +79,8 @@ class expandable_backend final : public cuda_event_ops {
                          std::size_t count) const noexcept;
 
   CUmemAllocationProp prop_{};
+  std::vector<int> peers_;
+  std::vector<CUmemAccessDesc> access_;  // read/write for the device, then each peer
   std::size_t granularity_ = 0;
   std::size_t total_bytes_ = 0;
   mutable std::mutex mutex_;
