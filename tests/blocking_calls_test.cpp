@@ -58,7 +58,13 @@ struct blocking_device {
   sim::simulated_device dev;
   blocking_host_backend host;
   caching_allocator alloc;
-  blocking_device(options o, int device) : dev(sim_config(8 * GiB, device)), host(dev), alloc(host, o) {}
+  blocking_device(options o, int device, bool free_segment_synchronizes = false)
+      : dev(config(device, free_segment_synchronizes)), host(dev), alloc(host, o) {}
+  static sim::device_config config(int device, bool free_segment_synchronizes) {
+    sim::device_config c = sim_config(8 * GiB, device);
+    c.free_segment_synchronizes = free_segment_synchronizes;  // cudaFree waits for the device
+    return c;
+  }
 };
 
 // Allocates, or notes what was thrown in `error` (Catch2 assertions are not thread-safe).
@@ -80,6 +86,20 @@ void read_on(blocking_device& d, void* p, std::size_t size, stream_handle after,
   d.dev.launch(on, 10, {reads(p, size)}, "a read on another stream");
   d.alloc.record_stream(p, on);
   d.dev.destroy_event(ev);
+}
+
+// One thread: holds stream c (the waiting half of a collective), allocates 70 MiB on stream 0
+// (the result or the error goes to got / error), then opens the hold (the other half arrives).
+// Returns whether that thread finished in time.
+bool allocate_during_collective(blocking_device& d, stream_handle c, void*& got, std::string& error) {
+  const std::uint64_t collective = d.dev.hold(c, "collective: waits for another device");
+  return finishes_within(
+      10s,
+      [&] {
+        got = try_allocate(d.alloc, 70 * MiB, 0, error);
+        d.dev.open(collective);
+      },
+      [&] { d.dev.open(collective); });
 }
 
 options k8_options(backend_kind backend, fence_scope scope, empty_cache_mode mode) {
@@ -164,17 +184,11 @@ TEST_CASE("K8: with empty_cache:defer, the out-of-memory path releases what is a
     d.alloc.deallocate(b);
     d.dev.run_until_idle();
     d.alloc.reclaim();  // b's use on c is over: b is cached on t
-    const std::uint64_t collective = d.dev.hold(c, "collective: waits for another device");
 
     void* got = nullptr;
     std::string error;
-    const bool in_time = finishes_within(
-        10s,
-        [&] {
-          got = try_allocate(d.alloc, 70 * MiB, 0, error);  // 80 MiB reserved + 70 > 100: a's 60 MiB must go
-          d.dev.open(collective);
-        },
-        [&] { d.dev.open(collective); });
+    // 80 MiB reserved + 70 > 100: a's 60 MiB must go.
+    const bool in_time = allocate_during_collective(d, c, got, error);
     CHECK(in_time);
     INFO(error);
     CHECK(got != nullptr);
@@ -247,6 +261,46 @@ TEST_CASE("K8: with empty_cache:wait, the out-of-memory path waits on exactly th
     d.dev.run_until_idle();
     if (got) d.alloc.deallocate(got);
     d.alloc.deallocate(live_on_u);
+    CHECK(d.dev.fault_count() == 0);
+    d.alloc.check_invariants();
+  }
+}
+
+TEST_CASE("K8: with empty_cache:defer and a free_segment that waits for the whole device (cudaFree), no segment "
+          "is freed while a collective runs on a stream the allocator knows",
+          "[cases][K8]") {
+  for (auto scope : {fence_scope::used_streams, fence_scope::all_streams}) {
+    INFO("release_fence " << to_string(scope));
+    blocking_device d(k8_options(backend_kind::cuda_malloc, scope, empty_cache_mode::defer), 0, true);
+    const auto s = d.dev.create_stream();
+    const auto c = d.dev.create_stream();  // the collective's stream
+    void* on_c = d.alloc.allocate(4 * KiB, c);
+    d.alloc.deallocate(on_c);
+    void* a = d.alloc.allocate(60 * MiB, s);  // never touched by c
+    d.dev.launch(s, 10, {writes(a, 60 * MiB, 0x11)}, "compute");
+    d.alloc.deallocate(a);
+    if (scope == fence_scope::all_streams) {
+      // An earlier empty_cache queued the cache behind s's kernel; that fence completes before
+      // the collective starts, so only the device-wide wait of cudaFree could still block.
+      CHECK(d.alloc.empty_cache() == 0);
+      CHECK(d.alloc.pending_release_bytes() == 62 * MiB);
+    }
+    d.dev.run_until_idle();
+
+    void* got = nullptr;
+    std::string error;
+    const bool in_time = allocate_during_collective(d, c, got, error);  // 62 + 70 > 100
+    CHECK(in_time);
+    CHECK(d.host.blocking_calls() == 0);
+    INFO(error);
+    CHECK(got == nullptr);
+    CHECK(error.find("waiting behind release fences") != std::string::npos);
+    CHECK(d.dev.counters().segment_frees == 0);
+    if (got) d.alloc.deallocate(got);
+    d.dev.run_until_idle();
+    CHECK(d.alloc.reclaim() == 62 * MiB);  // every stream idle: the queue drains without waiting
+    CHECK(d.host.blocking_calls() == 2);   // the two cudaFree-like calls, on an idle device
+    CHECK(d.host.blocked_calls() == 0);
     CHECK(d.dev.fault_count() == 0);
     d.alloc.check_invariants();
   }

@@ -3,8 +3,8 @@
 //
 // sim::simulated_device refuses a host wait that an unopened hold blocks (backend_error, "would
 // never complete"), because one thread would wait for ever. This backend forwards every call to
-// a simulated device, except that synchronize_event / synchronize_device, when a hold blocks
-// them, retry every millisecond until another thread opens the hold; after `limit` they give up
+// a simulated device, except that synchronize_event / synchronize_device (and free_segment when
+// it models cudaFree's device-wide wait), when a hold blocks them, retry every millisecond until another thread opens the hold; after `limit` they give up
 // with backend_error ("still blocked after ... ms: the host would hang"), so that a test fails
 // instead of hanging. It notes which stream each host wait was on (the stream the event was last
 // recorded on) and whether a thread is blocked in one now.
@@ -63,7 +63,17 @@ class blocking_host_backend final : public device_backend {
   int device() const noexcept override { return dev_.device(); }
   const char* name() const noexcept override { return dev_.name(); }
   void* allocate_segment(std::size_t size_bytes) override { return dev_.allocate_segment(size_bytes); }
-  void free_segment(void* base, std::size_t size_bytes) override { dev_.free_segment(base, size_bytes); }
+  // With sim::device_config::free_segment_synchronizes (a model of cudaFree) this is a host wait
+  // on the whole device too.
+  void free_segment(void* base, std::size_t size_bytes) override {
+    if (!dev_.free_segment_synchronizes()) return dev_.free_segment(base, size_bytes);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      waited_.push_back(k_whole_device);
+    }
+    block_until([&] { dev_.free_segment(base, size_bytes); }, "free_segment");
+  }
+  bool free_segment_synchronizes() const noexcept override { return dev_.free_segment_synchronizes(); }
   bool supports_expandable() const noexcept override { return dev_.supports_expandable(); }
   std::size_t map_granularity_bytes() const noexcept override { return dev_.map_granularity_bytes(); }
   void* reserve_address_range(std::size_t size_bytes) override { return dev_.reserve_address_range(size_bytes); }

@@ -168,8 +168,12 @@ struct caching_allocator::impl {
   release_batch collect_releasable_locked();
   void record_fence_locked(release_batch& batch);
   bool fence_done_locked(const release_batch& batch);
-  // Moves out of `batch` the blocks whose fence streams are idle now (polled, never waited on).
+  // Moves out of `batch` the blocks whose fence streams are idle now (polled, never waited on),
+  // and whose release would not block (free_segment_would_block_locked).
   release_batch take_safe_locked(release_batch& batch);
+  // True when free_segment waits for the whole device (cudaFree) and some known stream is busy
+  // now (one pooled event recorded and polled per stream); never blocks.
+  bool free_segment_would_block_locked();
   void wait_fence_unlocked(release_batch& batch);
   void restore_batch_locked(release_batch& batch);
   std::size_t release_batch_memory(std::unique_lock<std::mutex>& lk, release_batch& batch);

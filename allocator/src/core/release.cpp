@@ -236,6 +236,13 @@ std::size_t caching_allocator::impl::finish_deferred(std::unique_lock<std::mutex
   while (!deferred_.empty()) {
     const bool done = fence_done_locked(deferred_.front());
     if (!done && !wait) break;
+    if (!wait) {
+      // Never blocks: a cudaFree'd segment goes back only while every known stream is idle now.
+      const auto& blocks = deferred_.front().blocks;
+      const bool frees_segment =
+          std::any_of(blocks.begin(), blocks.end(), [](const block* b) { return !b->seg->expandable; });
+      if (frees_segment && free_segment_would_block_locked()) break;
+    }
     if (!done) {
       release_batch& front = deferred_.front();
       const std::uint64_t waited_id = front.id;
@@ -261,6 +268,29 @@ std::size_t caching_allocator::impl::finish_deferred(std::unique_lock<std::mutex
   return released;
 }
 
+bool caching_allocator::impl::free_segment_would_block_locked() {
+  if (!backend_.free_segment_synchronizes()) return false;
+  for (auto& t : tombstones_) {
+    if (!backend_.query_event(t.event)) return true;  // a dead stream's last work
+  }
+  for (auto& [s, st] : streams_) {
+    if (!st->alive.load(std::memory_order_acquire)) continue;
+    const event_handle e = get_event();
+    bool idle = false;
+    try {
+      backend_.record_event(e, s);
+      idle = backend_.query_event(e);
+    } catch (...) {
+      put_event(e);
+      throw;
+    }
+    put_event(e);
+    ++stats_.events_recorded;
+    if (!idle) return true;
+  }
+  return false;
+}
+
 caching_allocator::impl::release_batch caching_allocator::impl::take_safe_locked(release_batch& batch) {
   // Polls every event first (a failing query throws before anything moves), then moves out the
   // blocks whose own fence streams (fence_streams_locked of their segment) are all idle.
@@ -273,18 +303,26 @@ caching_allocator::impl::release_batch caching_allocator::impl::take_safe_locked
   for (const auto& e : batch.fence) {
     if (!backend_.query_event(e.event)) busy.push_back(e.stream);
   }
-  std::vector<block*> keep;
-  for (block* b : batch.blocks) {
-    bool idle = true;
+  std::vector<char> idle(batch.blocks.size(), 1);
+  bool frees_segment = false;
+  for (std::size_t i = 0; i < batch.blocks.size(); ++i) {
+    const block* b = batch.blocks[i];
     if (!busy.empty()) {
       for (stream_handle s : fence_streams_locked(b->seg)) {
         if (std::find(busy.begin(), busy.end(), s) != busy.end()) {
-          idle = false;
+          idle[i] = 0;
           break;
         }
       }
     }
-    if (idle) {
+    frees_segment = frees_segment || (idle[i] && !b->seg->expandable);
+  }
+  // free_segment would wait for the whole device (cudaFree): only while every stream is idle.
+  const bool free_would_block = frees_segment && free_segment_would_block_locked();
+  std::vector<block*> keep;
+  for (std::size_t i = 0; i < batch.blocks.size(); ++i) {
+    block* b = batch.blocks[i];
+    if (idle[i] && !(free_would_block && !b->seg->expandable)) {
       safe.blocks.push_back(b);
       safe.bytes += b->size;
     } else {

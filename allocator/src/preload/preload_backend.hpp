@@ -27,6 +27,7 @@ class real_malloc_backend final : public cuda::cuda_event_ops {
   const char* name() const noexcept override { return "cuda_malloc"; }
   void* allocate_segment(std::size_t size_bytes) override;
   void free_segment(void* base, std::size_t size_bytes) override;
+  bool free_segment_synchronizes() const noexcept override { return true; }  // the real cudaFree
   bool supports_expandable() const noexcept override { return false; }
   std::size_t map_granularity_bytes() const noexcept override { return 0; }
   void* reserve_address_range(std::size_t size_bytes) override;
@@ -47,6 +48,7 @@ class watching_backend final : public device_backend {
   const char* name() const noexcept override { return inner_->name(); }
   void* allocate_segment(std::size_t size_bytes) override { return inner_->allocate_segment(size_bytes); }
   void free_segment(void* base, std::size_t size_bytes) override { inner_->free_segment(base, size_bytes); }
+  bool free_segment_synchronizes() const noexcept override { return inner_->free_segment_synchronizes(); }
   bool supports_expandable() const noexcept override { return inner_->supports_expandable(); }
   std::size_t map_granularity_bytes() const noexcept override { return inner_->map_granularity_bytes(); }
   void* reserve_address_range(std::size_t size_bytes) override { return inner_->reserve_address_range(size_bytes); }

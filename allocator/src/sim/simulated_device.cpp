@@ -721,11 +721,18 @@ void simulated_device::free_segment(void* base, std::size_t size_bytes) {
     d.fail("free_segment", "segment " + hex(addr) + " has " + std::to_string(it->second) +
                                " bytes, not " + std::to_string(size_bytes));
   }
+  if (d.config_.free_segment_synchronizes && !d.advance_until([&d] { return d.idle(); })) {
+    d.fail("free_segment", d.deadlock_message("the device-wide wait of free_segment (as cudaFree)"));
+  }
   d.check_release("free_segment", addr, size_bytes);
   d.segments_.erase(it);
   d.bytes_in_use_ -= size_bytes;
   d.assign_contents(addr, addr + size_bytes, std::nullopt);
   ++d.counters_.segment_frees;
+}
+
+bool simulated_device::free_segment_synchronizes() const noexcept {
+  return impl_->config_.free_segment_synchronizes;
 }
 
 // ---- device_backend: expandable segments ------------------------------------------------

@@ -14,7 +14,10 @@
 //    call (a scoped device guard) and restores the previous one.
 //  * Calls that release memory (free_segment, unmap) do NOT wait for pending GPU work, whatever
 //    the driver does underneath: the allocator fences before calling them. Calls that block the
-//    host are named synchronize_*.
+//    host are named synchronize_*, with one exception the backend declares:
+//    free_segment_synchronizes() is true when free_segment itself waits for all work on the
+//    device (cudaFree does); the allocator then frees a segment without waiting (empty_cache
+//    defer mode) only while every stream it knows is idle.
 //  * Failure: allocate_segment and map return false/nullptr when the device is out of memory;
 //    every other failure throws streamsafe::backend_error naming the call, device and driver
 //    error. Thread safety: a backend may be called from several threads at once.
@@ -41,6 +44,8 @@ class device_backend {
   virtual void* allocate_segment(std::size_t size_bytes) = 0;
   // Gives a segment returned by allocate_segment back to the driver.
   virtual void free_segment(void* base, std::size_t size_bytes) = 0;
+  // True when free_segment blocks the host until all work on the device has finished.
+  virtual bool free_segment_synchronizes() const noexcept { return false; }
 
   // ---- expandable segments (virtual memory management) ---------------------------------
   // True when reserve/map/unmap are available. Sizes and addresses passed to map/unmap are

@@ -5,7 +5,8 @@
 //
 // allocate_segment returns nullptr when cudaMalloc runs out of memory (the runtime's error is
 // cleared); every other failure throws backend_error. free_segment calls cudaFree, which
-// synchronises the device implicitly; the allocator fences before it anyway.
+// synchronises the device implicitly (free_segment_synchronizes() is true): the allocator fences
+// before it anyway, and in empty_cache defer mode frees only while every stream it knows is idle.
 //
 // Thread safety: stateless apart from the device index; every call may come from any thread
 // and runs under a device_guard for the backend's device.
@@ -26,6 +27,7 @@ class cuda_malloc_backend final : public cuda_event_ops {
 
   void* allocate_segment(std::size_t size_bytes) override;
   void free_segment(void* base, std::size_t size_bytes) override;
+  bool free_segment_synchronizes() const noexcept override { return true; }  // cudaFree
 
   bool supports_expandable() const noexcept override { return false; }
   // 0: this backend maps nothing.

@@ -76,6 +76,7 @@ class simulated_platform {
     const char* name() const noexcept override { return dev_.name(); }
     void* allocate_segment(std::size_t size_bytes) override { return out(dev_.allocate_segment(size_bytes)); }
     void free_segment(void* base, std::size_t size_bytes) override { dev_.free_segment(in(base), size_bytes); }
+    bool free_segment_synchronizes() const noexcept override { return dev_.free_segment_synchronizes(); }
     bool supports_expandable() const noexcept override { return dev_.supports_expandable(); }
     std::size_t map_granularity_bytes() const noexcept override { return dev_.map_granularity_bytes(); }
     void* reserve_address_range(std::size_t size_bytes) override {

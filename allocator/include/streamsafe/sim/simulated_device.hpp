@@ -66,6 +66,10 @@ struct device_config {
   std::size_t total_bytes = std::size_t{80} << 30;
   std::size_t granularity_bytes = std::size_t{2} << 20;
   bool supports_expandable = true;
+  // Model cudaFree: free_segment first waits until the device is idle (advancing the clock) and
+  // throws backend_error, freeing nothing, when an unopened hold blocks that (the host would
+  // deadlock).
+  bool free_segment_synchronizes = false;
 };
 
 class simulated_device final : public device_backend {
@@ -117,6 +121,7 @@ class simulated_device final : public device_backend {
   const char* name() const noexcept override;
   void* allocate_segment(std::size_t size_bytes) override;
   void free_segment(void* base, std::size_t size_bytes) override;
+  bool free_segment_synchronizes() const noexcept override;
   bool supports_expandable() const noexcept override;
   std::size_t map_granularity_bytes() const noexcept override;
   void* reserve_address_range(std::size_t size_bytes) override;
