@@ -54,6 +54,7 @@ class recording_backend final : public device_backend {
   const char* name() const noexcept override { return inner_.name(); }
   void* allocate_segment(std::size_t size_bytes) override;
   void free_segment(void* base, std::size_t size_bytes) override;
+  bool free_segment_synchronizes() const noexcept override { return inner_.free_segment_synchronizes(); }
   bool supports_expandable() const noexcept override { return inner_.supports_expandable(); }
   std::size_t map_granularity_bytes() const noexcept override { return inner_.map_granularity_bytes(); }
   void* reserve_address_range(std::size_t size_bytes) override;
@@ -66,6 +67,7 @@ class recording_backend final : public device_backend {
   bool query_event(event_handle event) override { return inner_.query_event(event); }
   void synchronize_event(event_handle event) override { inner_.synchronize_event(event); }
   void stream_wait_event(stream_handle stream, event_handle event) override { inner_.stream_wait_event(stream, event); }
+  bool query_stream(stream_handle stream) override { return inner_.query_stream(stream); }
   void synchronize_device() override { inner_.synchronize_device(); }
   void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override {
     inner_.memory_info(free_bytes, total_bytes);

@@ -100,6 +100,7 @@ class blocking_host_backend final : public device_backend {
     block_until([&] { dev_.synchronize_event(event); }, "synchronize_event");
   }
   void stream_wait_event(stream_handle stream, event_handle event) override { dev_.stream_wait_event(stream, event); }
+  bool query_stream(stream_handle stream) override { return dev_.query_stream(stream); }
   void synchronize_device() override {
     {
       std::lock_guard<std::mutex> lk(mu_);

@@ -172,7 +172,7 @@ struct caching_allocator::impl {
   // and whose release would not block (free_segment_would_block_locked).
   release_batch take_safe_locked(release_batch& batch);
   // True when free_segment waits for the whole device (cudaFree) and some known stream is busy
-  // now (one pooled event recorded and polled per stream); never blocks.
+  // now (query_stream on each live stream, and the tombstones); never blocks.
   bool free_segment_would_block_locked();
   void wait_fence_unlocked(release_batch& batch);
   void restore_batch_locked(release_batch& batch);

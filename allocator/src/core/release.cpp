@@ -5,8 +5,10 @@
 // releasing). A fence then covers every stream that may still touch that memory, chosen by the
 // fence scope: one event per stream, recorded now, not one per free. In wait mode the host
 // waits on exactly those events (never a device-wide sync unless the scope is `device`), with
-// the device lock dropped; in defer mode a batch whose fence is still pending is queued and
-// finished by later calls (reclaim, empty_cache, the allocation slow path). Only then are
+// the device lock dropped; in defer mode nothing blocks: the blocks whose own fence streams are
+// idle now go back at once, the rest is queued and finished by later calls (reclaim,
+// empty_cache, the allocation slow path), and when free_segment waits for the whole device
+// (cudaFree) a segment goes back only while every known stream is idle. Only then are
 // free_segment / unmap called, also without the lock. A failed driver call puts its memory back
 // in the pool. Every function here runs with the device lock (mu_) held on entry.
 #include "allocator_state.hpp"
@@ -274,19 +276,7 @@ bool caching_allocator::impl::free_segment_would_block_locked() {
     if (!backend_.query_event(t.event)) return true;  // a dead stream's last work
   }
   for (auto& [s, st] : streams_) {
-    if (!st->alive.load(std::memory_order_acquire)) continue;
-    const event_handle e = get_event();
-    bool idle = false;
-    try {
-      backend_.record_event(e, s);
-      idle = backend_.query_event(e);
-    } catch (...) {
-      put_event(e);
-      throw;
-    }
-    put_event(e);
-    ++stats_.events_recorded;
-    if (!idle) return true;
+    if (st->alive.load(std::memory_order_acquire) && !backend_.query_stream(s)) return true;
   }
   return false;
 }

@@ -18,6 +18,17 @@ cudaStream_t to_stream(stream_handle stream) noexcept {
   return reinterpret_cast<cudaStream_t>(stream);
 }
 
+// The answer of cudaEventQuery / cudaStreamQuery: true when done, false when not ready (an
+// answer, not an error: cleared); any other result throws backend_error naming the call.
+bool completed(cudaError_t result, const char* call, int line) {
+  if (result == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (result != cudaSuccess) detail::throw_cuda_error(result, call, __FILE__, line);
+  return true;
+}
+
 int checked_device(int device) {
   const int count = device_count();
   if (device < 0 || device >= count) {
@@ -57,15 +68,7 @@ void cuda_event_ops::record_event(event_handle event, stream_handle stream) {
 
 bool cuda_event_ops::query_event(event_handle event) {
   device_guard guard(device_);
-  const cudaError_t result = cudaEventQuery(to_event(event));
-  if (result == cudaErrorNotReady) {
-    (void)cudaGetLastError();  // "not ready" is an answer, not an error
-    return false;
-  }
-  if (result != cudaSuccess) {
-    detail::throw_cuda_error(result, "cudaEventQuery(event)", __FILE__, __LINE__);
-  }
-  return true;
+  return completed(cudaEventQuery(to_event(event)), "cudaEventQuery(event)", __LINE__);
 }
 
 void cuda_event_ops::synchronize_event(event_handle event) {
@@ -76,6 +79,11 @@ void cuda_event_ops::synchronize_event(event_handle event) {
 void cuda_event_ops::stream_wait_event(stream_handle stream, event_handle event) {
   device_guard guard(device_);
   STREAMSAFE_CUDA_CHECK(cudaStreamWaitEvent(to_stream(stream), to_event(event), 0));
+}
+
+bool cuda_event_ops::query_stream(stream_handle stream) {
+  device_guard guard(device_);
+  return completed(cudaStreamQuery(to_stream(stream)), "cudaStreamQuery(stream)", __LINE__);
 }
 
 void cuda_event_ops::synchronize_device() {

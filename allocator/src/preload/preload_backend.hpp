@@ -63,6 +63,7 @@ class watching_backend final : public device_backend {
   bool query_event(event_handle event) override { return inner_->query_event(event); }
   void synchronize_event(event_handle event) override { inner_->synchronize_event(event); }
   void stream_wait_event(stream_handle stream, event_handle event) override;
+  bool query_stream(stream_handle stream) override { return inner_->query_stream(stream); }
   void synchronize_device() override { inner_->synchronize_device(); }
   void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override {
     inner_->memory_info(free_bytes, total_bytes);

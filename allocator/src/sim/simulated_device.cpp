@@ -909,6 +909,8 @@ void simulated_device::stream_wait_event(stream_handle stream, event_handle even
   d.settle();
 }
 
+bool simulated_device::query_stream(stream_handle stream) { return stream_idle(stream); }
+
 void simulated_device::synchronize_device() {
   std::lock_guard<std::mutex> lock(impl_->mutex_);
   impl& d = *impl_;

@@ -69,6 +69,22 @@ class device_backend {
   virtual bool query_event(event_handle event) = 0;           // true once complete
   virtual void synchronize_event(event_handle event) = 0;     // blocks the host
   virtual void stream_wait_event(stream_handle stream, event_handle event) = 0;  // no host block
+  // True when all work enqueued on `stream` so far has completed (cudaStreamQuery); never blocks.
+  // The default records a fresh event and queries it, which may report an idle stream as busy
+  // for a moment (the record itself is still in flight).
+  virtual bool query_stream(stream_handle stream) {
+    const event_handle e = create_event();
+    bool idle = false;
+    try {
+      record_event(e, stream);
+      idle = query_event(e);
+    } catch (...) {
+      destroy_event(e);
+      throw;
+    }
+    destroy_event(e);
+    return idle;
+  }
   virtual void synchronize_device() = 0;                      // blocks the host on every stream
   virtual void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) = 0;
 };

@@ -18,7 +18,8 @@
 //
 // Alignment: every block is aligned to 512 bytes. Sizes are rounded up to a multiple of 512.
 // Thread safety: every public member may be called from any thread; one mutex guards the
-// allocator's state and is never held across a host-blocking driver call.
+// allocator's state, and neither it nor a stream lock is ever held across a host-blocking
+// driver call (synchronize_event, synchronize_device, a free_segment that synchronises).
 // Errors: see core/errors.hpp. Every throw leaves state and statistics unchanged.
 #pragma once
 
@@ -46,6 +47,14 @@ class caching_allocator {
   // Returns a block of at least size_bytes, aligned to 512 bytes, usable on `stream` at once.
   // Throws invalid_size for 0, out_of_memory when the device (or the configured limit) cannot
   // satisfy it after a safe release of cached memory and one retry.
+  // Blocking: with options::empty_cache == wait, the out-of-memory path (and the
+  // garbage-collection release) may block the host on the release fence, i.e. on exactly the
+  // fenced streams, without holding any lock. With empty_cache == defer it never blocks the
+  // host: it releases only memory whose fence has already completed (and, when free_segment
+  // waits for the whole device as cudaFree does, only while every known stream is idle),
+  // queues the rest, and throws out_of_memory if that is not enough; the message then names
+  // the bytes waiting behind fences and the streams still busy (case K8: a fenced stream may
+  // run a collective that waits for work this thread has yet to enqueue).
   void* allocate(std::size_t size_bytes, stream_handle stream);
 
   // Host free: the last use is on the allocation stream or on streams given to record_stream.
@@ -60,8 +69,9 @@ class caching_allocator {
   void record_stream(void* ptr, stream_handle stream);
 
   // Releases every cached block that is free to the driver, behind the release fence. In wait
-  // mode the host waits on exactly the fence events; in defer mode what is not yet safe is
-  // queued. Returns the bytes released by this call.
+  // mode the host waits on exactly the fence events (no lock held); in defer mode it never
+  // blocks: each block whose own fence streams are idle now goes back, the rest is queued.
+  // Returns the bytes released by this call.
   std::size_t empty_cache();
   std::size_t empty_cache(empty_cache_mode mode);
   // Finishes queued (deferred) releases whose fences have completed and retires completed

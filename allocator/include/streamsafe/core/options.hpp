@@ -21,10 +21,12 @@ enum class fence_scope {
   allocation_stream,  // only the segment's own stream: PyTorch expandable segments; UNSAFE
 };
 
-// What empty_cache does with memory whose fence has not completed.
+// What empty_cache (and the out-of-memory and garbage-collection releases of allocate) do with
+// memory whose fence has not completed.
 enum class empty_cache_mode {
-  wait,   // wait (host) on exactly the fence events, then release
-  defer,  // release what is safe now, queue the rest; later calls / reclaim() finish it
+  wait,   // wait (host, no lock held) on exactly the fence events, then release
+  defer,  // never block the host: release what is safe now, queue the rest; later calls /
+          // reclaim() finish it; allocate throws out_of_memory rather than wait (case K8)
 };
 
 enum class backend_kind { cuda_malloc, expandable };

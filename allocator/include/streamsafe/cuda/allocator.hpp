@@ -12,6 +12,9 @@
 //  * Memory goes back to the driver only behind a release fence (empty_cache, out of memory).
 // Both deallocate calls and record_stream find the owning device themselves: they may be
 // called whatever device is current (their CUDA calls run with the owner device current).
+// Several GPUs: each device's allocator fences, waits on and defers behind its own device's
+// streams (a device-1 block freed and released while device 0 is current waits on device 1's
+// streams only); empty_cache() walks the devices one by one and holds no lock across devices.
 //
 // Special stream handles (cudaStreamLegacy and cudaStreamPerThread are the same small integers
 // in every thread, so they are not identities):

@@ -1,5 +1,5 @@
 // streamsafe: cuda_event_ops, the part of a CUDA device backend that both CUDA backends share:
-// the device binding, events, stream waits, device synchronisation and memory info. The
+// the device binding, events, stream waits and queries, device synchronisation and memory info. The
 // segment calls are left to the derived backend (cuda_malloc_backend, expandable_backend).
 //
 // Events are created with cudaEventDisableTiming; stream and event handles are cudaStream_t /
@@ -29,6 +29,7 @@ class cuda_event_ops : public device_backend {
   bool query_event(event_handle event) final;
   void synchronize_event(event_handle event) final;
   void stream_wait_event(stream_handle stream, event_handle event) final;
+  bool query_stream(stream_handle stream) final;  // cudaStreamQuery
   void synchronize_device() final;
   void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) final;
 

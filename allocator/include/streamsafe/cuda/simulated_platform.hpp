@@ -95,6 +95,7 @@ class simulated_platform {
     void stream_wait_event(stream_handle stream, event_handle event) override {
       dev_.stream_wait_event(stream, event);
     }
+    bool query_stream(stream_handle stream) override { return dev_.query_stream(stream); }
     void synchronize_device() override { dev_.synchronize_device(); }
     void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override {
       dev_.memory_info(free_bytes, total_bytes);

@@ -136,6 +136,7 @@ class simulated_device final : public device_backend {
   // blocks it (the host would wait forever).
   void synchronize_event(event_handle event) override;
   void stream_wait_event(stream_handle stream, event_handle event) override;
+  bool query_stream(stream_handle stream) override;  // stream_idle(); never blocks
   void synchronize_device() override;  // advances until idle (throws like run_until_idle)
   void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override;
 
