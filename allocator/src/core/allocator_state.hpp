@@ -149,7 +149,11 @@ struct caching_allocator::impl {
   void process_events_locked(stream_state& st);
   void flush_quick_locked(pool& p);
   void retire_pending_locked(stream_state& st, block* b);
-  void free_found_locked(stream_state& st, block* b, const stream_handle* stream);
+  void free_found_locked(stream_state& st, block* b, const stream_handle* stream);  // mu_ held
+  // b's owner stream lock held (and mu_ when device_locked); see caching_allocator.cpp.
+  bool record_use_events_locked(block* b, const stream_handle* stream, bool device_locked);
+  void commit_free_locked(stream_state& st, block* b, const stream_handle* stream);
+  stream_state* cached_live_state(stream_handle stream) const;  // this thread's stream cache
   void free_same_stream_locked(stream_state& st, block* b);  // b already out of the active map
   event_handle get_event();
   void put_event(event_handle e);

@@ -680,55 +680,104 @@ void caching_allocator::impl::free_found_locked(stream_state& st, block* b, cons
     free_same_stream_locked(st, b);
     return;
   }
-  std::vector<stream_handle> wait_on = b->uses;
-  if (stream && *stream != seg->stream && std::find(wait_on.begin(), wait_on.end(), *stream) == wait_on.end()) {
-    wait_on.push_back(*stream);
+  st.active.erase(b->addr);
+  try {
+    record_use_events_locked(b, stream, true);
+  } catch (...) {
+    st.active.insert(b);
+    throw;
   }
-  // Record every event first: a failure leaves the block active and the state unchanged. (mu_
-  // is held here.) A stream announced as destroyed gets no call: its tombstone event covers it.
-  std::vector<detail::pending_event> events;
-  if (!wait_on.empty()) {
-    events.reserve(wait_on.size());
-    try {
-      for (stream_handle s : wait_on) {
-        auto it = streams_.find(s);
-        if (it != streams_.end() && !it->second->alive.load(std::memory_order_acquire)) {
-          for (auto& t : tombstones_) {
-            if (t.stream == s) events.push_back({t.event, detail::k_tombstone_stream});
-          }
-          continue;
-        }
-        event_handle e = get_event();
-        events.push_back({e, s});
-        backend_.record_event(e, s);
-      }
-    } catch (...) {
-      for (auto& e : events) {
-        if (e.stream != detail::k_tombstone_stream) put_event(e.event);
-      }
-      throw;
+  commit_free_locked(st, b, stream);
+}
+
+caching_allocator::impl::stream_state* caching_allocator::impl::cached_live_state(stream_handle stream) const {
+  for (const auto& e : t_cache.streams) {
+    if (e.owner == id_ && e.stream == stream) {
+      auto* st = static_cast<stream_state*>(e.state);
+      return st->alive.load(std::memory_order_acquire) ? st : nullptr;
     }
   }
+  return nullptr;
+}
+
+bool caching_allocator::impl::record_use_events_locked(block* b, const stream_handle* stream, bool device_locked) {
+  // One event per stream that may still use b: its record_stream uses and, for a stream-ordered
+  // free, the stream of last use. Every event is recorded before anything changes: a failure
+  // leaves b->events empty and the block as it was. A stream announced as destroyed gets no
+  // call: its tombstone event covers it (device lock needed to see them). Without the device
+  // lock, only streams this thread knows to be alive are handled; otherwise nothing is
+  // recorded and false is returned.
+  const segment* seg = b->seg;
+  std::vector<detail::pending_event>& events = b->events;
+  events.reserve(b->uses.size() + 1);
+  auto unwind = [&] {
+    for (auto& e : events) {
+      if (e.stream != detail::k_tombstone_stream) put_event(e.event);
+    }
+    events.clear();
+  };
+  auto record_on = [&](stream_handle s) {
+    if (device_locked) {
+      auto it = streams_.find(s);
+      if (it != streams_.end() && !it->second->alive.load(std::memory_order_acquire)) {
+        for (auto& t : tombstones_) {
+          if (t.stream == s) events.push_back({t.event, detail::k_tombstone_stream});
+        }
+        return true;
+      }
+    } else if (cached_live_state(s) == nullptr) {
+      return false;
+    }
+    event_handle e = get_event();
+    try {
+      backend_.record_event(e, s);
+    } catch (...) {
+      put_event(e);
+      throw;
+    }
+    events.push_back({e, s});
+    return true;
+  };
+  try {
+    for (stream_handle s : b->uses) {
+      if (!record_on(s)) {
+        unwind();
+        return false;
+      }
+    }
+    if (stream && *stream != seg->stream &&
+        std::find(b->uses.begin(), b->uses.end(), *stream) == b->uses.end() && !record_on(*stream)) {
+      unwind();
+      return false;
+    }
+  } catch (...) {
+    unwind();
+    throw;
+  }
+  return true;
+}
+
+void caching_allocator::impl::commit_free_locked(stream_state& st, block* b, const stream_handle* stream) {
+  // b is out of the active map and b->events holds its recorded events (possibly none).
+  segment* seg = b->seg;
   if (stream) note_use_locked(seg, *stream);
-  st.active.erase(b->addr);
   const auto bytes = static_cast<std::int64_t>(b->size);
   trace(trace_action::free_requested, b->addr, b->requested, seg->stream);
-  if (events.empty()) trace(trace_action::free_completed, b->addr, b->requested, seg->stream);
+  if (b->events.empty()) trace(trace_action::free_completed, b->addr, b->requested, seg->stream);
   st.st.allocated_bytes.sub(bytes);
   st.st.requested_bytes.sub(static_cast<std::int64_t>(b->requested));
   st.st.allocation.sub(1);
-  st.st.events_recorded += events.size();
+  st.st.events_recorded += b->events.size();
   st.cur_allocated.store(st.st.allocated_bytes.current, std::memory_order_relaxed);
   st.cur_requested.store(st.st.requested_bytes.current, std::memory_order_relaxed);
-  if (events.empty()) {
+  b->uses.clear();
+  if (b->events.empty()) {
     free_block_locked(b);
     return;
   }
   st.st.pending_bytes.add(bytes);  // still active: waiting for other streams
   st.st.pending.add(1);
   st.cur_pending.store(st.st.pending_bytes.current, std::memory_order_relaxed);
-  b->events = std::move(events);
-  b->uses.clear();
   b->state = block_state::pending_free;
   b->pending_pos = st.pending.insert(st.pending.end(), b);
 }
@@ -736,9 +785,11 @@ void caching_allocator::impl::free_found_locked(stream_state& st, block* b, cons
 void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* stream) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   if (stream) state_for(*stream);  // a stream-ordered free makes the stream known (for fences)
-  // Fast path: a same-stream free of a block of the stream this thread allocated from last.
-  // Frees that record events (uses on other streams) take the device lock below, which lets
-  // them see which streams are gone.
+  // Fast path: a free of a block of the stream this thread allocated from last, under that
+  // stream's lock alone. A same-stream free records nothing; a free with uses on other streams
+  // records their events here too when this thread knows each of those streams to be alive
+  // (its stream cache); otherwise (a stream that may be gone) the device lock is taken below,
+  // which lets the free see the tombstones of destroyed streams.
   if (const stream_cache_entry& last = t_cache.last_used; last.owner == id_) {
     auto& st = *static_cast<stream_state*>(last.state);
     std::lock_guard<stream_lock> slk(st.mu);
@@ -747,7 +798,18 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
         free_same_stream_locked(st, b);
         return;
       }
-      st.active.insert(b);  // needs events: the slow path below
+      bool recorded = false;
+      try {
+        recorded = record_use_events_locked(b, stream, false);
+      } catch (...) {
+        st.active.insert(b);
+        throw;
+      }
+      if (recorded) {
+        commit_free_locked(st, b, stream);
+        return;
+      }
+      st.active.insert(b);  // a stream this thread does not know: the slow path below
     }
   }
   std::lock_guard<std::mutex> dlk(mu_);
@@ -811,6 +873,19 @@ void caching_allocator::deallocate(void* ptr, stream_handle stream) { impl_->dea
 void caching_allocator::record_stream(void* ptr, stream_handle stream) {
   impl& m = *impl_;
   m.state_for(stream);  // the stream becomes known (for fences)
+  // Fast path: a block of the stream this thread allocated from last, under that stream's lock
+  // (which guards the block and its segment's used streams).
+  if (const stream_cache_entry& last = t_cache.last_used; last.owner == m.id_) {
+    auto& st = *static_cast<impl::stream_state*>(last.state);
+    std::lock_guard<stream_lock> slk(st.mu);
+    if (block* b = st.active.find(reinterpret_cast<std::uintptr_t>(ptr))) {
+      if (stream != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
+        b->uses.push_back(stream);
+      }
+      m.note_use_locked(b->seg, stream);
+      return;
+    }
+  }
   std::lock_guard<std::mutex> dlk(m.mu_);
   impl::stream_state* owner = m.owner_locked(ptr);
   std::unique_lock<stream_lock> slk;

@@ -4,6 +4,7 @@
 #include <streamsafe/cuda/cuda_check.hpp>
 #include <streamsafe/cuda/cuda_event_ops.hpp>
 #include <streamsafe/cuda/device_guard.hpp>
+#include <streamsafe/cuda/driver_api.hpp>
 #include <streamsafe/cuda/gpu.hpp>
 
 #include <cuda_runtime_api.h>
@@ -50,13 +51,29 @@ void cuda_event_ops::destroy_event(event_handle event) noexcept {
   }
 }
 
+// The event calls go through the driver API (cheaper than the runtime's wrappers, see
+// driver_api.hpp). A thread on which the runtime has not bound a context yet gets
+// CUDA_ERROR_INVALID_CONTEXT from the driver; the runtime call then does the work (and binds the
+// context for the next call). The handles are the same objects in both APIs (cudaEvent_t is
+// CUevent, cudaStream_t is CUstream, including the legacy and per-thread stream values).
 void cuda_event_ops::record_event(event_handle event, stream_handle stream) {
   device_guard guard(device_);
+  const CUresult r = driver::event_record(reinterpret_cast<CUevent>(event), reinterpret_cast<CUstream>(stream));
+  if (r == CUDA_SUCCESS) return;
+  if (r != CUDA_ERROR_INVALID_CONTEXT && r != CUDA_ERROR_NOT_INITIALIZED) {
+    detail::throw_cu_error(r, "cuEventRecord(event, stream)", __FILE__, __LINE__);
+  }
   STREAMSAFE_CUDA_CHECK(cudaEventRecord(to_event(event), to_stream(stream)));
 }
 
 bool cuda_event_ops::query_event(event_handle event) {
   device_guard guard(device_);
+  const CUresult r = driver::event_query(reinterpret_cast<CUevent>(event));
+  if (r == CUDA_SUCCESS) return true;
+  if (r == CUDA_ERROR_NOT_READY) return false;
+  if (r != CUDA_ERROR_INVALID_CONTEXT && r != CUDA_ERROR_NOT_INITIALIZED) {
+    detail::throw_cu_error(r, "cuEventQuery(event)", __FILE__, __LINE__);
+  }
   const cudaError_t result = cudaEventQuery(to_event(event));
   if (result == cudaErrorNotReady) {
     (void)cudaGetLastError();  // "not ready" is an answer, not an error
@@ -75,6 +92,12 @@ void cuda_event_ops::synchronize_event(event_handle event) {
 
 void cuda_event_ops::stream_wait_event(stream_handle stream, event_handle event) {
   device_guard guard(device_);
+  const CUresult r =
+      driver::stream_wait_event(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUevent>(event), 0);
+  if (r == CUDA_SUCCESS) return;
+  if (r != CUDA_ERROR_INVALID_CONTEXT && r != CUDA_ERROR_NOT_INITIALIZED) {
+    detail::throw_cu_error(r, "cuStreamWaitEvent(stream, event)", __FILE__, __LINE__);
+  }
   STREAMSAFE_CUDA_CHECK(cudaStreamWaitEvent(to_stream(stream), to_event(event), 0));
 }
 
