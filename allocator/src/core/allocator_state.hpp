@@ -64,7 +64,9 @@ struct caching_allocator::impl {
 
   // A stream the allocator has seen, with its two pools.
   using stream_lock = detail::spin_lock;
-  struct stream_state {
+  // Cache-line aligned: threads on different streams write only their own stream_state, and no
+  // two of them share a line (no false sharing on the fast path).
+  struct alignas(64) stream_state {
     stream_lock mu;
     stream_handle handle = 0;
     pool small_pool;
