@@ -34,6 +34,7 @@ struct entry_points {
   PFN_cuEventRecord_v2000 event_record = nullptr;
   PFN_cuEventQuery_v2000 event_query = nullptr;
   PFN_cuStreamWaitEvent_v3020 stream_wait_event = nullptr;
+  PFN_cuCtxGetCurrent_v4000 ctx_get_current = nullptr;
   std::string error;  // empty when every entry point was found
 };
 
@@ -86,6 +87,7 @@ entry_points load_entry_points() noexcept {
     fetch("cuEventRecord", table.event_record, table.error);
     fetch("cuEventQuery", table.event_query, table.error);
     fetch("cuStreamWaitEvent", table.stream_wait_event, table.error);
+    fetch("cuCtxGetCurrent", table.ctx_get_current, table.error);
   } catch (...) {  // std::bad_alloc building the message
     if (table.error.empty()) table.error = "streamsafe: cannot load the CUDA driver entry points";
   }
@@ -131,6 +133,11 @@ CUresult event_query(CUevent event) noexcept {
 CUresult stream_wait_event(CUstream stream, CUevent event, unsigned int flags) noexcept {
   const entry_points* t = usable();
   return t ? t->stream_wait_event(stream, event, flags) : CUDA_ERROR_NOT_INITIALIZED;
+}
+
+CUresult ctx_get_current(CUcontext* context) noexcept {
+  const entry_points* t = usable();
+  return t ? t->ctx_get_current(context) : CUDA_ERROR_NOT_INITIALIZED;
 }
 
 CUresult mem_release(CUmemGenericAllocationHandle handle) noexcept {

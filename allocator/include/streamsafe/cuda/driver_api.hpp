@@ -49,6 +49,8 @@ CUresult mem_get_allocation_granularity(std::size_t* granularity,
 CUresult event_record(CUevent event, CUstream stream) noexcept;
 CUresult event_query(CUevent event) noexcept;
 CUresult stream_wait_event(CUstream stream, CUevent event, unsigned int flags) noexcept;
+// cuCtxGetCurrent: the calling thread's current context (a thread-local read in the driver).
+CUresult ctx_get_current(CUcontext* context) noexcept;
 
 // cuGetErrorName / cuGetErrorString ("CUDA_ERROR_OUT_OF_MEMORY", "out of memory"); a fixed
 // fallback text when the driver cannot name the code. Never null.
