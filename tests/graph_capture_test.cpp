@@ -59,7 +59,8 @@ const char* name_of(backend_kind b) { return b == backend_kind::expandable ? "ex
 struct capture_env : sim_env {
   stream_handle s, other;
   explicit capture_env(backend_kind backend) : capture_env(make_options(backend)) {}
-  explicit capture_env(options o) : sim_env(o), s(dev.create_stream()), other(dev.create_stream()) {
+  explicit capture_env(options o, sim::device_config c = sim_config())
+      : sim_env(o, c), s(dev.create_stream()), other(dev.create_stream()) {
     alloc.allocate(4 * KiB, other);
   }
   void begin() {
@@ -251,6 +252,24 @@ TEST_CASE("K11: a block from before the capture, freed inside it, is the graph's
     env.dev.launch(s, 10, {writes(z, 16 * MiB, 0x30)}, "eager write after the release");
     env.alloc.deallocate(z);
   }
+  env.finish();
+}
+
+TEST_CASE("K11: expandable growth that runs out of device memory part-way during a capture unmaps nothing",
+          "[cases][K11][graph]") {
+  // 100 MiB device, 60 MiB of it taken outside the allocator (and 2 MiB by the other stream):
+  // mapping 60 MiB in 20 MiB chunks runs out after one chunk. Outside a capture they would be unmapped again; during one that
+  // is illegal, so they stay mapped in the graph's pool.
+  capture_env env(make_options(backend_kind::expandable), sim_config(100 * MiB));
+  REQUIRE(env.dev.allocate_segment(60 * MiB) != nullptr);
+  env.begin();
+  CHECK_THROWS_AS(env.alloc.allocate(60 * MiB, env.s), out_of_memory);
+  CHECK(env.dev.counters().unmaps == 0);
+  CHECK(env.dev.fault_count() == 0);
+  void* p = env.alloc.allocate(16 * MiB, env.s);  // served from the chunk kept
+  CHECK(env.dev.is_mapped(addr(p), 16 * MiB));
+  env.alloc.deallocate(p);
+  REQUIRE_NOTHROW(env.end());
   env.finish();
 }
 

@@ -194,7 +194,7 @@ struct caching_allocator::impl {
   block* best_fit(pool& p, std::size_t rounded) const;
   block* take_pending_locked(stream_state& st, pool& p, std::size_t rounded);
   block* new_segment_locked(pool& p, std::size_t rounded);
-  bool map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk);
+  std::size_t map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk);  // bytes mapped
   block* expandable_fit_locked(pool& p, std::size_t rounded);
   block* steal_segment_locked(pool& p, std::size_t rounded);
   block* find_block_locked(stream_state& st, pool& p, std::size_t rounded);

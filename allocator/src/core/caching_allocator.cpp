@@ -391,8 +391,10 @@ block* caching_allocator::impl::new_segment_locked(pool& p, std::size_t rounded)
   return b;
 }
 
-bool caching_allocator::impl::map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk) {
-  // One backend map per chunk, so that any chunk can later be unmapped alone.
+std::size_t caching_allocator::impl::map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk) {
+  // One backend map per chunk, so that any chunk can later be unmapped alone. Out of memory
+  // part-way: the chunks mapped so far are unmapped again, except during a graph capture (no
+  // unmap may run then), where they are kept, counted in the returned bytes.
   std::size_t done = 0;
   try {
     for (; done < bytes; done += chunk) {
@@ -403,10 +405,11 @@ bool caching_allocator::impl::map_chunks_locked(std::uintptr_t addr, std::size_t
     throw;
   }
   if (done < bytes) {
+    if (capturing()) return done;
     if (done) backend_.unmap(reinterpret_cast<void*>(addr), done);
-    return false;
+    return 0;
   }
-  return true;
+  return done;
 }
 
 block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t rounded) {
@@ -445,10 +448,13 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
     if (largest->size >= need(largest) && (!choice || need(largest) < need(choice))) choice = largest;
   }
   if (!choice) return nullptr;
-  const std::size_t map_bytes = need(choice);
+  std::size_t map_bytes = need(choice);
   if (map_bytes == 0 || map_bytes > choice->size) return nullptr;
   if (static_cast<std::size_t>(stats_.reserved_bytes.current) + map_bytes > limit_bytes_) return nullptr;
-  if (!map_chunks_locked(choice->addr, map_bytes, gran)) return nullptr;
+  const std::size_t mapped = map_chunks_locked(choice->addr, map_bytes, gran);
+  if (mapped == 0) return nullptr;
+  const bool partial = mapped < map_bytes;  // kept during a capture: free memory, too little
+  map_bytes = mapped;
   segment* seg = choice->seg;
   p.unmapped.erase(choice);
   if (map_bytes < choice->size) {
@@ -472,7 +478,7 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   detail::log().debug("device {}: segment_map {} bytes at {} (stream {})", backend_.device(), map_bytes,
                       hex(choice->addr), hex(p.stream));
   free_block_locked(choice);  // merges with the free mapped block before it
-  return best_fit(p, rounded);
+  return partial ? nullptr : best_fit(p, rounded);
 }
 
 block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounded) {
