@@ -112,20 +112,25 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
 
 // ---- streams ------------------------------------------------------------------------------------
 
+caching_allocator::impl::stream_state& caching_allocator::impl::new_state_locked(stream_handle key,
+                                                                                 stream_handle handle) {
+  auto state = std::make_unique<stream_state>();
+  state->handle = handle;
+  state->small_pool.stream = state->large_pool.stream = handle;
+  state->small_pool.small = true;
+  state->small_pool.state = state->large_pool.state = state.get();
+  const std::size_t n = stream_count_.load(std::memory_order_relaxed);
+  if (n < k_sampled_streams) {
+    stream_table_[n].store(state.get(), std::memory_order_release);
+    stream_count_.store(n + 1, std::memory_order_release);
+  }
+  return *streams_.emplace(key, std::move(state)).first->second;
+}
+
 caching_allocator::impl::stream_state& caching_allocator::impl::stream_locked(stream_handle stream) {
   auto it = streams_.find(stream);
   if (it == streams_.end()) {
-    auto state = std::make_unique<stream_state>();
-    state->handle = stream;
-    state->small_pool.stream = state->large_pool.stream = stream;
-    state->small_pool.small = true;
-    state->small_pool.state = state->large_pool.state = state.get();
-    const std::size_t n = stream_count_.load(std::memory_order_relaxed);
-    if (n < k_sampled_streams) {
-      stream_table_[n].store(state.get(), std::memory_order_release);
-      stream_count_.store(n + 1, std::memory_order_release);
-    }
-    it = streams_.emplace(stream, std::move(state)).first;
+    return new_state_locked(stream, stream);
   } else if (!it->second->alive.load(std::memory_order_acquire)) {
     // A handle value recycled by the driver: the new stream inherits the old one's cached
     // blocks, so it waits, on the device, for the old stream's last work (its tombstone) and,
@@ -140,7 +145,7 @@ caching_allocator::impl::stream_state& caching_allocator::impl::stream_locked(st
     }
     if (every_stream) {
       for (auto& [other, state] : streams_) {
-        if (other == stream || !state->alive.load(std::memory_order_acquire)) continue;
+        if (other == stream || state->graph != 0 || !state->alive.load(std::memory_order_acquire)) continue;
         order_after_locked(stream, other);
       }
     }
@@ -331,6 +336,7 @@ void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) 
 }
 
 void caching_allocator::impl::process_events_locked(stream_state& st) {
+  if (capturing()) return;  // no event query during a graph capture (capture.cpp)
   // Events of one stream complete in order; as PyTorch does, stop at the first pending block.
   while (!st.pending.empty()) {
     block* b = st.pending.front();
@@ -342,6 +348,7 @@ void caching_allocator::impl::process_events_locked(stream_state& st) {
 }
 
 block* caching_allocator::impl::take_pending_locked(stream_state& st, pool& p, std::size_t rounded) {
+  if (capturing()) return nullptr;  // a stream wait on an outside event breaks a capture
   block* best = nullptr;
   for (block* b : st.pending) {
     if (b->seg->owner == &p && b->mapped && b->size >= rounded && (!best || b->size < best->size)) best = b;
@@ -384,8 +391,10 @@ block* caching_allocator::impl::new_segment_locked(pool& p, std::size_t rounded)
   return b;
 }
 
-bool caching_allocator::impl::map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk) {
-  // One backend map per chunk, so that any chunk can later be unmapped alone.
+std::size_t caching_allocator::impl::map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk) {
+  // One backend map per chunk, so that any chunk can later be unmapped alone. Out of memory
+  // part-way: the chunks mapped so far are unmapped again, except during a graph capture (no
+  // unmap may run then), where they are kept, counted in the returned bytes.
   std::size_t done = 0;
   try {
     for (; done < bytes; done += chunk) {
@@ -396,10 +405,11 @@ bool caching_allocator::impl::map_chunks_locked(std::uintptr_t addr, std::size_t
     throw;
   }
   if (done < bytes) {
+    if (capturing()) return done;
     if (done) backend_.unmap(reinterpret_cast<void*>(addr), done);
-    return false;
+    return 0;
   }
-  return true;
+  return done;
 }
 
 block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t rounded) {
@@ -438,10 +448,13 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
     if (largest->size >= need(largest) && (!choice || need(largest) < need(choice))) choice = largest;
   }
   if (!choice) return nullptr;
-  const std::size_t map_bytes = need(choice);
+  std::size_t map_bytes = need(choice);
   if (map_bytes == 0 || map_bytes > choice->size) return nullptr;
   if (static_cast<std::size_t>(stats_.reserved_bytes.current) + map_bytes > limit_bytes_) return nullptr;
-  if (!map_chunks_locked(choice->addr, map_bytes, gran)) return nullptr;
+  const std::size_t mapped = map_chunks_locked(choice->addr, map_bytes, gran);
+  if (mapped == 0) return nullptr;
+  const bool partial = mapped < map_bytes;  // kept during a capture: free memory, too little
+  map_bytes = mapped;
   segment* seg = choice->seg;
   p.unmapped.erase(choice);
   if (map_bytes < choice->size) {
@@ -465,15 +478,17 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   detail::log().debug("device {}: segment_map {} bytes at {} (stream {})", backend_.device(), map_bytes,
                       hex(choice->addr), hex(p.stream));
   free_block_locked(choice);  // merges with the free mapped block before it
-  return best_fit(p, rounded);
+  return partial ? nullptr : best_fit(p, rounded);
 }
 
 block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounded) {
   if (opts_.backend == backend_kind::expandable || opts_.release_fence == fence_scope::device) return nullptr;
+  if (capturing()) return nullptr;
   segment* best = nullptr;
   for (auto& [base, seg] : segments_) {
     if (seg->expandable || seg->owner == &p || seg->small != p.small) continue;
     stream_state& other = state_of(*seg->owner);
+    if (other.graph != 0 && !other.graph_released) continue;  // a graph's private pool
     std::lock_guard<stream_lock> olk(other.mu);
     if (seg->owner->quick.count) flush_quick_locked(*seg->owner);
     const block* f = seg->first;
@@ -541,6 +556,8 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
 
 void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small) {
   std::unique_lock<std::mutex> dlk(mu_);
+  detect_captures_locked(dlk);
+  if (capturing()) return allocate_during_capture_locked(dlk, size, rounded, small, st.handle);
   if (wants_collection_locked(rounded)) {
     // garbage_collection_threshold / max_cached_bytes: give free cached segments back first.
     release_cached(dlk, empty_cache_mode::wait);
@@ -638,7 +655,11 @@ void caching_allocator::impl::throw_invalid_pointer_locked(const void* ptr, cons
     if (addr < seg->base + seg->size) {
       for (const block* b = seg->first; b; b = b->next) {
         if (addr < b->addr || addr >= b->addr + b->size) continue;
-        if (b->addr == addr) {
+        if (b->addr == addr && b->free_held) {
+          os << "double free: the block at this address (" << b->size
+             << " bytes) was already freed during a CUDA graph capture (the free completes after the capture, "
+                "or when its graph is released)";
+        } else if (b->addr == addr) {
           os << "double free: the block at this address (" << b->size << " bytes) is " << state_name(b->state);
         } else {
           os << "interior pointer: it lies " << (addr - b->addr) << " bytes into the block at " << hex(b->addr)
@@ -788,19 +809,20 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   // Fast path: a free of a block of the stream this thread allocated from last, under that
   // stream's lock alone. A same-stream free records nothing; a free with uses on other streams
   // records their events here too when this thread knows each of those streams to be alive
-  // (its stream cache); otherwise (a stream that may be gone) the device lock is taken below,
-  // which lets the free see the tombstones of destroyed streams.
-  if (const stream_cache_entry& last = t_cache.last_used; last.owner == id_) {
+  // (its stream cache); otherwise (a stream that may be gone, a free held by a graph capture,
+  // a capture underway) the device lock is taken below, which lets the free see the tombstones
+  // of destroyed streams and the capture's rules (capture.cpp).
+  if (const stream_cache_entry& last = t_cache.last_used; last.owner == id_ && !capturing()) {
     auto& st = *static_cast<stream_state*>(last.state);
     std::lock_guard<stream_lock> slk(st.mu);
     if (block* b = st.active.erase(addr)) {
-      if (b->uses.empty() && (!stream || *stream == b->seg->stream)) {
+      if (b->uses.empty() && (!stream || *stream == b->seg->stream) && !b->free_held) {
         free_same_stream_locked(st, b);
         return;
       }
       bool recorded = false;
       try {
-        recorded = record_use_events_locked(b, stream, false);
+        recorded = !b->free_held && record_use_events_locked(b, stream, false);
       } catch (...) {
         st.active.insert(b);
         throw;
@@ -817,7 +839,8 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   std::unique_lock<stream_lock> slk;
   if (owner) slk = std::unique_lock<stream_lock>(owner->mu);
   block* b = owner ? owner->active.find(addr) : nullptr;
-  if (!b) throw_invalid_pointer_locked(ptr, stream ? "deallocate(stream)" : "deallocate");
+  if (!b || b->free_held) throw_invalid_pointer_locked(ptr, stream ? "deallocate(stream)" : "deallocate");
+  if (capturing() && free_during_capture_locked(*owner, b, stream)) return;
   free_found_locked(*owner, b, stream);
 }
 
@@ -848,6 +871,11 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
                                   ? detail::round_power2_divisions(size_bytes, m.opts_.roundup_power2_divisions)
                                   : detail::round_request(size_bytes);
   const bool small = detail::is_small(rounded);
+  if (m.capturing()) {  // a CUDA graph capture is underway on the device (capture.cpp)
+    std::unique_lock<std::mutex> dlk(m.mu_);
+    m.detect_captures_locked(dlk);
+    if (m.capturing()) return m.allocate_during_capture_locked(dlk, size_bytes, rounded, small, stream);
+  }
   impl::stream_state& st = m.state_for(stream);
   {
     std::lock_guard<stream_lock> slk(st.mu);
@@ -878,7 +906,7 @@ void caching_allocator::record_stream(void* ptr, stream_handle stream) {
   if (const stream_cache_entry& last = t_cache.last_used; last.owner == m.id_) {
     auto& st = *static_cast<impl::stream_state*>(last.state);
     std::lock_guard<stream_lock> slk(st.mu);
-    if (block* b = st.active.find(reinterpret_cast<std::uintptr_t>(ptr))) {
+    if (block* b = st.active.find(reinterpret_cast<std::uintptr_t>(ptr)); b && !b->free_held) {
       if (stream != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
         b->uses.push_back(stream);
       }
@@ -891,7 +919,7 @@ void caching_allocator::record_stream(void* ptr, stream_handle stream) {
   std::unique_lock<stream_lock> slk;
   if (owner) slk = std::unique_lock<stream_lock>(owner->mu);
   block* b = owner ? owner->active.find(reinterpret_cast<std::uintptr_t>(ptr)) : nullptr;
-  if (!b) m.throw_invalid_pointer_locked(ptr, "record_stream");
+  if (!b || b->free_held) m.throw_invalid_pointer_locked(ptr, "record_stream");
   if (stream != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
     b->uses.push_back(stream);
   }
@@ -1146,6 +1174,14 @@ void caching_allocator::check_invariants() const {
     stat_active += st->st.allocated_bytes.current + st->st.pending_bytes.current;
     if (st->cur_allocated.load() != st->st.allocated_bytes.current) fail("allocated mirror disagrees");
   }
+  std::size_t held_seen = 0;
+  for (auto& [base, seg] : m.segments_) {
+    for (const block* b = seg->first; b; b = b->next) held_seen += b->free_held ? 1 : 0;
+  }
+  for (const auto& h : m.held_frees_) {
+    if (h.b->state != block_state::active || !h.b->free_held) fail("a free held during a capture is not an active held block");
+  }
+  if (held_seen != m.held_frees_.size()) fail("held frees disagree with the blocks marked held");
   if (free_in_pools != free_seen) fail("pools hold blocks that are not in any segment");
   if (cached_in_pools != cached_seen) fail("quick caches hold blocks that are not in any segment");
   if (pending_seen != pending_total) fail("pending lists disagree with pending blocks");

@@ -138,6 +138,22 @@ void cuda_event_ops::synchronize_device() {
   STREAMSAFE_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+bool cuda_event_ops::stream_is_capturing(stream_handle stream) noexcept {
+  if (stream == 0) return false;  // the legacy stream never captures (and may not be asked)
+  try {
+    device_guard guard(device_);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(to_stream(stream), &status) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    // An invalidated capture still has to be ended by its owner: it counts as capturing.
+    return status != cudaStreamCaptureStatusNone;
+  } catch (...) {
+    return false;
+  }
+}
+
 void cuda_event_ops::memory_info(std::size_t& free_bytes, std::size_t& total_bytes) {
   device_guard guard(device_);
   STREAMSAFE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));

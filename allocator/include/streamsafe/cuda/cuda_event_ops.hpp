@@ -1,5 +1,6 @@
 // streamsafe: cuda_event_ops, the part of a CUDA device backend that both CUDA backends share:
-// the device binding, events, stream waits, device synchronisation and memory info. The
+// the device binding, events, stream waits, device synchronisation, memory info and the
+// capture query. The
 // segment calls are left to the derived backend (cuda_malloc_backend, expandable_backend).
 //
 // Events are created with cudaEventDisableTiming; stream and event handles are cudaStream_t /
@@ -31,6 +32,8 @@ class cuda_event_ops : public device_backend {
   void stream_wait_event(stream_handle stream, event_handle event) final;
   void synchronize_device() final;
   void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) final;
+  // cudaStreamIsCapturing (active or invalidated); false for stream 0 and on any error.
+  bool stream_is_capturing(stream_handle stream) noexcept final;
 
  protected:
   // Throws backend_error when `device` is not a valid device index here (no GPU: always).
