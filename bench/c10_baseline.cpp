@@ -19,8 +19,36 @@
 #define STREAMSAFE_BENCH_TORCH_VERSION "unknown"
 #endif
 
+// c10's "does this device have a primary context" hook. libtorch_cuda registers it when it
+// loads; the baseline links only libc10_cuda, whose placeholder throws ("Should never been
+// called") from inside a DataPtr's deleter (recordStream's path sets the device through it),
+// which terminates the process. The baseline registers a real answer from the driver instead.
+namespace c10::cuda::_internal {
+void setHasPrimaryContext(bool (*func)(c10::DeviceIndex));
+}
+
 namespace streamsafe_bench::c10_baseline {
 namespace {
+
+using primary_ctx_get_state_fn = int (*)(int device, unsigned int* flags, int* active);
+
+bool has_primary_context(c10::DeviceIndex device) {
+  static const primary_ctx_get_state_fn get_state = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return static_cast<primary_ctx_get_state_fn>(nullptr);
+    }
+    return reinterpret_cast<primary_ctx_get_state_fn>(fn);
+  }();
+  if (get_state == nullptr) return false;
+  unsigned int flags = 0;
+  int active = 0;
+  return get_state(static_cast<int>(device), &flags, &active) == 0 && active != 0;
+}
 
 namespace cca = c10::cuda::CUDACachingAllocator;
 
@@ -66,6 +94,7 @@ bool initialize(char* why, std::size_t why_size) noexcept {
       std::snprintf(why, why_size, "c10::cuda::CUDACachingAllocator::get() is null");
       return false;
     }
+    c10::cuda::_internal::setHasPrimaryContext(has_primary_context);
     if (!a->initialized()) cca::init(count);
     return true;
   } catch (const std::exception& e) {

@@ -84,8 +84,22 @@ def load(path):
             raise
         data = json.loads(text[:cut] + "\n    }\n  ]\n}\n")
         print(f"{path}: incomplete JSON (the run stopped early); read what it holds", file=sys.stderr)
-    runs = [Run(e) for e in data.get("benchmarks", [])
-            if e.get("run_type", "iteration") == "iteration"]
+    # With --benchmark_repetitions, each benchmark is read as its median (Google Benchmark's
+    # "median" aggregate, counters included); a benchmark without aggregates as its first entry.
+    entries = data.get("benchmarks", [])
+    medians = {e.get("run_name"): e for e in entries
+               if e.get("run_type") == "aggregate" and e.get("aggregate_name") == "median"}
+    runs, seen = [], set()
+    for e in entries:
+        if e.get("run_type", "iteration") != "iteration":
+            continue
+        key = e.get("run_name", e["name"])
+        if key in seen:
+            continue
+        seen.add(key)
+        if key in medians:
+            e = dict(medians[key], name=key)
+        runs.append(Run(e))
     return data.get("context", {}), runs
 
 
@@ -299,6 +313,17 @@ def section_cross(runs):
             ratio_table([(s, s) for s in ("record_stream_free", "free_on_other_stream")], allocs,
                         lambda a, s: values.get((a, s))), ""]
     return join(text), values
+
+
+def section_floor(runs):
+    rs = [r for r in ok(runs) if r.scenario == "driver_floor"]
+    if not rs:
+        return ""
+    rows = [[r.allocator, fmt_ns(r.real_ns)] for r in rs]
+    return join(["### Driver-call floor (host time per call or pair, no kernel)", "",
+                 "The CUDA calls a cross-stream path is made of, alone (bench/driver_floor_bench.cpp); "
+                 "`cu_*` through the driver API, the rest through the runtime.", "",
+                 table(["calls", "time"], rows), ""])
 
 
 def section_empty_cache(runs):
@@ -596,6 +621,7 @@ def main(argv):
     s4, cross_v = section_cross(runs)
     s5, empty_v = section_empty_cache(runs)
     s6, _ = section_replay(runs)
+    s0 = section_floor(runs)
     errors = [r for r in runs if r.error is not None]
 
     md = [f"## Results: {device}", ""]
@@ -607,7 +633,7 @@ def main(argv):
     if sim:
         md += ["Simulated device: these numbers are the allocator's bookkeeping alone on this host's "
                "CPU; the targets of the issue are for the H200 and are not checked here.", ""]
-    md += [s for s in (s1, s2, s3, s4, s5, s6) if s]
+    md += [s for s in (s1, s2, s3, s4, s0, s5, s6) if s]
     if not sim:
         md += ["### Targets (H200, this run)", "", targets(runs, pairs, random_v, threads_v, cross_v, empty_v), ""]
     if errors:

@@ -204,3 +204,29 @@ TEST_CASE("On the GPU, the C example program passes all its checks", "[gpu][capi
   CHECK_THAT(output, Catch::Contains("on the GPU") && Catch::Contains("all checks passed"));
 }
 #endif
+
+TEST_CASE("The C API announces a graph capture, ends it and releases the graph; misuse is an invalid argument",
+          "[capi][graph]") {
+  use_simulated();
+  void* stream = nullptr;
+  REQUIRE(streamsafe_sim_create_stream(0, &stream) == STREAMSAFE_SUCCESS);
+  uint64_t graph = 0;
+  REQUIRE(streamsafe_notify_capture_begin(stream, &graph) == STREAMSAFE_SUCCESS);
+  CHECK(graph > 0);
+  CHECK(streamsafe_notify_capture_begin(stream, nullptr) == STREAMSAFE_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(streamsafe_last_error()).find("already capturing") != std::string::npos);
+  size_t released = 1;
+  CHECK(streamsafe_empty_cache(&released) == STREAMSAFE_SUCCESS);
+  CHECK(released == 0);  // nothing is released during a capture
+  void* p = nullptr;
+  REQUIRE(streamsafe_malloc(&p, MiB, stream) == STREAMSAFE_SUCCESS);  // from the graph's pool
+  REQUIRE(streamsafe_free(p) == STREAMSAFE_SUCCESS);
+  uint64_t ended = 0;
+  REQUIRE(streamsafe_notify_capture_end(stream, &ended) == STREAMSAFE_SUCCESS);
+  CHECK(ended == graph);
+  CHECK(streamsafe_notify_capture_end(stream, &ended) == STREAMSAFE_ERROR_INVALID_ARGUMENT);
+  CHECK(ended == 0);
+  REQUIRE(streamsafe_notify_graph_released(graph, 0) == STREAMSAFE_SUCCESS);
+  CHECK(streamsafe_notify_graph_released(graph, 0) == STREAMSAFE_ERROR_INVALID_ARGUMENT);
+  CHECK(streamsafe_notify_capture_begin(nullptr, &graph) == STREAMSAFE_ERROR_INVALID_ARGUMENT);
+}

@@ -72,6 +72,7 @@ class recording_backend final : public device_backend {
   void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override {
     inner_.memory_info(free_bytes, total_bytes);
   }
+  bool stream_is_capturing(stream_handle stream) noexcept override { return inner_.stream_is_capturing(stream); }
 
  private:
   void note_locked(trace_action action, std::uintptr_t address, std::size_t size);

@@ -205,6 +205,12 @@ int main(int argc, char** argv) {
       std::printf("%-22s %-33s %5d %9.2f %15.3f %10s %8llu  %s\n", to_string(k), variant_title(v), r.steps_completed,
                   r.median_step_ms, r.median_empty_cache_ms, human_bytes(r.bytes_released).c_str(),
                   static_cast<unsigned long long>(r.releases_deferred), r.clean ? "clean" : ("FAULT: " + r.outcome).c_str());
+      if (r.clean && p.steps >= 4) {
+        std::printf("%-22s   peak reserved per step: %.1f MiB (steps 2-%d), %.1f MiB (steps %d-%d); allocated drift %lld bytes\n",
+                    "", static_cast<double>(r.peak_reserved_first_half) / 1048576.0, p.steps / 2,
+                    static_cast<double>(r.peak_reserved_second_half) / 1048576.0, p.steps / 2 + 1, p.steps,
+                    static_cast<long long>(r.allocated_drift));
+      }
       std::fflush(stdout);
       if (!r.clean && (v == release_variant::streamsafe_wait || v == release_variant::streamsafe_defer)) {
         streamsafe_clean = false;

@@ -99,8 +99,10 @@ run_result run(device_ops& ops, optimizer_kind kind, release_variant variant, co
   std::string error = ops.finish_stream(compute);
 
   std::vector<double> step_ms, empty_cache_ms;
+  std::int64_t allocated_after_first = 0;
   for (int step = 1; step <= p.steps && error.empty(); ++step) {
     const double t0 = ops.now_ms();
+    alloc.reset_peak_stats();
     if (unrelated) ops.spin(unrelated, p.unrelated_ms);
     // Backward + reduce-scatter: gradients allocated and written on the reduce-scatter stream,
     // last layer first (backward order), so the optimizer's last reads hit the lowest addresses.
@@ -128,6 +130,12 @@ run_result run(device_ops& ops, optimizer_kind kind, release_variant variant, co
     step_ms.push_back(ops.now_ms() - t0);
     empty_cache_ms.push_back(e1 - e0);
     result.steps_completed = step;
+    const auto step_stats = alloc.stats();
+    const auto peak = static_cast<std::uint64_t>(step_stats.reserved_bytes.peak);
+    if (step == 1) allocated_after_first = step_stats.allocated_bytes.current;
+    if (step > 1 && 2 * step <= p.steps) result.peak_reserved_first_half = std::max(result.peak_reserved_first_half, peak);
+    if (2 * step > p.steps) result.peak_reserved_second_half = std::max(result.peak_reserved_second_half, peak);
+    result.allocated_drift = step_stats.allocated_bytes.current - allocated_after_first;
   }
   const auto stats = alloc.stats();
   result.bytes_released = stats.bytes_released;
@@ -157,7 +165,8 @@ std::string encode(const run_result& r) {
   std::ostringstream os;
   os << "RESULT|" << (r.clean ? 1 : 0) << '|' << r.steps_completed << '|' << r.median_step_ms << '|'
      << r.median_empty_cache_ms << '|' << r.bytes_released << '|' << r.releases_deferred << '|' << r.fence_waits
-     << '|' << r.device_syncs << '|' << r.outcome;
+     << '|' << r.device_syncs << '|' << r.peak_reserved_first_half << '|' << r.peak_reserved_second_half << '|'
+     << r.allocated_drift << '|' << r.outcome;
   return os.str();
 }
 
@@ -166,8 +175,8 @@ bool decode(const std::string& line, run_result& r) {
   std::istringstream is(line.substr(7));
   std::string field;
   std::vector<std::string> f;
-  for (int i = 0; i < 8 && std::getline(is, field, '|'); ++i) f.push_back(field);
-  if (f.size() != 8) return false;
+  for (int i = 0; i < 11 && std::getline(is, field, '|'); ++i) f.push_back(field);
+  if (f.size() != 11) return false;
   std::getline(is, r.outcome);
   r.clean = f[0] == "1";
   r.steps_completed = std::stoi(f[1]);
@@ -177,6 +186,9 @@ bool decode(const std::string& line, run_result& r) {
   r.releases_deferred = std::stoull(f[5]);
   r.fence_waits = std::stoull(f[6]);
   r.device_syncs = std::stoull(f[7]);
+  r.peak_reserved_first_half = std::stoull(f[8]);
+  r.peak_reserved_second_half = std::stoull(f[9]);
+  r.allocated_drift = std::stoll(f[10]);
   return true;
 }
 

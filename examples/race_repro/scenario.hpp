@@ -71,6 +71,12 @@ struct run_result {
   std::uint64_t releases_deferred = 0;
   std::uint64_t fence_waits = 0;
   std::uint64_t device_syncs = 0;
+  // Leak check over long runs: the largest per-step peak of reserved bytes in the first half of
+  // the steps (after step 1, the warm-up) and in the second half; bytes still allocated after the
+  // last step minus after step 1 (0 when nothing leaks).
+  std::uint64_t peak_reserved_first_half = 0;
+  std::uint64_t peak_reserved_second_half = 0;
+  std::int64_t allocated_drift = 0;
 };
 
 run_result run(device_ops& ops, optimizer_kind kind, release_variant variant, const problem& p);

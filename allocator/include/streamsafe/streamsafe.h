@@ -108,6 +108,17 @@ STREAMSAFE_C_API streamsafe_status streamsafe_free_on_stream(void* ptr, void* st
 STREAMSAFE_C_API streamsafe_status streamsafe_record_stream(void* ptr, void* stream);
 /* Tells the allocator that `stream` is about to be destroyed (call before cudaStreamDestroy). */
 STREAMSAFE_C_API streamsafe_status streamsafe_notify_stream_destroyed(void* stream);
+/* CUDA graph capture (case K11). Call streamsafe_notify_capture_begin just before
+ * cudaStreamBeginCapture(stream) and streamsafe_notify_capture_end just after
+ * cudaStreamEndCapture: in between the stream's device makes no releasing, synchronising or
+ * event-query call, the stream is served from the graph's private pool (or new memory, else
+ * STREAMSAFE_ERROR_OUT_OF_MEMORY), and *graph (may be NULL) receives the graph's id on that
+ * device. streamsafe_notify_graph_released: the graph will not be launched again; its memory
+ * becomes releasable. STREAMSAFE_ERROR_INVALID_ARGUMENT: stream 0, a stream already (or not)
+ * capturing, an unknown graph. */
+STREAMSAFE_C_API streamsafe_status streamsafe_notify_capture_begin(void* stream, uint64_t* graph);
+STREAMSAFE_C_API streamsafe_status streamsafe_notify_capture_end(void* stream, uint64_t* graph);
+STREAMSAFE_C_API streamsafe_status streamsafe_notify_graph_released(uint64_t graph, int device);
 
 /* Releases cached memory of every device behind release fences; *released_bytes (may be NULL)
  * receives the bytes given back. Blocks on exactly the fence events (empty_cache:wait, the

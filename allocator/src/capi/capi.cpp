@@ -83,6 +83,8 @@ streamsafe_status guarded(F&& f) noexcept {
     return fail(STREAMSAFE_ERROR_BACKEND, e.what());
   } catch (const std::out_of_range& e) {
     return fail(STREAMSAFE_ERROR_INVALID_ARGUMENT, e.what());
+  } catch (const std::invalid_argument& e) {  // after invalid_size and config_error
+    return fail(STREAMSAFE_ERROR_INVALID_ARGUMENT, e.what());
   } catch (const std::bad_alloc&) {
     return fail(STREAMSAFE_ERROR_OUT_OF_MEMORY, "streamsafe: host memory exhausted");
   } catch (const std::exception& e) {
@@ -173,6 +175,26 @@ streamsafe_status streamsafe_record_stream(void* ptr, void* stream) {
 
 streamsafe_status streamsafe_notify_stream_destroyed(void* stream) {
   return guarded([&] { target().notify_stream_destroyed(to_stream(stream)); });
+}
+
+streamsafe_status streamsafe_notify_capture_begin(void* stream, uint64_t* graph) {
+  if (graph) *graph = 0;
+  return guarded([&] {
+    const std::uint64_t id = target().notify_capture_begin(to_stream(stream));
+    if (graph) *graph = id;
+  });
+}
+
+streamsafe_status streamsafe_notify_capture_end(void* stream, uint64_t* graph) {
+  if (graph) *graph = 0;
+  return guarded([&] {
+    const std::uint64_t id = target().notify_capture_end(to_stream(stream));
+    if (graph) *graph = id;
+  });
+}
+
+streamsafe_status streamsafe_notify_graph_released(uint64_t graph, int device) {
+  return guarded([&] { target().notify_graph_released(graph, device); });
 }
 
 streamsafe_status streamsafe_empty_cache(size_t* released_bytes) {

@@ -13,6 +13,8 @@
 // mu_ and then the stream lock again. mu_ is dropped around host-blocking backend calls
 // (synchronize_event, synchronize_device) and around the driver calls that return memory
 // (free_segment, unmap), whose blocks are detached (state releasing) meanwhile.
+// Graph capture (capture.cpp): captures_, graphs_, held_frees_ and the after-capture requests
+// are guarded by mu_; captures_underway_ mirrors captures_.size() for lock-free reads.
 #pragma once
 
 #include "active_map.hpp"
@@ -24,6 +26,7 @@
 
 #include <array>
 #include <atomic>
+#include <condition_variable>
 #include <deque>
 #include <list>
 #include <map>
@@ -64,7 +67,9 @@ struct caching_allocator::impl {
 
   // A stream the allocator has seen, with its two pools.
   using stream_lock = detail::spin_lock;
-  struct stream_state {
+  // Cache-line aligned: threads on different streams write only their own stream_state, and no
+  // two of them share a line (no false sharing on the fast path).
+  struct alignas(64) stream_state {
     stream_lock mu;
     stream_handle handle = 0;
     pool small_pool;
@@ -76,7 +81,26 @@ struct caching_allocator::impl {
     // Mirrors of st's current values, read without the lock to sample device-wide peaks.
     std::atomic<std::int64_t> cur_allocated{0}, cur_pending{0}, cur_requested{0};
     std::atomic<bool> alive{true};
+    // Non-zero: this is not a stream but the private pool of CUDA graph `graph` (capture.cpp),
+    // keyed in streams_ by graph_key(graph); handle is the capturing stream.
+    std::uint64_t graph = 0;
+    bool graph_released = false;  // notify_graph_released: its free segments may be released
   };
+
+  // A capture underway on one stream of the device.
+  struct capture_record {
+    stream_handle stream = 0;
+    std::uint64_t graph = 0;  // the id notify_capture_begin returned
+    bool detected = false;    // found by backend_.stream_is_capturing, not announced
+  };
+  // A free made during a capture that could not complete then (see capture.cpp).
+  struct held_free {
+    block* b = nullptr;
+    bool has_stream = false;
+    stream_handle stream = 0;
+    std::uint64_t graph = 0;  // 0: completes when no capture is underway; else at that graph's release
+  };
+  static constexpr stream_handle graph_key(std::uint64_t graph) { return ~stream_handle{0} - graph; }
 
   // Memory detached for release, and the fence that must complete first.
   struct release_batch {
@@ -115,6 +139,41 @@ struct caching_allocator::impl {
   std::vector<detail::pending_event> tombstones_;
   statistics stats_;  // device-level parts; per-stream parts live in stream_state::st
 
+  // CUDA graph capture (capture.cpp), guarded by mu_.
+  std::vector<capture_record> captures_;
+  std::atomic<int> captures_underway_{0};
+  std::vector<held_free> held_frees_;
+  std::vector<std::uint64_t> releases_after_capture_;  // notify_graph_released during a capture
+  bool empty_cache_after_capture_ = false;              // empty_cache asked for during a capture
+  std::uint64_t next_graph_id_ = 1;
+  std::uint64_t capture_deferrals_ = 0;  // releases/queries skipped because of a capture
+  // Fence waits and releases running with mu_ dropped; notify_capture_begin waits for none.
+  int driver_calls_in_flight_ = 0;
+  std::condition_variable driver_calls_done_;
+  // Drops mu_ around a host-blocking or releasing driver call and counts it in flight; relock()
+  // (or the destructor, on an exception) takes mu_ back.
+  class driver_call_scope {
+   public:
+    driver_call_scope(impl& m, std::unique_lock<std::mutex>& lk) : m_(m), lk_(lk) {
+      ++m_.driver_calls_in_flight_;
+      lk_.unlock();
+    }
+    void relock() {
+      if (done_) return;
+      lk_.lock();
+      done_ = true;
+      if (--m_.driver_calls_in_flight_ == 0) m_.driver_calls_done_.notify_all();
+    }
+    ~driver_call_scope() { relock(); }
+    driver_call_scope(const driver_call_scope&) = delete;
+    driver_call_scope& operator=(const driver_call_scope&) = delete;
+
+   private:
+    impl& m_;
+    std::unique_lock<std::mutex>& lk_;
+    bool done_ = false;
+  };
+
   // Streams in creation order, readable without mu_, for sampling peaks (first 1024 streams).
   static constexpr std::size_t k_sampled_streams = 1024;
   std::array<std::atomic<stream_state*>, k_sampled_streams> stream_table_{};
@@ -130,13 +189,14 @@ struct caching_allocator::impl {
   // ---- caching_allocator.cpp -----------------------------------------------------------------
   stream_state& state_for(stream_handle stream);     // no lock held; may take mu_
   stream_state& stream_locked(stream_handle stream);  // mu_ held
+  stream_state& new_state_locked(stream_handle key, stream_handle handle);  // mu_ held
   stream_state* owner_locked(const void* ptr);        // mu_ held: owner of the segment, or null
   block* new_block(stream_state& st);
   void recycle_block(stream_state& st, block* b);
   block* best_fit(pool& p, std::size_t rounded) const;
   block* take_pending_locked(stream_state& st, pool& p, std::size_t rounded);
   block* new_segment_locked(pool& p, std::size_t rounded);
-  bool map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk);
+  std::size_t map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk);  // bytes mapped
   block* expandable_fit_locked(pool& p, std::size_t rounded);
   block* steal_segment_locked(pool& p, std::size_t rounded);
   block* find_block_locked(stream_state& st, pool& p, std::size_t rounded);
@@ -149,7 +209,11 @@ struct caching_allocator::impl {
   void process_events_locked(stream_state& st);
   void flush_quick_locked(pool& p);
   void retire_pending_locked(stream_state& st, block* b);
-  void free_found_locked(stream_state& st, block* b, const stream_handle* stream);
+  void free_found_locked(stream_state& st, block* b, const stream_handle* stream);  // mu_ held
+  // b's owner stream lock held (and mu_ when device_locked); see caching_allocator.cpp.
+  bool record_use_events_locked(block* b, const stream_handle* stream, bool device_locked);
+  void commit_free_locked(stream_state& st, block* b, const stream_handle* stream);
+  stream_state* cached_live_state(stream_handle stream) const;  // this thread's stream cache
   void free_same_stream_locked(stream_state& st, block* b);  // b already out of the active map
   event_handle get_event();
   void put_event(event_handle e);
@@ -161,6 +225,21 @@ struct caching_allocator::impl {
   std::size_t largest_free_locked(const stream_state* held) const;
   [[noreturn]] void throw_invalid_pointer_locked(const void* ptr, const char* what) const;
   void deallocate_impl(void* ptr, const stream_handle* stream);
+
+  // ---- capture.cpp -------------------------------------------------------------------------
+  bool capturing() const noexcept { return captures_underway_.load(std::memory_order_acquire) != 0; }
+  const capture_record* capture_of_locked(stream_handle stream) const;  // mu_ held
+  stream_state* graph_state_locked(std::uint64_t graph);                 // mu_ held
+  std::uint64_t begin_capture_locked(stream_handle stream, bool detected);
+  std::uint64_t end_capture_locked(std::unique_lock<std::mutex>& lk, stream_handle stream);
+  void detect_captures_locked(std::unique_lock<std::mutex>& lk);  // asks the backend about each known stream
+  void after_captures_locked(std::unique_lock<std::mutex>& lk);  // the last capture ended
+  void release_graph_locked(std::uint64_t graph);
+  // A free while a capture is underway; true when it was handled (held or done).
+  bool free_during_capture_locked(stream_state& owner, block* b, const stream_handle* stream);
+  void* allocate_during_capture_locked(std::unique_lock<std::mutex>& dlk, std::size_t size, std::size_t rounded,
+                                       bool small, stream_handle stream);
+  std::string capture_note_locked() const;  // for out-of-memory messages
 
   // ---- release.cpp -------------------------------------------------------------------------
   // mu_ and the segment owner's stream lock held.
@@ -179,6 +258,7 @@ struct caching_allocator::impl {
   std::size_t release_batch_memory(std::unique_lock<std::mutex>& lk, release_batch& batch);
   std::size_t finish_deferred(std::unique_lock<std::mutex>& lk, bool wait);
   std::size_t release_cached(std::unique_lock<std::mutex>& lk, empty_cache_mode mode);
+  void queue_batch_locked(release_batch& batch);  // to the deferred queue (fence recorded)
   void destroy_all();
 };
 

@@ -56,6 +56,7 @@ struct block {
   block* free_prev = nullptr;
   block* free_next = nullptr;
   std::int16_t free_class = -1;
+  bool free_held = false;  // active, but freed during a graph capture (capture.cpp: held_frees_)
 };
 
 struct segment {

@@ -112,20 +112,25 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
 
 // ---- streams ------------------------------------------------------------------------------------
 
+caching_allocator::impl::stream_state& caching_allocator::impl::new_state_locked(stream_handle key,
+                                                                                 stream_handle handle) {
+  auto state = std::make_unique<stream_state>();
+  state->handle = handle;
+  state->small_pool.stream = state->large_pool.stream = handle;
+  state->small_pool.small = true;
+  state->small_pool.state = state->large_pool.state = state.get();
+  const std::size_t n = stream_count_.load(std::memory_order_relaxed);
+  if (n < k_sampled_streams) {
+    stream_table_[n].store(state.get(), std::memory_order_release);
+    stream_count_.store(n + 1, std::memory_order_release);
+  }
+  return *streams_.emplace(key, std::move(state)).first->second;
+}
+
 caching_allocator::impl::stream_state& caching_allocator::impl::stream_locked(stream_handle stream) {
   auto it = streams_.find(stream);
   if (it == streams_.end()) {
-    auto state = std::make_unique<stream_state>();
-    state->handle = stream;
-    state->small_pool.stream = state->large_pool.stream = stream;
-    state->small_pool.small = true;
-    state->small_pool.state = state->large_pool.state = state.get();
-    const std::size_t n = stream_count_.load(std::memory_order_relaxed);
-    if (n < k_sampled_streams) {
-      stream_table_[n].store(state.get(), std::memory_order_release);
-      stream_count_.store(n + 1, std::memory_order_release);
-    }
-    it = streams_.emplace(stream, std::move(state)).first;
+    return new_state_locked(stream, stream);
   } else if (!it->second->alive.load(std::memory_order_acquire)) {
     // A handle value recycled by the driver: the new stream inherits the old one's cached
     // blocks, so it waits, on the device, for the old stream's last work (its tombstone) and,
@@ -140,7 +145,7 @@ caching_allocator::impl::stream_state& caching_allocator::impl::stream_locked(st
     }
     if (every_stream) {
       for (auto& [other, state] : streams_) {
-        if (other == stream || !state->alive.load(std::memory_order_acquire)) continue;
+        if (other == stream || state->graph != 0 || !state->alive.load(std::memory_order_acquire)) continue;
         order_after_locked(stream, other);
       }
     }
@@ -331,6 +336,7 @@ void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) 
 }
 
 void caching_allocator::impl::process_events_locked(stream_state& st) {
+  if (capturing()) return;  // no event query during a graph capture (capture.cpp)
   // Events of one stream complete in order; as PyTorch does, stop at the first pending block.
   while (!st.pending.empty()) {
     block* b = st.pending.front();
@@ -342,6 +348,7 @@ void caching_allocator::impl::process_events_locked(stream_state& st) {
 }
 
 block* caching_allocator::impl::take_pending_locked(stream_state& st, pool& p, std::size_t rounded) {
+  if (capturing()) return nullptr;  // a stream wait on an outside event breaks a capture
   block* best = nullptr;
   for (block* b : st.pending) {
     if (b->seg->owner == &p && b->mapped && b->size >= rounded && (!best || b->size < best->size)) best = b;
@@ -384,8 +391,10 @@ block* caching_allocator::impl::new_segment_locked(pool& p, std::size_t rounded)
   return b;
 }
 
-bool caching_allocator::impl::map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk) {
-  // One backend map per chunk, so that any chunk can later be unmapped alone.
+std::size_t caching_allocator::impl::map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk) {
+  // One backend map per chunk, so that any chunk can later be unmapped alone. Out of memory
+  // part-way: the chunks mapped so far are unmapped again, except during a graph capture (no
+  // unmap may run then), where they are kept, counted in the returned bytes.
   std::size_t done = 0;
   try {
     for (; done < bytes; done += chunk) {
@@ -396,10 +405,11 @@ bool caching_allocator::impl::map_chunks_locked(std::uintptr_t addr, std::size_t
     throw;
   }
   if (done < bytes) {
+    if (capturing()) return done;
     if (done) backend_.unmap(reinterpret_cast<void*>(addr), done);
-    return false;
+    return 0;
   }
-  return true;
+  return done;
 }
 
 block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t rounded) {
@@ -438,10 +448,13 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
     if (largest->size >= need(largest) && (!choice || need(largest) < need(choice))) choice = largest;
   }
   if (!choice) return nullptr;
-  const std::size_t map_bytes = need(choice);
+  std::size_t map_bytes = need(choice);
   if (map_bytes == 0 || map_bytes > choice->size) return nullptr;
   if (static_cast<std::size_t>(stats_.reserved_bytes.current) + map_bytes > limit_bytes_) return nullptr;
-  if (!map_chunks_locked(choice->addr, map_bytes, gran)) return nullptr;
+  const std::size_t mapped = map_chunks_locked(choice->addr, map_bytes, gran);
+  if (mapped == 0) return nullptr;
+  const bool partial = mapped < map_bytes;  // kept during a capture: free memory, too little
+  map_bytes = mapped;
   segment* seg = choice->seg;
   p.unmapped.erase(choice);
   if (map_bytes < choice->size) {
@@ -465,15 +478,17 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   detail::log().debug("device {}: segment_map {} bytes at {} (stream {})", backend_.device(), map_bytes,
                       hex(choice->addr), hex(p.stream));
   free_block_locked(choice);  // merges with the free mapped block before it
-  return best_fit(p, rounded);
+  return partial ? nullptr : best_fit(p, rounded);
 }
 
 block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounded) {
   if (opts_.backend == backend_kind::expandable || opts_.release_fence == fence_scope::device) return nullptr;
+  if (capturing()) return nullptr;
   segment* best = nullptr;
   for (auto& [base, seg] : segments_) {
     if (seg->expandable || seg->owner == &p || seg->small != p.small) continue;
     stream_state& other = state_of(*seg->owner);
+    if (other.graph != 0 && !other.graph_released) continue;  // a graph's private pool
     std::lock_guard<stream_lock> olk(other.mu);
     if (seg->owner->quick.count) flush_quick_locked(*seg->owner);
     const block* f = seg->first;
@@ -541,6 +556,8 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
 
 void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small) {
   std::unique_lock<std::mutex> dlk(mu_);
+  detect_captures_locked(dlk);
+  if (capturing()) return allocate_during_capture_locked(dlk, size, rounded, small, st.handle);
   if (wants_collection_locked(rounded)) {
     // garbage_collection_threshold / max_cached_bytes: give free cached segments back first
     // (in defer mode only what is safe now, never waiting).
@@ -667,7 +684,11 @@ void caching_allocator::impl::throw_invalid_pointer_locked(const void* ptr, cons
     if (addr < seg->base + seg->size) {
       for (const block* b = seg->first; b; b = b->next) {
         if (addr < b->addr || addr >= b->addr + b->size) continue;
-        if (b->addr == addr) {
+        if (b->addr == addr && b->free_held) {
+          os << "double free: the block at this address (" << b->size
+             << " bytes) was already freed during a CUDA graph capture (the free completes after the capture, "
+                "or when its graph is released)";
+        } else if (b->addr == addr) {
           os << "double free: the block at this address (" << b->size << " bytes) is " << state_name(b->state);
         } else {
           os << "interior pointer: it lies " << (addr - b->addr) << " bytes into the block at " << hex(b->addr)
@@ -709,55 +730,104 @@ void caching_allocator::impl::free_found_locked(stream_state& st, block* b, cons
     free_same_stream_locked(st, b);
     return;
   }
-  std::vector<stream_handle> wait_on = b->uses;
-  if (stream && *stream != seg->stream && std::find(wait_on.begin(), wait_on.end(), *stream) == wait_on.end()) {
-    wait_on.push_back(*stream);
+  st.active.erase(b->addr);
+  try {
+    record_use_events_locked(b, stream, true);
+  } catch (...) {
+    st.active.insert(b);
+    throw;
   }
-  // Record every event first: a failure leaves the block active and the state unchanged. (mu_
-  // is held here.) A stream announced as destroyed gets no call: its tombstone event covers it.
-  std::vector<detail::pending_event> events;
-  if (!wait_on.empty()) {
-    events.reserve(wait_on.size());
-    try {
-      for (stream_handle s : wait_on) {
-        auto it = streams_.find(s);
-        if (it != streams_.end() && !it->second->alive.load(std::memory_order_acquire)) {
-          for (auto& t : tombstones_) {
-            if (t.stream == s) events.push_back({t.event, detail::k_tombstone_stream});
-          }
-          continue;
-        }
-        event_handle e = get_event();
-        events.push_back({e, s});
-        backend_.record_event(e, s);
-      }
-    } catch (...) {
-      for (auto& e : events) {
-        if (e.stream != detail::k_tombstone_stream) put_event(e.event);
-      }
-      throw;
+  commit_free_locked(st, b, stream);
+}
+
+caching_allocator::impl::stream_state* caching_allocator::impl::cached_live_state(stream_handle stream) const {
+  for (const auto& e : t_cache.streams) {
+    if (e.owner == id_ && e.stream == stream) {
+      auto* st = static_cast<stream_state*>(e.state);
+      return st->alive.load(std::memory_order_acquire) ? st : nullptr;
     }
   }
+  return nullptr;
+}
+
+bool caching_allocator::impl::record_use_events_locked(block* b, const stream_handle* stream, bool device_locked) {
+  // One event per stream that may still use b: its record_stream uses and, for a stream-ordered
+  // free, the stream of last use. Every event is recorded before anything changes: a failure
+  // leaves b->events empty and the block as it was. A stream announced as destroyed gets no
+  // call: its tombstone event covers it (device lock needed to see them). Without the device
+  // lock, only streams this thread knows to be alive are handled; otherwise nothing is
+  // recorded and false is returned.
+  const segment* seg = b->seg;
+  std::vector<detail::pending_event>& events = b->events;
+  events.reserve(b->uses.size() + 1);
+  auto unwind = [&] {
+    for (auto& e : events) {
+      if (e.stream != detail::k_tombstone_stream) put_event(e.event);
+    }
+    events.clear();
+  };
+  auto record_on = [&](stream_handle s) {
+    if (device_locked) {
+      auto it = streams_.find(s);
+      if (it != streams_.end() && !it->second->alive.load(std::memory_order_acquire)) {
+        for (auto& t : tombstones_) {
+          if (t.stream == s) events.push_back({t.event, detail::k_tombstone_stream});
+        }
+        return true;
+      }
+    } else if (cached_live_state(s) == nullptr) {
+      return false;
+    }
+    event_handle e = get_event();
+    try {
+      backend_.record_event(e, s);
+    } catch (...) {
+      put_event(e);
+      throw;
+    }
+    events.push_back({e, s});
+    return true;
+  };
+  try {
+    for (stream_handle s : b->uses) {
+      if (!record_on(s)) {
+        unwind();
+        return false;
+      }
+    }
+    if (stream && *stream != seg->stream &&
+        std::find(b->uses.begin(), b->uses.end(), *stream) == b->uses.end() && !record_on(*stream)) {
+      unwind();
+      return false;
+    }
+  } catch (...) {
+    unwind();
+    throw;
+  }
+  return true;
+}
+
+void caching_allocator::impl::commit_free_locked(stream_state& st, block* b, const stream_handle* stream) {
+  // b is out of the active map and b->events holds its recorded events (possibly none).
+  segment* seg = b->seg;
   if (stream) note_use_locked(seg, *stream);
-  st.active.erase(b->addr);
   const auto bytes = static_cast<std::int64_t>(b->size);
   trace(trace_action::free_requested, b->addr, b->requested, seg->stream);
-  if (events.empty()) trace(trace_action::free_completed, b->addr, b->requested, seg->stream);
+  if (b->events.empty()) trace(trace_action::free_completed, b->addr, b->requested, seg->stream);
   st.st.allocated_bytes.sub(bytes);
   st.st.requested_bytes.sub(static_cast<std::int64_t>(b->requested));
   st.st.allocation.sub(1);
-  st.st.events_recorded += events.size();
+  st.st.events_recorded += b->events.size();
   st.cur_allocated.store(st.st.allocated_bytes.current, std::memory_order_relaxed);
   st.cur_requested.store(st.st.requested_bytes.current, std::memory_order_relaxed);
-  if (events.empty()) {
+  b->uses.clear();
+  if (b->events.empty()) {
     free_block_locked(b);
     return;
   }
   st.st.pending_bytes.add(bytes);  // still active: waiting for other streams
   st.st.pending.add(1);
   st.cur_pending.store(st.st.pending_bytes.current, std::memory_order_relaxed);
-  b->events = std::move(events);
-  b->uses.clear();
   b->state = block_state::pending_free;
   b->pending_pos = st.pending.insert(st.pending.end(), b);
 }
@@ -765,18 +835,32 @@ void caching_allocator::impl::free_found_locked(stream_state& st, block* b, cons
 void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* stream) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   if (stream) state_for(*stream);  // a stream-ordered free makes the stream known (for fences)
-  // Fast path: a same-stream free of a block of the stream this thread allocated from last.
-  // Frees that record events (uses on other streams) take the device lock below, which lets
-  // them see which streams are gone.
-  if (const stream_cache_entry& last = t_cache.last_used; last.owner == id_) {
+  // Fast path: a free of a block of the stream this thread allocated from last, under that
+  // stream's lock alone. A same-stream free records nothing; a free with uses on other streams
+  // records their events here too when this thread knows each of those streams to be alive
+  // (its stream cache); otherwise (a stream that may be gone, a free held by a graph capture,
+  // a capture underway) the device lock is taken below, which lets the free see the tombstones
+  // of destroyed streams and the capture's rules (capture.cpp).
+  if (const stream_cache_entry& last = t_cache.last_used; last.owner == id_ && !capturing()) {
     auto& st = *static_cast<stream_state*>(last.state);
     std::lock_guard<stream_lock> slk(st.mu);
     if (block* b = st.active.erase(addr)) {
-      if (b->uses.empty() && (!stream || *stream == b->seg->stream)) {
+      if (b->uses.empty() && (!stream || *stream == b->seg->stream) && !b->free_held) {
         free_same_stream_locked(st, b);
         return;
       }
-      st.active.insert(b);  // needs events: the slow path below
+      bool recorded = false;
+      try {
+        recorded = !b->free_held && record_use_events_locked(b, stream, false);
+      } catch (...) {
+        st.active.insert(b);
+        throw;
+      }
+      if (recorded) {
+        commit_free_locked(st, b, stream);
+        return;
+      }
+      st.active.insert(b);  // a stream this thread does not know: the slow path below
     }
   }
   std::lock_guard<std::mutex> dlk(mu_);
@@ -784,7 +868,8 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   std::unique_lock<stream_lock> slk;
   if (owner) slk = std::unique_lock<stream_lock>(owner->mu);
   block* b = owner ? owner->active.find(addr) : nullptr;
-  if (!b) throw_invalid_pointer_locked(ptr, stream ? "deallocate(stream)" : "deallocate");
+  if (!b || b->free_held) throw_invalid_pointer_locked(ptr, stream ? "deallocate(stream)" : "deallocate");
+  if (capturing() && free_during_capture_locked(*owner, b, stream)) return;
   free_found_locked(*owner, b, stream);
 }
 
@@ -815,6 +900,11 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
                                   ? detail::round_power2_divisions(size_bytes, m.opts_.roundup_power2_divisions)
                                   : detail::round_request(size_bytes);
   const bool small = detail::is_small(rounded);
+  if (m.capturing()) {  // a CUDA graph capture is underway on the device (capture.cpp)
+    std::unique_lock<std::mutex> dlk(m.mu_);
+    m.detect_captures_locked(dlk);
+    if (m.capturing()) return m.allocate_during_capture_locked(dlk, size_bytes, rounded, small, stream);
+  }
   impl::stream_state& st = m.state_for(stream);
   {
     std::lock_guard<stream_lock> slk(st.mu);
@@ -840,12 +930,25 @@ void caching_allocator::deallocate(void* ptr, stream_handle stream) { impl_->dea
 void caching_allocator::record_stream(void* ptr, stream_handle stream) {
   impl& m = *impl_;
   m.state_for(stream);  // the stream becomes known (for fences)
+  // Fast path: a block of the stream this thread allocated from last, under that stream's lock
+  // (which guards the block and its segment's used streams).
+  if (const stream_cache_entry& last = t_cache.last_used; last.owner == m.id_) {
+    auto& st = *static_cast<impl::stream_state*>(last.state);
+    std::lock_guard<stream_lock> slk(st.mu);
+    if (block* b = st.active.find(reinterpret_cast<std::uintptr_t>(ptr)); b && !b->free_held) {
+      if (stream != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
+        b->uses.push_back(stream);
+      }
+      m.note_use_locked(b->seg, stream);
+      return;
+    }
+  }
   std::lock_guard<std::mutex> dlk(m.mu_);
   impl::stream_state* owner = m.owner_locked(ptr);
   std::unique_lock<stream_lock> slk;
   if (owner) slk = std::unique_lock<stream_lock>(owner->mu);
   block* b = owner ? owner->active.find(reinterpret_cast<std::uintptr_t>(ptr)) : nullptr;
-  if (!b) m.throw_invalid_pointer_locked(ptr, "record_stream");
+  if (!b || b->free_held) m.throw_invalid_pointer_locked(ptr, "record_stream");
   if (stream != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
     b->uses.push_back(stream);
   }
@@ -1100,6 +1203,14 @@ void caching_allocator::check_invariants() const {
     stat_active += st->st.allocated_bytes.current + st->st.pending_bytes.current;
     if (st->cur_allocated.load() != st->st.allocated_bytes.current) fail("allocated mirror disagrees");
   }
+  std::size_t held_seen = 0;
+  for (auto& [base, seg] : m.segments_) {
+    for (const block* b = seg->first; b; b = b->next) held_seen += b->free_held ? 1 : 0;
+  }
+  for (const auto& h : m.held_frees_) {
+    if (h.b->state != block_state::active || !h.b->free_held) fail("a free held during a capture is not an active held block");
+  }
+  if (held_seen != m.held_frees_.size()) fail("held frees disagree with the blocks marked held");
   if (free_in_pools != free_seen) fail("pools hold blocks that are not in any segment");
   if (cached_in_pools != cached_seen) fail("quick caches hold blocks that are not in any segment");
   if (pending_seen != pending_total) fail("pending lists disagree with pending blocks");

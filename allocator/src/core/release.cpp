@@ -11,6 +11,9 @@
 // (cudaFree) a segment goes back only while every known stream is idle. Only then are
 // free_segment / unmap called, also without the lock. A failed driver call puts its memory back
 // in the pool. Every function here runs with the device lock (mu_) held on entry.
+// While a CUDA graph capture is underway on the device nothing here runs (capture.cpp): no
+// fence is recorded, waited or queried and nothing is released; the private pool of a graph is
+// released only after notify_graph_released.
 #include "allocator_state.hpp"
 #include "logging.hpp"
 #include "size_classes.hpp"
@@ -50,7 +53,7 @@ std::vector<stream_handle> caching_allocator::impl::fence_streams_locked(const s
       break;
     case fence_scope::all_streams:
       for (auto& [s, state] : streams_) {
-        if (state->alive.load(std::memory_order_acquire)) out.push_back(s);
+        if (state->graph == 0 && state->alive.load(std::memory_order_acquire)) out.push_back(s);
       }
       break;
     case fence_scope::device:
@@ -68,6 +71,7 @@ caching_allocator::impl::release_batch caching_allocator::impl::collect_releasab
   };
   for (auto& [base, seg] : segments_) {
     stream_state& owner = state_of(*seg->owner);
+    if (owner.graph != 0 && !owner.graph_released) continue;  // a graph that may still replay
     std::lock_guard<stream_lock> slk(owner.mu);
     if (!seg->expandable) {
       block* f = seg->first;
@@ -178,7 +182,7 @@ void caching_allocator::impl::wait_fence_unlocked(release_batch& batch) {
 std::size_t caching_allocator::impl::release_batch_memory(std::unique_lock<std::mutex>& lk, release_batch& batch) {
   std::vector<char> done(batch.blocks.size(), 0);
   std::exception_ptr error;
-  lk.unlock();
+  driver_call_scope in_flight(*this, lk);
   for (std::size_t i = 0; i < batch.blocks.size(); ++i) {
     block* b = batch.blocks[i];  // detached: nobody else touches it or its size
     try {
@@ -192,7 +196,7 @@ std::size_t caching_allocator::impl::release_batch_memory(std::unique_lock<std::
       if (!error) error = std::current_exception();
     }
   }
-  lk.lock();
+  in_flight.relock();
   for (auto& e : batch.fence) {
     if (e.stream != k_tombstone) put_event(e.event);
   }
@@ -235,7 +239,7 @@ std::size_t caching_allocator::impl::release_batch_memory(std::unique_lock<std::
 std::size_t caching_allocator::impl::finish_deferred(std::unique_lock<std::mutex>& lk, bool wait) {
   // A failing backend call (query, synchronize) leaves the batch queued: nothing is lost.
   std::size_t released = 0;
-  while (!deferred_.empty()) {
+  while (!deferred_.empty() && !capturing()) {
     const bool done = fence_done_locked(deferred_.front());
     if (!done && !wait) break;
     if (!wait) {
@@ -252,14 +256,9 @@ std::size_t caching_allocator::impl::finish_deferred(std::unique_lock<std::mutex
       waiting.fence = front.fence;
       waiting.device_sync = front.device_sync;
       for (auto& t : tombstones_) waiting.fence.push_back({t.event, k_tombstone});
-      lk.unlock();
-      try {
-        wait_fence_unlocked(waiting);
-      } catch (...) {
-        lk.lock();
-        throw;
-      }
-      lk.lock();
+      driver_call_scope in_flight(*this, lk);
+      wait_fence_unlocked(waiting);
+      in_flight.relock();
       if (deferred_.empty() || deferred_.front().id != waited_id) continue;  // finished by another thread
     }
     release_batch batch = std::move(deferred_.front());
@@ -325,6 +324,14 @@ caching_allocator::impl::release_batch caching_allocator::impl::take_safe_locked
 }
 
 std::size_t caching_allocator::impl::release_cached(std::unique_lock<std::mutex>& lk, empty_cache_mode mode) {
+  detect_captures_locked(lk);
+  if (capturing()) {  // runs, in defer mode, when the last capture ends (capture.cpp)
+    empty_cache_after_capture_ = true;
+    ++capture_deferrals_;
+    detail::log().debug("device {}: release of cached memory deferred until the CUDA graph capture ends",
+                        backend_.device());
+    return 0;
+  }
   for (auto& [s, st] : streams_) {
     std::lock_guard<stream_lock> slk(st->mu);
     if (!st->pending.empty()) process_events_locked(*st);
@@ -336,7 +343,6 @@ std::size_t caching_allocator::impl::release_cached(std::unique_lock<std::mutex>
   if (!batch.blocks.empty()) {
     // Until the memory is given back or queued, any failure puts the blocks back in their pools.
     release_batch now;  // what goes back to the driver in this call
-    bool locked = true;
     try {
       record_fence_locked(batch);
       if (mode == empty_cache_mode::defer) {
@@ -346,32 +352,23 @@ std::size_t caching_allocator::impl::release_cached(std::unique_lock<std::mutex>
           now.fence = std::move(batch.fence);  // its events go back to the pool after the release
           batch = release_batch{};
         } else {
-          ++stats_.releases_deferred;
-          deferred_bytes_ += batch.bytes;
-          batch.id = next_batch_id_++;
-          trace(trace_action::release_deferred, batch.blocks.front()->addr, batch.bytes,
-                batch.blocks.front()->seg->stream);
-          detail::log().debug("device {}: release of {} bytes deferred behind {} fence event(s)", backend_.device(),
-                              batch.bytes, batch.fence.size());
-          deferred_.push_back(std::move(batch));
-          batch = release_batch{};
+          queue_batch_locked(batch);
         }
       } else {
         if (!fence_done_locked(batch)) {
           for (auto& t : tombstones_) batch.fence.push_back({t.event, k_tombstone});
-          lk.unlock();
-          locked = false;
+          driver_call_scope in_flight(*this, lk);
           wait_fence_unlocked(batch);
-          lk.lock();
-          locked = true;
+          in_flight.relock();
           detail::log().debug("device {}: waited on {} fence event(s) to release {} bytes", backend_.device(),
                               batch.fence.size(), batch.bytes);
+          if (capturing()) queue_batch_locked(batch);  // a capture began meanwhile: release after it
         }
         now = std::move(batch);
         batch = release_batch{};
       }
     } catch (...) {
-      if (!locked) lk.lock();
+      if (!lk.owns_lock()) lk.lock();
       restore_batch_locked(now);
       restore_batch_locked(batch);
       throw;
@@ -382,9 +379,24 @@ std::size_t caching_allocator::impl::release_cached(std::unique_lock<std::mutex>
   return released;
 }
 
+void caching_allocator::impl::queue_batch_locked(release_batch& batch) {
+  ++stats_.releases_deferred;
+  deferred_bytes_ += batch.bytes;
+  batch.id = next_batch_id_++;
+  trace(trace_action::release_deferred, batch.blocks.front()->addr, batch.bytes, batch.blocks.front()->seg->stream);
+  detail::log().debug("device {}: release of {} bytes deferred behind {} fence event(s)", backend_.device(),
+                      batch.bytes, batch.fence.size());
+  deferred_.push_back(std::move(batch));
+  batch = release_batch{};
+}
+
 void caching_allocator::impl::destroy_all() {
   try {
     std::unique_lock<std::mutex> lk(mu_);
+    // Destroyed during a capture, or with graphs not released: their memory goes back too.
+    captures_.clear();
+    captures_underway_.store(0, std::memory_order_release);
+    for (auto& [s, st] : streams_) st->graph_released = true;
     // Pending frees: the host waits on their events with no lock held (as everywhere: no lock
     // across a host-blocking driver call), then retires them.
     std::vector<event_handle> waits;
@@ -456,6 +468,8 @@ std::size_t caching_allocator::empty_cache(empty_cache_mode mode) {
 
 std::size_t caching_allocator::reclaim() {
   std::unique_lock<std::mutex> lk(impl_->mu_);
+  impl_->detect_captures_locked(lk);
+  if (impl_->capturing()) return 0;  // no query while a graph is captured: after the capture
   for (auto& [s, st] : impl_->streams_) {
     std::lock_guard<stream_lock> slk(st->mu);
     if (!st->pending.empty()) impl_->process_events_locked(*st);

@@ -288,4 +288,21 @@ void allocator::notify_stream_destroyed(cudaStream_t stream, int device) {
   if (caching_allocator* a = existing(device)) a->notify_stream_destroyed(to_stream_handle(stream));
 }
 
+std::uint64_t allocator::notify_capture_begin(cudaStream_t stream) {
+  const stream_handle h = to_stream_handle(stream);
+  if (h == 0) return device_allocator(current_device()).notify_capture_begin(h);  // throws: stream 0
+  return device_allocator(platform_.stream_device(h)).notify_capture_begin(h);
+}
+
+std::uint64_t allocator::notify_capture_end(cudaStream_t stream) {
+  const stream_handle h = to_stream_handle(stream);
+  const int device = h == 0 ? current_device() : platform_.stream_device(h);
+  return device_allocator(device).notify_capture_end(h);
+}
+
+void allocator::notify_graph_released(std::uint64_t graph, int device) {
+  check_device(device);
+  device_allocator(device).notify_graph_released(graph);
+}
+
 }  // namespace streamsafe::cuda

@@ -4,6 +4,7 @@
 #include <streamsafe/cuda/cuda_check.hpp>
 #include <streamsafe/cuda/cuda_event_ops.hpp>
 #include <streamsafe/cuda/device_guard.hpp>
+#include <streamsafe/cuda/driver_api.hpp>
 #include <streamsafe/cuda/gpu.hpp>
 
 #include <cuda_runtime_api.h>
@@ -40,7 +41,23 @@ int checked_device(int device) {
 
 }  // namespace
 
-cuda_event_ops::cuda_event_ops(int device) : device_(checked_device(device)) {}
+cuda_event_ops::cuda_event_ops(int device) : device_(checked_device(device)) {
+  // The primary context of the device: cudaSetDevice initialises it and makes it current (CUDA
+  // 12 and later); the previous device is current again afterwards. (No cudaFree(nullptr): the
+  // LD_PRELOAD interposer builds this class and interposes cudaFree.)
+  int previous = device_;
+  STREAMSAFE_CUDA_CHECK(cudaGetDevice(&previous));
+  STREAMSAFE_CUDA_CHECK(cudaSetDevice(device_));
+  CUcontext context = nullptr;
+  if (driver::ctx_get_current(&context) == CUDA_SUCCESS) primary_context_ = context;
+  if (previous != device_) STREAMSAFE_CUDA_CHECK(cudaSetDevice(previous));
+}
+
+bool cuda_event_ops::device_is_current() const noexcept {
+  CUcontext current = nullptr;
+  return primary_context_ != nullptr && driver::ctx_get_current(&current) == CUDA_SUCCESS &&
+         current == static_cast<CUcontext>(primary_context_);
+}
 
 event_handle cuda_event_ops::create_event() {
   device_guard guard(device_);
@@ -61,13 +78,40 @@ void cuda_event_ops::destroy_event(event_handle event) noexcept {
   }
 }
 
+// The event calls go through the driver API, with the device guard skipped when the device's
+// primary context is already current (any failure there is retried under the guard, which
+// reports it) (cheaper than the runtime's wrappers, see
+// driver_api.hpp). A thread on which the runtime has not bound a context yet gets
+// CUDA_ERROR_INVALID_CONTEXT from the driver; the runtime call then does the work (and binds the
+// context for the next call). The handles are the same objects in both APIs (cudaEvent_t is
+// CUevent, cudaStream_t is CUstream, including the legacy and per-thread stream values).
 void cuda_event_ops::record_event(event_handle event, stream_handle stream) {
+  if (device_is_current() &&
+      driver::event_record(reinterpret_cast<CUevent>(event), reinterpret_cast<CUstream>(stream)) == CUDA_SUCCESS) {
+    return;
+  }
   device_guard guard(device_);
+  const CUresult r = driver::event_record(reinterpret_cast<CUevent>(event), reinterpret_cast<CUstream>(stream));
+  if (r == CUDA_SUCCESS) return;
+  if (r != CUDA_ERROR_INVALID_CONTEXT && r != CUDA_ERROR_NOT_INITIALIZED) {
+    detail::throw_cu_error(r, "cuEventRecord(event, stream)", __FILE__, __LINE__);
+  }
   STREAMSAFE_CUDA_CHECK(cudaEventRecord(to_event(event), to_stream(stream)));
 }
 
 bool cuda_event_ops::query_event(event_handle event) {
+  if (device_is_current()) {
+    const CUresult r = driver::event_query(reinterpret_cast<CUevent>(event));
+    if (r == CUDA_SUCCESS) return true;
+    if (r == CUDA_ERROR_NOT_READY) return false;
+  }
   device_guard guard(device_);
+  const CUresult r = driver::event_query(reinterpret_cast<CUevent>(event));
+  if (r == CUDA_SUCCESS) return true;
+  if (r == CUDA_ERROR_NOT_READY) return false;
+  if (r != CUDA_ERROR_INVALID_CONTEXT && r != CUDA_ERROR_NOT_INITIALIZED) {
+    detail::throw_cu_error(r, "cuEventQuery(event)", __FILE__, __LINE__);
+  }
   return completed(cudaEventQuery(to_event(event)), "cudaEventQuery(event)", __LINE__);
 }
 
@@ -77,7 +121,18 @@ void cuda_event_ops::synchronize_event(event_handle event) {
 }
 
 void cuda_event_ops::stream_wait_event(stream_handle stream, event_handle event) {
+  if (device_is_current() &&
+      driver::stream_wait_event(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUevent>(event), 0) ==
+          CUDA_SUCCESS) {
+    return;
+  }
   device_guard guard(device_);
+  const CUresult r =
+      driver::stream_wait_event(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUevent>(event), 0);
+  if (r == CUDA_SUCCESS) return;
+  if (r != CUDA_ERROR_INVALID_CONTEXT && r != CUDA_ERROR_NOT_INITIALIZED) {
+    detail::throw_cu_error(r, "cuStreamWaitEvent(stream, event)", __FILE__, __LINE__);
+  }
   STREAMSAFE_CUDA_CHECK(cudaStreamWaitEvent(to_stream(stream), to_event(event), 0));
 }
 
@@ -89,6 +144,22 @@ bool cuda_event_ops::query_stream(stream_handle stream) {
 void cuda_event_ops::synchronize_device() {
   device_guard guard(device_);
   STREAMSAFE_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+bool cuda_event_ops::stream_is_capturing(stream_handle stream) noexcept {
+  if (stream == 0) return false;  // the legacy stream never captures (and may not be asked)
+  try {
+    device_guard guard(device_);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(to_stream(stream), &status) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    // An invalidated capture still has to be ended by its owner: it counts as capturing.
+    return status != cudaStreamCaptureStatusNone;
+  } catch (...) {
+    return false;
+  }
 }
 
 void cuda_event_ops::memory_info(std::size_t& free_bytes, std::size_t& total_bytes) {

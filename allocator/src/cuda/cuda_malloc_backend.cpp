@@ -1,6 +1,7 @@
 // streamsafe: cuda_malloc_backend (see cuda_malloc_backend.hpp). Stateless apart from the
 // device index; thread-safe.
 #include <streamsafe/core/errors.hpp>
+#include <streamsafe/cuda/capture_mode.hpp>
 #include <streamsafe/cuda/cuda_check.hpp>
 #include <streamsafe/cuda/cuda_malloc_backend.hpp>
 #include <streamsafe/cuda/device_guard.hpp>
@@ -23,6 +24,7 @@ cuda_malloc_backend::cuda_malloc_backend(int device) : cuda_event_ops(device) {}
 
 void* cuda_malloc_backend::allocate_segment(std::size_t size_bytes) {
   device_guard guard(device());
+  relaxed_capture_mode relaxed;  // legal during a graph capture; not captured, not replayed
   void* base = nullptr;
   const cudaError_t result = cudaMalloc(&base, size_bytes);
   if (result == cudaErrorMemoryAllocation) {

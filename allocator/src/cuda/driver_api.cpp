@@ -31,6 +31,10 @@ struct entry_points {
   PFN_cuMemGetAllocationGranularity_v10020 mem_get_allocation_granularity = nullptr;
   PFN_cuGetErrorName_v6000 get_error_name = nullptr;
   PFN_cuGetErrorString_v6000 get_error_string = nullptr;
+  PFN_cuEventRecord_v2000 event_record = nullptr;
+  PFN_cuEventQuery_v2000 event_query = nullptr;
+  PFN_cuStreamWaitEvent_v3020 stream_wait_event = nullptr;
+  PFN_cuCtxGetCurrent_v4000 ctx_get_current = nullptr;
   std::string error;  // empty when every entry point was found
 };
 
@@ -80,6 +84,10 @@ entry_points load_entry_points() noexcept {
     fetch("cuMemGetAllocationGranularity", table.mem_get_allocation_granularity, table.error);
     fetch("cuGetErrorName", table.get_error_name, table.error);
     fetch("cuGetErrorString", table.get_error_string, table.error);
+    fetch("cuEventRecord", table.event_record, table.error);
+    fetch("cuEventQuery", table.event_query, table.error);
+    fetch("cuStreamWaitEvent", table.stream_wait_event, table.error);
+    fetch("cuCtxGetCurrent", table.ctx_get_current, table.error);
   } catch (...) {  // std::bad_alloc building the message
     if (table.error.empty()) table.error = "streamsafe: cannot load the CUDA driver entry points";
   }
@@ -110,6 +118,26 @@ CUresult mem_create(CUmemGenericAllocationHandle* handle, std::size_t size,
                     const CUmemAllocationProp* prop, unsigned long long flags) noexcept {
   const entry_points* t = usable();
   return t ? t->mem_create(handle, size, prop, flags) : CUDA_ERROR_NOT_INITIALIZED;
+}
+
+CUresult event_record(CUevent event, CUstream stream) noexcept {
+  const entry_points* t = usable();
+  return t ? t->event_record(event, stream) : CUDA_ERROR_NOT_INITIALIZED;
+}
+
+CUresult event_query(CUevent event) noexcept {
+  const entry_points* t = usable();
+  return t ? t->event_query(event) : CUDA_ERROR_NOT_INITIALIZED;
+}
+
+CUresult stream_wait_event(CUstream stream, CUevent event, unsigned int flags) noexcept {
+  const entry_points* t = usable();
+  return t ? t->stream_wait_event(stream, event, flags) : CUDA_ERROR_NOT_INITIALIZED;
+}
+
+CUresult ctx_get_current(CUcontext* context) noexcept {
+  const entry_points* t = usable();
+  return t ? t->ctx_get_current(context) : CUDA_ERROR_NOT_INITIALIZED;
 }
 
 CUresult mem_release(CUmemGenericAllocationHandle handle) noexcept {

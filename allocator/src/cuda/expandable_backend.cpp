@@ -1,6 +1,7 @@
 // streamsafe: expandable_backend (see expandable_backend.hpp). The chunk table is guarded by
 // mutex_, held only around table reads and updates, never across a driver call.
 #include <streamsafe/core/errors.hpp>
+#include <streamsafe/cuda/capture_mode.hpp>
 #include <streamsafe/cuda/cuda_check.hpp>
 #include <streamsafe/cuda/device_guard.hpp>
 #include <streamsafe/cuda/driver_api.hpp>
@@ -129,6 +130,7 @@ void* expandable_backend::allocate_segment(std::size_t size_bytes) {
   CUdeviceptr base = 0;
   {
     device_guard guard(device());
+    relaxed_capture_mode relaxed;  // growth is legal during a graph capture
     const CUresult result = driver::mem_address_reserve(&base, size, granularity_, 0, 0);
     if (result == CUDA_ERROR_OUT_OF_MEMORY) return nullptr;
     if (result != CUDA_SUCCESS) {
@@ -161,6 +163,7 @@ void expandable_backend::free_segment(void* base, std::size_t size_bytes) {
 void* expandable_backend::reserve_address_range(std::size_t size_bytes) {
   const std::size_t size = rounded_size(size_bytes);
   device_guard guard(device());
+  relaxed_capture_mode relaxed;  // growth is legal during a graph capture
   CUdeviceptr base = 0;
   STREAMSAFE_CU_CHECK(driver::mem_address_reserve(&base, size, granularity_, 0, 0));
   return reinterpret_cast<void*>(static_cast<std::uintptr_t>(base));
@@ -197,6 +200,7 @@ bool expandable_backend::map(void* addr, std::size_t size_bytes) {
     }
   }
   device_guard guard(device());
+  relaxed_capture_mode relaxed;  // growth is legal during a graph capture (not captured)
   CUmemGenericAllocationHandle handle{};
   CUresult failure = driver::mem_create(&handle, size_bytes, &prop_, 0);
   if (failure == CUDA_ERROR_OUT_OF_MEMORY) return false;

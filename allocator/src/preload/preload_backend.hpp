@@ -68,6 +68,7 @@ class watching_backend final : public device_backend {
   void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override {
     inner_->memory_info(free_bytes, total_bytes);
   }
+  bool stream_is_capturing(stream_handle stream) noexcept override { return inner_->stream_is_capturing(stream); }
 
  private:
   std::unique_ptr<device_backend> inner_;

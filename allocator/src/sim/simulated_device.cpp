@@ -51,6 +51,7 @@ const char* to_string(fault_kind kind) noexcept {
     case fault_kind::release_under_pending_work: return "release_under_pending_work";
     case fault_kind::cross_stream_race: return "cross_stream_race";
     case fault_kind::access_unmapped: return "access_unmapped";
+    case fault_kind::capture_violation: return "capture_violation";
   }
   return "unknown_fault";
 }
@@ -140,12 +141,29 @@ struct stream_state {
   std::deque<std::uint64_t> queue;  // pending item ids, in enqueue order
   std::uint64_t next_seq = 1;
   vector_clock clock;
+  std::uint64_t capture = 0;  // id of the graph being captured on this stream (0: none)
+};
+
+// A captured kernel: replayed by launch_graph.
+struct graph_node {
+  std::uint64_t duration_us = 0;
+  std::vector<range> ranges;
+  std::string label;
+};
+
+struct graph_state {
+  stream_handle stream = 0;  // the capturing stream
+  bool capturing = true;
+  bool invalidated = false;
+  std::string invalidated_by;
+  std::vector<graph_node> nodes;
 };
 
 struct event_state {
   bool recorded = false;
   std::uint64_t marker = 0;  // id of the current record marker
   vector_clock captured;     // the recording stream's clock at record time
+  std::uint64_t capture = 0; // last recorded on a capturing stream: that graph's id (0: not)
 };
 
 const char* kind_name(item_kind kind) {
@@ -201,6 +219,11 @@ struct simulated_device::impl {
   std::set<std::uintptr_t> mapped_chunks_;
   std::size_t bytes_in_use_ = 0;
   std::map<std::uintptr_t, std::pair<std::uintptr_t, std::uint8_t>> contents_;  // b -> (e, v)
+
+  // Graph capture (the mutex guards these too).
+  std::map<std::uint64_t, graph_state> graphs_;
+  std::uint64_t next_graph_id_ = 1;
+  std::size_t capturing_streams_ = 0;
 
   // Faults, counters, injection.
   std::vector<fault> faults_;
@@ -263,6 +286,29 @@ struct simulated_device::impl {
 
   void record_fault(fault_kind kind, std::string message) {
     faults_.push_back(fault{kind, std::string(to_string(kind)) + ": " + message, now_});
+  }
+
+  // A capture_violation: the call fails (backend_error) and every capture of the device is
+  // invalidated, as a potentially unsafe call in global capture mode does on a GPU.
+  [[noreturn]] void capture_violation(const char* what, const std::string& why) {
+    std::string captures;
+    for (auto& [id, g] : graphs_) {
+      if (!g.capturing) continue;
+      captures += (captures.empty() ? "" : ", ") + std::string("stream ") + std::to_string(g.stream) +
+                  " (graph " + std::to_string(id) + ")";
+      if (!g.invalidated) {
+        g.invalidated = true;
+        g.invalidated_by = std::string(what) + ": " + why;
+      }
+    }
+    record_fault(fault_kind::capture_violation,
+                 std::string(what) + ": " + why + (captures.empty() ? "" : "; capturing: " + captures));
+    fail(what, why + " (not permitted during stream capture; the capture is invalidated)");
+  }
+
+  // Releasing, synchronising and query calls are potentially unsafe while any stream captures.
+  void check_not_capturing(const char* what) {
+    if (capturing_streams_ != 0) capture_violation(what, "called while a stream of the device captures a graph");
   }
 
   // Appends a new item to the stream's queue and advances its vector clock.
@@ -474,6 +520,10 @@ struct simulated_device::impl {
   }
 
   bool idle() const { return pending_.empty(); }
+
+  // launch() on a stream that is not capturing (mutex held).
+  std::uint64_t launch_locked(stream_handle stream, std::uint64_t duration_us, std::vector<range> ranges,
+                              std::string label);
 };
 
 // ---- construction ---------------------------------------------------------------------
@@ -509,6 +559,7 @@ void simulated_device::destroy_stream(stream_handle stream) {
   if (stream == 0) d.fail("destroy_stream", "stream 0 (the legacy default stream) cannot be "
                                             "destroyed");
   stream_state& state = d.live_stream(stream, "destroy_stream");
+  if (state.capture != 0) d.fail("destroy_stream", "stream " + std::to_string(stream) + " is capturing a graph");
   state.destroyed = true;
   d.handles_.erase(stream);
   d.destroyed_handles_.insert(stream);
@@ -524,6 +575,17 @@ std::uint64_t simulated_device::launch(stream_handle stream, std::uint64_t durat
                                        std::vector<range> ranges, std::string label) {
   std::lock_guard<std::mutex> lock(impl_->mutex_);
   impl& d = *impl_;
+  stream_state& state = d.live_stream(stream, "launch");
+  if (state.capture != 0) {
+    d.graphs_.at(state.capture).nodes.push_back(graph_node{duration_us, std::move(ranges), std::move(label)});
+    return 0;
+  }
+  return d.launch_locked(stream, duration_us, std::move(ranges), std::move(label));
+}
+
+std::uint64_t simulated_device::impl::launch_locked(stream_handle stream, std::uint64_t duration_us,
+                                                    std::vector<range> ranges, std::string label) {
+  impl& d = *this;
   stream_state& state = d.live_stream(stream, "launch");
   const std::uint64_t uid = d.handles_.at(stream);
 
@@ -576,6 +638,10 @@ std::uint64_t simulated_device::hold(stream_handle stream, std::string label) {
   std::lock_guard<std::mutex> lock(impl_->mutex_);
   impl& d = *impl_;
   stream_state& state = d.live_stream(stream, "hold");
+  if (state.capture != 0) {
+    throw std::logic_error("simulated_device: hold on stream " + std::to_string(stream) +
+                           ", which is capturing a graph: a captured hold is not modelled");
+  }
   work_item item;
   item.kind = item_kind::hold;
   item.label = std::move(label);
@@ -613,6 +679,85 @@ bool simulated_device::completed(std::uint64_t work_id) const {
 bool simulated_device::stream_idle(stream_handle stream) const {
   std::lock_guard<std::mutex> lock(impl_->mutex_);
   return std::as_const(*impl_).live_stream(stream, "stream_idle").queue.empty();
+}
+
+// ---- CUDA graph capture -----------------------------------------------------------------
+
+void simulated_device::begin_capture(stream_handle stream) {
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  impl& d = *impl_;
+  if (stream == 0) d.fail("begin_capture", "the legacy default stream (0) cannot capture");
+  stream_state& state = d.live_stream(stream, "begin_capture");
+  if (state.capture != 0) {
+    d.fail("begin_capture", "stream " + std::to_string(stream) + " is already capturing graph " +
+                                std::to_string(state.capture));
+  }
+  const std::uint64_t id = d.next_graph_id_++;
+  graph_state g;
+  g.stream = stream;
+  d.graphs_.emplace(id, std::move(g));
+  state.capture = id;
+  ++d.capturing_streams_;
+}
+
+std::uint64_t simulated_device::end_capture(stream_handle stream) {
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  impl& d = *impl_;
+  stream_state& state = d.live_stream(stream, "end_capture");
+  if (state.capture == 0) d.fail("end_capture", "stream " + std::to_string(stream) + " is not capturing");
+  const std::uint64_t id = state.capture;
+  state.capture = 0;
+  --d.capturing_streams_;
+  graph_state& g = d.graphs_.at(id);
+  g.capturing = false;
+  if (g.invalidated) {
+    const std::string why = g.invalidated_by;
+    d.graphs_.erase(id);
+    d.fail("end_capture", "the capture of graph " + std::to_string(id) + " on stream " + std::to_string(stream) +
+                              " was invalidated by " + why + " (cudaErrorStreamCaptureInvalidated)");
+  }
+  return id;
+}
+
+bool simulated_device::capturing(stream_handle stream) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  return std::as_const(*impl_).live_stream(stream, "capturing").capture != 0;
+}
+
+std::uint64_t simulated_device::launch_graph(std::uint64_t graph, stream_handle stream) {
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  impl& d = *impl_;
+  auto it = d.graphs_.find(graph);
+  if (it == d.graphs_.end() || it->second.capturing) {
+    throw std::invalid_argument("simulated_device: launch_graph: no captured graph " + std::to_string(graph));
+  }
+  if (d.live_stream(stream, "launch_graph").capture != 0) {
+    d.fail("launch_graph", "stream " + std::to_string(stream) + " is capturing");
+  }
+  std::uint64_t last = 0;
+  for (const graph_node& node : it->second.nodes) {
+    last = d.launch_locked(stream, node.duration_us, node.ranges,
+                           node.label + " (graph " + std::to_string(graph) + ")");
+  }
+  ++d.counters_.graph_launches;
+  return last;
+}
+
+std::size_t simulated_device::graph_kernel_count(std::uint64_t graph) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  auto it = impl_->graphs_.find(graph);
+  if (it == impl_->graphs_.end()) {
+    throw std::invalid_argument("simulated_device: graph_kernel_count: no graph " + std::to_string(graph));
+  }
+  return it->second.nodes.size();
+}
+
+bool simulated_device::stream_is_capturing(stream_handle stream) noexcept {
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  impl& d = *impl_;
+  ++d.counters_.capture_queries;
+  auto it = d.handles_.find(stream);
+  return it != d.handles_.end() && d.streams_.at(it->second).capture != 0;
 }
 
 // ---- clock ------------------------------------------------------------------------------
@@ -707,6 +852,7 @@ void* simulated_device::allocate_segment(std::size_t size_bytes) {
   d.segments_.emplace(base, size_bytes);
   d.bytes_in_use_ += size_bytes;
   ++d.counters_.segment_allocs;
+  if (d.capturing_streams_ != 0) ++d.counters_.segment_allocs_during_capture;
   return reinterpret_cast<void*>(base);
 }
 
@@ -714,6 +860,7 @@ void simulated_device::free_segment(void* base, std::size_t size_bytes) {
   std::lock_guard<std::mutex> lock(impl_->mutex_);
   impl& d = *impl_;
   d.throw_if_injected(call::free_segment);
+  d.check_not_capturing("free_segment");
   const auto addr = reinterpret_cast<std::uintptr_t>(base);
   auto it = d.segments_.find(addr);
   if (it == d.segments_.end()) d.fail("free_segment", "unknown segment " + hex(addr));
@@ -766,6 +913,7 @@ void simulated_device::release_address_range(void* base, std::size_t size_bytes)
   std::lock_guard<std::mutex> lock(impl_->mutex_);
   impl& d = *impl_;
   d.throw_if_injected(call::release_address_range);
+  d.check_not_capturing("release_address_range");
   const auto addr = reinterpret_cast<std::uintptr_t>(base);
   auto it = d.reservations_.find(addr);
   if (it == d.reservations_.end() || it->second != size_bytes) {
@@ -806,6 +954,7 @@ bool simulated_device::map(void* addr_ptr, std::size_t size_bytes) {
   }
   d.bytes_in_use_ += size_bytes;
   ++d.counters_.maps;
+  if (d.capturing_streams_ != 0) ++d.counters_.maps_during_capture;
   d.counters_.bytes_mapped += size_bytes;
   return true;
 }
@@ -814,6 +963,7 @@ void simulated_device::unmap(void* addr_ptr, std::size_t size_bytes) {
   std::lock_guard<std::mutex> lock(impl_->mutex_);
   impl& d = *impl_;
   d.throw_if_injected(call::unmap);
+  d.check_not_capturing("unmap");
   if (!d.config_.supports_expandable) d.fail("unmap", "not supported");
   const auto addr = reinterpret_cast<std::uintptr_t>(addr_ptr);
   const std::size_t gran = d.config_.granularity_bytes;
@@ -859,6 +1009,15 @@ void simulated_device::record_event(event_handle event, stream_handle stream) {
   d.throw_if_injected(call::record_event);
   event_state& ev = d.live_event(event, "record_event");
   stream_state& state = d.live_stream(stream, "record_event");
+  if (state.capture != 0) {  // a captured event: a node of the graph, nothing runs now
+    ev.recorded = false;
+    ev.marker = 0;
+    ev.captured.clear();
+    ev.capture = state.capture;
+    ++d.counters_.events_recorded;
+    return;
+  }
+  ev.capture = 0;
   work_item item;
   item.kind = item_kind::record;
   item.label = "event " + std::to_string(event);
@@ -875,6 +1034,11 @@ bool simulated_device::query_event(event_handle event) {
   impl& d = *impl_;
   d.throw_if_injected(call::query_event);
   const event_state& ev = d.live_event(event, "query_event");
+  d.check_not_capturing("query_event");
+  if (ev.capture != 0) {
+    d.capture_violation("query_event", "event " + std::to_string(event) + " was last recorded in a capture "
+                                       "(cudaErrorCapturedEvent)");
+  }
   ++d.counters_.event_queries;
   return !ev.recorded || d.pending_.count(ev.marker) == 0;
 }
@@ -884,6 +1048,11 @@ void simulated_device::synchronize_event(event_handle event) {
   impl& d = *impl_;
   d.throw_if_injected(call::synchronize_event);
   const event_state& ev = d.live_event(event, "synchronize_event");
+  d.check_not_capturing("synchronize_event");
+  if (ev.capture != 0) {
+    d.capture_violation("synchronize_event", "event " + std::to_string(event) + " was last recorded in a "
+                                             "capture (cudaErrorCapturedEvent)");
+  }
   const std::uint64_t marker = ev.recorded ? ev.marker : 0;
   if (!d.advance_until([&d, marker] { return d.pending_.count(marker) == 0; })) {
     d.fail("synchronize_event", d.deadlock_message("event " + std::to_string(event)));
@@ -897,7 +1066,19 @@ void simulated_device::stream_wait_event(stream_handle stream, event_handle even
   d.throw_if_injected(call::stream_wait_event);
   const event_state& ev = d.live_event(event, "stream_wait_event");
   stream_state& state = d.live_stream(stream, "stream_wait_event");
+  if (ev.capture != 0 && ev.capture != state.capture) {
+    d.capture_violation("stream_wait_event",
+                        "stream " + std::to_string(stream) + " waits on event " + std::to_string(event) +
+                            ", captured in graph " + std::to_string(ev.capture) +
+                            (state.capture ? ", from another capture" : ", from outside the capture"));
+  }
+  if (ev.capture == 0 && state.capture != 0 && ev.recorded) {
+    d.capture_violation("stream_wait_event", "capturing stream " + std::to_string(stream) + " waits on event " +
+                                                 std::to_string(event) +
+                                                 ", recorded outside the capture (needs cudaEventWaitExternal)");
+  }
   ++d.counters_.stream_waits;
+  if (ev.capture != 0) return;  // inside its own capture: ordering within the graph
   if (!ev.recorded) return;  // waiting on a never-recorded event is a no-op, as in CUDA
   const std::uint64_t uid = d.handles_.at(stream);
   work_item item;
@@ -915,6 +1096,7 @@ void simulated_device::synchronize_device() {
   std::lock_guard<std::mutex> lock(impl_->mutex_);
   impl& d = *impl_;
   d.throw_if_injected(call::synchronize_device);
+  d.check_not_capturing("synchronize_device");
   if (!d.advance_until([&d] { return d.idle(); })) {
     d.fail("synchronize_device", d.deadlock_message("the device"));
   }

@@ -17,7 +17,12 @@
 //    host are named synchronize_*, with one exception the backend declares:
 //    free_segment_synchronizes() is true when free_segment itself waits for all work on the
 //    device (cudaFree does); the allocator then frees a segment without waiting (empty_cache
-//    defer mode) only while every stream it knows is idle.
+//    defer mode) only while every stream it knows is idle (query_stream).
+//  * CUDA graph capture: stream_is_capturing(s) tells whether s is capturing (no host block, no
+//    effect on the capture); backends that cannot tell answer false. allocate_segment and map
+//    are the only calls the allocator makes for growth while a stream of the device captures,
+//    so a CUDA backend makes them capture-safe (relaxed capture mode for that call); the
+//    allocator makes no releasing, synchronising or event- or stream-query call meanwhile.
 //  * Failure: allocate_segment and map return false/nullptr when the device is out of memory;
 //    every other failure throws streamsafe::backend_error naming the call, device and driver
 //    error. Thread safety: a backend may be called from several threads at once.
@@ -87,6 +92,9 @@ class device_backend {
   }
   virtual void synchronize_device() = 0;                      // blocks the host on every stream
   virtual void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) = 0;
+  // True while `stream` is capturing a CUDA graph. Never throws (an error answers false); the
+  // legacy default stream (0) is never capturing.
+  virtual bool stream_is_capturing(stream_handle /*stream*/) noexcept { return false; }
 };
 
 }  // namespace streamsafe

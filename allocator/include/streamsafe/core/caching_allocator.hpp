@@ -15,6 +15,9 @@
 //    deallocate(p, t): the last use is on stream t (stream-ordered free).
 //  * Memory goes back to the driver (empty_cache, out-of-memory retry, destruction) only after
 //    a fence, one event per covered stream recorded at release time, has completed.
+//  * CUDA graph capture (case K11): while a stream of the device captures, the allocator makes
+//    no releasing, synchronising or event-query call and no stream wait; see
+//    notify_capture_begin below and docs/reliability.md.
 //
 // Alignment: every block is aligned to 512 bytes. Sizes are rounded up to a multiple of 512.
 // Thread safety: every public member may be called from any thread; one mutex guards the
@@ -83,6 +86,52 @@ class caching_allocator {
   // Tells the allocator a stream is gone: it is dropped from fences; cached blocks of its
   // pool stay cached and are reused by other streams only behind an event wait.
   void notify_stream_destroyed(stream_handle stream);
+
+  // ---- CUDA graph capture (K11) -----------------------------------------------------------
+  // notify_capture_begin(s): s is about to capture a graph (call it just before
+  // cudaStreamBeginCapture; just after also works). Returns the graph's id (> 0). Until the
+  // matching notify_capture_end, and while any other capture of the device is underway:
+  //  * no releasing (free_segment, unmap), synchronising or event-query backend call is made,
+  //    from any thread, and no stream waits on an event: empty_cache and reclaim return 0 (an
+  //    empty_cache asked for runs in defer mode when the last capture ends), the out-of-memory
+  //    path neither releases nor moves segments, and the deferred queue waits;
+  //  * allocate(n, s) is served from the graph's private pool: blocks freed earlier in this
+  //    capture (stream order inside the graph puts their old uses first) or new device memory
+  //    (the only backend call allowed; the CUDA backends make it capture-safe). Cached memory
+  //    from before the capture is not used: its old uses do not provably precede the graph's
+  //    replays. Other streams are served from their own free blocks or new memory. Otherwise
+  //    out_of_memory, the normal error, and the capture stays valid;
+  //  * a free that needs events (recorded uses, or a stream-ordered free on another stream)
+  //    completes when no capture is underway; a free of memory from before the capture whose
+  //    stream, recorded uses or free stream is capturing completes when the graph is released
+  //    (the graph may use it); either counts as allocated until then (held_free_count()).
+  // Blocks allocated during the capture belong to the graph's private pool for good: freed, also
+  // after the capture, they return to it and serve no one else, so replays never race with other
+  // users. Memory used by a graph but allocated before its capture must stay allocated while the
+  // graph may replay (the allocator cannot see which blocks a graph reads).
+  // Throws std::invalid_argument for stream 0 or a stream already capturing. Waits (without the
+  // lock) for a fence wait or release that another thread has in flight. Thread-safe.
+  // Without the call, the allocator detects a capture on its slow paths (allocation growth,
+  // empty_cache, reclaim) by asking the backend about each stream it knows; the fast path makes
+  // no driver call, so a capture that the allocator has not seen yet may be served from cache.
+  std::uint64_t notify_capture_begin(stream_handle stream);
+  // The capture on s has ended (call it after cudaStreamEndCapture, whether or not that
+  // succeeded). Returns the graph's id. When no capture remains on the device, held frees
+  // complete and an empty_cache asked for during the capture runs (defer mode). Throws
+  // std::invalid_argument when no capture is underway on s.
+  std::uint64_t notify_capture_end(stream_handle stream);
+  // The graph (and every executable graph instantiated from it) will not be launched again.
+  // Its private pool's free segments become releasable by empty_cache and the out-of-memory
+  // path, fenced on every stream the allocator knows (replays still running there are waited
+  // for; a graph launched on a stream the allocator never saw needs the `device` fence scope or
+  // a synchronisation first); frees held for it complete behind events on every known stream.
+  // During another capture it takes effect when that capture ends. Throws std::invalid_argument
+  // for an unknown or already released id, or a graph still being captured.
+  void notify_graph_released(std::uint64_t graph);
+  // True while a capture is underway on the device (announced or detected). Lock-free.
+  bool capture_underway() const noexcept;
+  // Frees made during a capture that have not completed yet.
+  std::size_t held_free_count() const;
 
   statistics stats() const;
   void reset_peak_stats();

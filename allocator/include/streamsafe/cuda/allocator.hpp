@@ -124,6 +124,20 @@ class allocator {
   void notify_stream_destroyed(cudaStream_t stream);
   void notify_stream_destroyed(cudaStream_t stream, int device);
 
+  // CUDA graph capture (case K11; caching_allocator::notify_capture_begin has the contract).
+  // notify_capture_begin(s): call just before cudaStreamBeginCapture(s); the allocator of s's
+  // device (created now if needed) makes no releasing, synchronising or event-query call until
+  // the matching notify_capture_end(s), and serves s from the graph's private pool. Returns the
+  // graph's id on that device. notify_capture_end(s): after cudaStreamEndCapture(s); returns
+  // the id. notify_graph_released(graph, device): the graph will not be launched again; its
+  // memory becomes releasable. Throw std::invalid_argument for 0 / cudaStreamLegacy, a stream
+  // already (or not) capturing, or an unknown graph id; backend_error for a bad device.
+  // Note: CUDA's global capture mode forbids unsafe calls on every device of the process; only
+  // the capturing stream's device is told here.
+  std::uint64_t notify_capture_begin(cudaStream_t stream);
+  std::uint64_t notify_capture_end(cudaStream_t stream);
+  void notify_graph_released(std::uint64_t graph, int device);
+
   int device_count() const noexcept { return device_count_; }
   int current_device() const { return platform_.current_device(); }
   // Devices whose allocator has been created.

@@ -1,6 +1,7 @@
 // streamsafe: cuda_event_ops, the part of a CUDA device backend that both CUDA backends share:
-// the device binding, events, stream waits and queries, device synchronisation and memory info. The
-// segment calls are left to the derived backend (cuda_malloc_backend, expandable_backend).
+// the device binding, events, stream waits and queries, device synchronisation, memory info
+// and the capture query. The segment calls are left to the derived backend
+// (cuda_malloc_backend, expandable_backend).
 //
 // Events are created with cudaEventDisableTiming; stream and event handles are cudaStream_t /
 // cudaEvent_t values cast to std::uintptr_t (0 is the legacy default stream). Every call runs
@@ -32,6 +33,8 @@ class cuda_event_ops : public device_backend {
   bool query_stream(stream_handle stream) final;  // cudaStreamQuery
   void synchronize_device() final;
   void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) final;
+  // cudaStreamIsCapturing (active or invalidated); false for stream 0 and on any error.
+  bool stream_is_capturing(stream_handle stream) noexcept final;
 
  protected:
   // Throws backend_error when `device` is not a valid device index here (no GPU: always).
@@ -39,7 +42,12 @@ class cuda_event_ops : public device_backend {
   ~cuda_event_ops() override = default;
 
  private:
+  // True when the device's primary context is already current on this thread: the event calls
+  // then skip the device guard's cudaGetDevice (tens of ns each on the H200).
+  bool device_is_current() const noexcept;
+
   int device_;
+  void* primary_context_ = nullptr;  // the device's primary CUcontext (null: unknown)
 };
 
 }  // namespace streamsafe::cuda

@@ -100,6 +100,7 @@ class simulated_platform {
     void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override {
       dev_.memory_info(free_bytes, total_bytes);
     }
+    bool stream_is_capturing(stream_handle stream) noexcept override { return dev_.stream_is_capturing(stream); }
 
    private:
     void* out(void* p) const noexcept {

@@ -11,7 +11,19 @@
 //   cross_stream_race           a new use of memory on one stream while a use on another
 //                               stream is pending and not ordered before it (one of them a
 //                               write);
-//   access_unmapped             work launched on memory that is not backed.
+//   access_unmapped             work launched on memory that is not backed;
+//   capture_violation           a call CUDA forbids while a stream of the device captures a
+//                               graph (global capture mode): free_segment, unmap,
+//                               release_address_range, query_event, synchronize_event,
+//                               synchronize_device from any thread; a capturing stream waiting
+//                               on an event recorded outside its capture; a stream outside the
+//                               capture waiting on a captured event; a query or synchronisation
+//                               of an event last recorded in a capture. As on a GPU the call
+//                               fails (backend_error) and the capture is invalidated.
+// Graph capture: begin_capture(s) .. end_capture(s) record the kernels launched on s into a
+// graph instead of running them (event records on s become captured events); launch_graph
+// enqueues the recorded kernels on a stream, checked like launches. allocate_segment and map
+// stay legal during a capture (a CUDA backend makes them in relaxed capture mode).
 // It implements device_backend, so the real caching allocator runs on it unchanged, and it can
 // fail any backend call on demand (fault injection). Thread safety: every public call takes
 // one internal mutex. Time is in microseconds of simulated time.
@@ -36,7 +48,7 @@ struct range {
   std::optional<std::uint8_t> value;  // for writes: the byte value written when it completes
 };
 
-enum class fault_kind { release_under_pending_work, cross_stream_race, access_unmapped };
+enum class fault_kind { release_under_pending_work, cross_stream_race, access_unmapped, capture_violation };
 
 struct fault {
   fault_kind kind;
@@ -59,6 +71,8 @@ struct counters {
   std::uint64_t events_created = 0, events_destroyed = 0, events_recorded = 0;
   std::uint64_t event_queries = 0, event_syncs = 0, stream_waits = 0, device_syncs = 0;
   std::uint64_t launches = 0;
+  std::uint64_t capture_queries = 0, graph_launches = 0;
+  std::uint64_t segment_allocs_during_capture = 0, maps_during_capture = 0;
 };
 
 struct device_config {
@@ -86,7 +100,8 @@ class simulated_device final : public device_backend {
   void destroy_stream(stream_handle stream);  // pending work still runs; later use throws
   void set_reuse_stream_handles(bool reuse);
   // Enqueues a kernel that runs duration_us once it reaches the head of the stream; returns
-  // its id. Checks cross_stream_race and access_unmapped at enqueue time.
+  // its id. Checks cross_stream_race and access_unmapped at enqueue time. On a capturing
+  // stream the kernel is recorded into the graph instead and 0 is returned.
   std::uint64_t launch(stream_handle stream, std::uint64_t duration_us, std::vector<range> ranges,
                        std::string label = {});
   // Enqueues a work item that never completes until open(id) is called (a "hold").
@@ -94,6 +109,19 @@ class simulated_device final : public device_backend {
   void open(std::uint64_t hold_id);
   bool completed(std::uint64_t work_id) const;
   bool stream_idle(stream_handle stream) const;
+
+  // ---- CUDA graph capture -------------------------------------------------------------------
+  // Starts capturing on `stream` (not 0, not already capturing): launches on it are recorded
+  // into a graph; hold() on it throws std::logic_error.
+  void begin_capture(stream_handle stream);
+  // Ends the capture and returns the graph's id; throws backend_error (and returns no graph)
+  // when a capture_violation invalidated the capture, as cudaStreamEndCapture does.
+  std::uint64_t end_capture(stream_handle stream);
+  bool capturing(stream_handle stream) const;
+  // Enqueues the graph's kernels on `stream` in capture order (one replay); checked for
+  // cross_stream_race and access_unmapped like launch(). Returns the id of the last item.
+  std::uint64_t launch_graph(std::uint64_t graph, stream_handle stream);
+  std::size_t graph_kernel_count(std::uint64_t graph) const;
 
   // ---- clock ------------------------------------------------------------------------------
   std::uint64_t now_us() const;
@@ -139,6 +167,7 @@ class simulated_device final : public device_backend {
   bool query_stream(stream_handle stream) override;  // stream_idle(); never blocks
   void synchronize_device() override;  // advances until idle (throws like run_until_idle)
   void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override;
+  bool stream_is_capturing(stream_handle stream) noexcept override;
 
  private:
   struct impl;

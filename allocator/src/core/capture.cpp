@@ -1,0 +1,297 @@
+// streamsafe core: the caching allocator during CUDA graph capture (case K11).
+//
+// While a stream of the device captures (global capture mode), CUDA forbids, from any thread,
+// the calls that may synchronise: releasing memory (cudaFree, cuMemUnmap), synchronising, and
+// querying events; a capturing stream may not wait on an event recorded outside its capture.
+// A captured graph also replays later, any number of times, so memory its kernels touch must
+// not serve anyone else while it may replay. The rules kept here:
+//  * captures_ lists the captures underway: announced (notify_capture_begin) or detected on a
+//    slow path (backend_.stream_is_capturing of each known stream); captures_underway_ mirrors
+//    its size so that the fast paths test it without the device lock.
+//  * While any capture is underway: no fence, no release, no event query, no stream wait (the
+//    pending lists, the deferred queue and empty_cache wait; an empty_cache asked for runs in
+//    defer mode when the last capture ends); allocations are served only from memory that is
+//    safe without a query: for a capturing stream its graph's private pool (blocks freed
+//    earlier in the same capture, whose old uses precede the new ones in capture order, and
+//    new segments or chunks, the one backend call allowed), for other streams their own free
+//    blocks and new segments; otherwise out_of_memory.
+//  * A graph's private pool is a stream_state keyed graph_key(id), whose handle is the
+//    capturing stream. Blocks allocated in it return to it when freed, also after the capture,
+//    and nobody else allocates from it; its segments are released (behind the usual fence, on
+//    every stream) only after notify_graph_released(id).
+//  * Frees during a capture that would need events (uses on other streams), and frees of
+//    memory from before the capture that the capture may touch (its stream or a recorded use is
+//    capturing), are held (block::free_held, held_frees_): the first kind completes when no
+//    capture is underway, the second when its graph is released, behind events on every stream
+//    (the graph may have replayed anywhere).
+// Every function here runs with the device lock (mu_) held.
+#include "allocator_state.hpp"
+#include "logging.hpp"
+
+#include <algorithm>
+#include <string>
+
+namespace streamsafe {
+
+using detail::block;
+using stream_lock = detail::spin_lock;
+
+namespace {
+
+std::string stream_name(stream_handle s) { return "stream " + std::to_string(s); }
+
+}  // namespace
+
+const caching_allocator::impl::capture_record* caching_allocator::impl::capture_of_locked(stream_handle stream) const {
+  for (const auto& c : captures_) {
+    if (c.stream == stream) return &c;
+  }
+  return nullptr;
+}
+
+caching_allocator::impl::stream_state* caching_allocator::impl::graph_state_locked(std::uint64_t graph) {
+  auto it = streams_.find(graph_key(graph));
+  return it == streams_.end() ? nullptr : it->second.get();
+}
+
+std::uint64_t caching_allocator::impl::begin_capture_locked(stream_handle stream, bool detected) {
+  if (stream == 0) {
+    throw std::invalid_argument("streamsafe: notify_capture_begin(stream 0) on device " +
+                                std::to_string(backend_.device()) +
+                                ": the legacy default stream cannot capture a CUDA graph");
+  }
+  if (const capture_record* c = capture_of_locked(stream)) {
+    throw std::invalid_argument("streamsafe: notify_capture_begin(" + stream_name(stream) + ") on device " +
+                                std::to_string(backend_.device()) + ": the stream is already capturing (graph " +
+                                std::to_string(c->graph) + "); call notify_capture_end first");
+  }
+  stream_locked(stream);  // the capturing stream is known, for fences (before the capture counts)
+  const std::uint64_t graph = next_graph_id_++;
+  stream_state& g = new_state_locked(graph_key(graph), stream);
+  g.graph = graph;
+  captures_.push_back({stream, graph, detected});
+  captures_underway_.store(static_cast<int>(captures_.size()), std::memory_order_release);
+  // A fast path that read "no capture" may be inside an event query: wait for it (it holds
+  // its stream's lock); every later one sees the capture.
+  for (auto& [key, st] : streams_) {
+    std::lock_guard<stream_lock> barrier(st->mu);
+  }
+  detail::log().debug("device {}: CUDA graph capture {} on stream {:#x} ({}); {} capture(s) underway",
+                      backend_.device(), graph, stream, detected ? "detected" : "announced", captures_.size());
+  return graph;
+}
+
+std::uint64_t caching_allocator::impl::end_capture_locked(std::unique_lock<std::mutex>& lk, stream_handle stream) {
+  auto it = std::find_if(captures_.begin(), captures_.end(), [&](const capture_record& c) { return c.stream == stream; });
+  if (it == captures_.end()) {
+    throw std::invalid_argument("streamsafe: notify_capture_end(" + stream_name(stream) + ") on device " +
+                                std::to_string(backend_.device()) +
+                                ": no capture is underway on this stream (never announced, or detected and "
+                                "already seen ending)");
+  }
+  const std::uint64_t graph = it->graph;
+  captures_.erase(it);
+  captures_underway_.store(static_cast<int>(captures_.size()), std::memory_order_release);
+  detail::log().debug("device {}: CUDA graph capture {} on stream {:#x} ended; its private pool is kept until "
+                      "notify_graph_released({})", backend_.device(), graph, stream, graph);
+  if (captures_.empty()) after_captures_locked(lk);
+  return graph;
+}
+
+void caching_allocator::impl::detect_captures_locked(std::unique_lock<std::mutex>& lk) {
+  std::vector<stream_handle> began, ended;
+  for (auto& [key, st] : streams_) {
+    if (st->graph != 0 || st->handle == 0 || !st->alive.load(std::memory_order_acquire)) continue;
+    const bool now = backend_.stream_is_capturing(st->handle);
+    const capture_record* c = capture_of_locked(st->handle);
+    if (now && !c) began.push_back(st->handle);
+    if (!now && c && c->detected) ended.push_back(st->handle);
+  }
+  for (stream_handle s : began) {
+    const std::uint64_t graph = begin_capture_locked(s, true);
+    detail::log().info("device {}: stream {:#x} is capturing a CUDA graph that was not announced: its memory is kept "
+                       "for graph {} until notify_graph_released({})",
+                       backend_.device(), s, graph, graph);
+  }
+  for (stream_handle s : ended) end_capture_locked(lk, s);
+}
+
+void caching_allocator::impl::after_captures_locked(std::unique_lock<std::mutex>& lk) {
+  // Frees held until the end of every capture; frees held for a graph stay until its release.
+  std::vector<held_free> held;
+  held.swap(held_frees_);
+  std::exception_ptr error;
+  for (std::size_t i = 0; i < held.size(); ++i) {
+    held_free& h = held[i];
+    if (h.graph != 0 || error) {
+      held_frees_.push_back(h);
+      continue;
+    }
+    stream_state& owner = state_of(*h.b->seg->owner);
+    std::lock_guard<stream_lock> slk(owner.mu);
+    h.b->free_held = false;
+    try {
+      free_found_locked(owner, h.b, h.has_stream ? &h.stream : nullptr);
+    } catch (...) {
+      h.b->free_held = true;  // still held: the next end of a capture retries
+      held_frees_.push_back(h);
+      error = std::current_exception();
+    }
+  }
+  std::vector<std::uint64_t> releases;
+  releases.swap(releases_after_capture_);
+  for (std::uint64_t graph : releases) release_graph_locked(graph);
+  if (empty_cache_after_capture_ && !error) {
+    empty_cache_after_capture_ = false;
+    release_cached(lk, empty_cache_mode::defer);
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
+  stream_state* g = graph_state_locked(graph);
+  if (g == nullptr || g->graph_released) {
+    throw std::invalid_argument("streamsafe: notify_graph_released(" + std::to_string(graph) + ") on device " +
+                                std::to_string(backend_.device()) +
+                                ": no such graph (ids come from notify_capture_begin; each is released once)");
+  }
+  for (const auto& c : captures_) {
+    if (c.graph == graph) {
+      throw std::invalid_argument("streamsafe: notify_graph_released(" + std::to_string(graph) + ") on device " +
+                                  std::to_string(backend_.device()) + ": the graph is still being captured on " +
+                                  stream_name(c.stream) + "; call notify_capture_end first");
+    }
+  }
+  if (capturing()) {  // fences would record events on capturing streams: after the captures
+    if (std::find(releases_after_capture_.begin(), releases_after_capture_.end(), graph) == releases_after_capture_.end()) {
+      releases_after_capture_.push_back(graph);
+    }
+    return;
+  }
+  // The graph may have replayed on any stream: its memory is fenced on every stream we know.
+  std::vector<stream_handle> every;
+  for (auto& [key, st] : streams_) {
+    if (st->graph == 0 && st->alive.load(std::memory_order_acquire)) every.push_back(st->handle);
+  }
+  {
+    std::lock_guard<stream_lock> glk(g->mu);
+    g->graph_released = true;
+    for (auto& [base, seg] : segments_) {
+      if (&state_of(*seg->owner) != g) continue;
+      for (stream_handle s : every) note_use_locked(seg, s);
+    }
+  }
+  std::vector<held_free> held;
+  held.swap(held_frees_);
+  std::exception_ptr error;
+  for (held_free& h : held) {
+    if (h.graph != graph || error) {
+      held_frees_.push_back(h);
+      continue;
+    }
+    stream_state& owner = state_of(*h.b->seg->owner);
+    std::lock_guard<stream_lock> slk(owner.mu);
+    block* b = h.b;
+    b->free_held = false;
+    const std::vector<stream_handle> uses = b->uses;
+    for (stream_handle s : every) {
+      if (s != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), s) == b->uses.end()) b->uses.push_back(s);
+    }
+    try {
+      free_found_locked(owner, b, h.has_stream ? &h.stream : nullptr);
+    } catch (...) {
+      b->uses = uses;
+      b->free_held = true;
+      held_frees_.push_back(h);
+      error = std::current_exception();
+    }
+  }
+  detail::log().debug("device {}: graph {} released: its private pool is returned by empty_cache", backend_.device(),
+                      graph);
+  if (error) std::rethrow_exception(error);
+}
+
+bool caching_allocator::impl::free_during_capture_locked(stream_state& owner, block* b, const stream_handle* stream) {
+  const bool same_stream_only = b->uses.empty() && (!stream || *stream == b->seg->stream);
+  std::uint64_t graph = 0;
+  if (owner.graph == 0) {
+    // Memory from before the capture: the capture may use it if its stream, a recorded use or
+    // the stream of this free is capturing. Then it is the graph's until the graph is released.
+    const capture_record* c = capture_of_locked(b->seg->stream);
+    for (std::size_t i = 0; !c && i < b->uses.size(); ++i) c = capture_of_locked(b->uses[i]);
+    if (!c && stream) c = capture_of_locked(*stream);
+    if (c) graph = c->graph;
+  }
+  if (graph == 0 && same_stream_only) return false;  // an ordinary same-stream free: no event
+  b->free_held = true;
+  held_frees_.push_back({b, stream != nullptr, stream ? *stream : 0, graph});
+  ++capture_deferrals_;
+  return true;
+}
+
+void* caching_allocator::impl::allocate_during_capture_locked(std::unique_lock<std::mutex>& dlk, std::size_t size,
+                                                              std::size_t rounded, bool small, stream_handle stream) {
+  stream_state* target = nullptr;
+  if (const capture_record* c = capture_of_locked(stream)) {
+    target = graph_state_locked(c->graph);
+  } else {
+    target = &stream_locked(stream);
+  }
+  std::unique_lock<stream_lock> slk(target->mu);
+  pool& p = pool_of(*target, small);
+  block* b = p.quick.pop(rounded);
+  if (!b) {
+    if (p.quick.count) flush_quick_locked(p);
+    b = best_fit(p, rounded);
+  }
+  // Growth is the one backend call allowed (capture-safe in the CUDA backends).
+  if (!b) b = opts_.backend == backend_kind::expandable ? expandable_fit_locked(p, rounded) : new_segment_locked(p, rounded);
+  if (!b) {
+    ++stats_.num_ooms;
+    trace(trace_action::oom, 0, size, stream);
+    std::string msg = oom_message_locked(size, rounded, stream, target) + capture_note_locked();
+    slk.unlock();
+    dlk.unlock();
+    detail::log().error("{}", msg);
+    throw out_of_memory(msg);
+  }
+  return finish_allocation(*target, b, rounded, size);
+}
+
+std::string caching_allocator::impl::capture_note_locked() const {
+  std::string note = "; CUDA graph capture underway on";
+  for (const auto& c : captures_) note += " " + stream_name(c.stream) + " (graph " + std::to_string(c.graph) + ")";
+  return note +
+         ": cached memory is neither released nor moved between streams until the capture ends, and a capturing "
+         "stream is served only from its graph's pool or new device memory";
+}
+
+// ---- public interface ---------------------------------------------------------------------------
+
+std::uint64_t caching_allocator::notify_capture_begin(stream_handle stream) {
+  impl& m = *impl_;
+  std::unique_lock<std::mutex> lk(m.mu_);
+  const std::uint64_t graph = m.begin_capture_locked(stream, false);
+  // A fence wait or release that started before the capture counted ends first.
+  m.driver_calls_done_.wait(lk, [&] { return m.driver_calls_in_flight_ == 0; });
+  return graph;
+}
+
+std::uint64_t caching_allocator::notify_capture_end(stream_handle stream) {
+  std::unique_lock<std::mutex> lk(impl_->mu_);
+  return impl_->end_capture_locked(lk, stream);
+}
+
+void caching_allocator::notify_graph_released(std::uint64_t graph) {
+  std::lock_guard<std::mutex> lk(impl_->mu_);
+  impl_->release_graph_locked(graph);
+}
+
+bool caching_allocator::capture_underway() const noexcept { return impl_->capturing(); }
+
+std::size_t caching_allocator::held_free_count() const {
+  std::lock_guard<std::mutex> lk(impl_->mu_);
+  return impl_->held_frees_.size();
+}
+
+}  // namespace streamsafe
