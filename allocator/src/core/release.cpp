@@ -275,7 +275,8 @@ bool caching_allocator::impl::free_segment_would_block_locked() {
     if (!backend_.query_event(t.event)) return true;  // a dead stream's last work
   }
   for (auto& [s, st] : streams_) {
-    if (st->alive.load(std::memory_order_acquire) && !backend_.query_stream(s)) return true;
+    // Graph pools (st->graph != 0) are keyed by a graph id, not a stream: their streams are known too.
+    if (st->graph == 0 && st->alive.load(std::memory_order_acquire) && !backend_.query_stream(s)) return true;
   }
   return false;
 }
