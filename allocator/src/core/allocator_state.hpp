@@ -134,6 +134,9 @@ struct caching_allocator::impl {
   block* new_block(stream_state& st);
   void recycle_block(stream_state& st, block* b);
   block* best_fit(pool& p, std::size_t rounded) const;
+  bool split_limit_refuses(const pool& p, const block* b, std::size_t rounded) const noexcept;  // max_split_size
+  bool keeps_whole(const block* b, std::size_t rounded) const noexcept;  // segment_fit.hpp's rule
+  block* scan_fit_locked(pool& p, std::size_t rounded, bool whole_rule) const;  // slow path
   block* take_pending_locked(stream_state& st, pool& p, std::size_t rounded);
   block* new_segment_locked(pool& p, std::size_t rounded);
   bool map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk);

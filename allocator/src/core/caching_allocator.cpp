@@ -1,10 +1,13 @@
 // streamsafe core: allocation, free, record_stream and bookkeeping of the caching allocator.
 //
 // Allocation order for a rounded request on stream s (pool = s's small or large pool):
-//   1. a good fit among the pool's free blocks (segregated lists, free_lists.hpp);
+//   1. a good fit among the pool's free blocks (segregated lists, free_lists.hpp); with the
+//      cuda_malloc backend a whole free segment far larger than a large request is skipped
+//      (segment_fit.hpp) and the slow path takes the best remainder of a split segment instead;
 //   2. a block of the pool whose host free is done but whose other-stream uses are pending:
 //      s waits on their events (stream_wait_event), the host never blocks;
 //   3. growth: a new cudaMalloc segment, or more chunks mapped into s's expandable segment;
+//      at the memory limit, the skipped whole segment is split after all;
 //   4. (out of memory) a whole free segment of another stream's pool, moved behind a fence
 //      that s waits on; then a safe release of the cache (fenced) and one retry; then
 //      out_of_memory.
@@ -12,6 +15,7 @@
 // Invariants and the locks: see block.hpp and allocator_state.hpp.
 #include "allocator_state.hpp"
 #include "logging.hpp"
+#include "segment_fit.hpp"
 #include "size_classes.hpp"
 
 #include <algorithm>
@@ -253,12 +257,34 @@ void caching_allocator::impl::sample_peaks() {
 block* caching_allocator::impl::best_fit(pool& p, std::size_t rounded) const {
   block* b = p.mapped.find(rounded);
   if (!b) return nullptr;
-  if (!p.small && opts_.max_split_size_bytes != 0 && !b->seg->expandable) {
-    // Oversize blocks are never split, and serve only requests close to their size.
-    if (rounded < opts_.max_split_size_bytes && b->size >= opts_.max_split_size_bytes) return nullptr;
-    if (rounded >= opts_.max_split_size_bytes && b->size >= rounded + detail::k_large_segment_bytes) return nullptr;
-  }
+  if (opts_.max_split_size_bytes != 0 && split_limit_refuses(p, b, rounded)) return nullptr;
+  // A whole free segment far larger than the request stays whole (segment_fit.hpp); the slow
+  // path then looks for a split segment's remainder. One compare for blocks close in size.
+  if (b->size - rounded > detail::k_whole_segment_slack_bytes && keeps_whole(b, rounded)) return nullptr;
   return b;
+}
+
+bool caching_allocator::impl::split_limit_refuses(const pool& p, const block* b, std::size_t rounded) const noexcept {
+  if (p.small || opts_.max_split_size_bytes == 0 || b->seg->expandable) return false;
+  // Oversize blocks are never split, and serve only requests close to their size.
+  if (rounded < opts_.max_split_size_bytes && b->size >= opts_.max_split_size_bytes) return true;
+  return rounded >= opts_.max_split_size_bytes && b->size >= rounded + detail::k_large_segment_bytes;
+}
+
+bool caching_allocator::impl::keeps_whole(const block* b, std::size_t rounded) const noexcept {
+  return !b->seg->expandable &&
+         detail::keeps_segment_whole(b->size, rounded, opts_.whole_segment_split_ratio, !b->prev && !b->next);
+}
+
+block* caching_allocator::impl::scan_fit_locked(pool& p, std::size_t rounded, bool whole_rule) const {
+  // Exact best fit (size, then address) over the pool's free blocks, for the slow path only.
+  block* best = nullptr;
+  p.mapped.for_each([&](block* b) {
+    if (b->size < rounded || (best && (b->size > best->size || (b->size == best->size && b->addr > best->addr)))) return;
+    if ((whole_rule && keeps_whole(b, rounded)) || split_limit_refuses(p, b, rounded)) return;
+    best = b;
+  });
+  return best;
 }
 
 block* caching_allocator::impl::merge_locked(block* lo, block* hi) {
@@ -508,9 +534,15 @@ block* caching_allocator::impl::find_block_locked(stream_state& st, pool& p, std
   if (block* b = p.quick.pop(rounded)) return b;
   if (p.quick.count) flush_quick_locked(p);
   if (block* b = best_fit(p, rounded)) return b;
+  const bool whole_rule = !p.small && opts_.whole_segment_split_ratio != 0 && opts_.backend != backend_kind::expandable;
+  if (whole_rule) {
+    if (block* b = scan_fit_locked(p, rounded, true)) return b;  // a split segment's remainder
+  }
   if (block* b = take_pending_locked(st, p, rounded)) return b;
   if (opts_.backend == backend_kind::expandable) return expandable_fit_locked(p, rounded);
-  return new_segment_locked(p, rounded);
+  if (block* b = new_segment_locked(p, rounded)) return b;
+  // At the memory limit the whole-segment rule gives way: split the best fit rather than fail.
+  return whole_rule ? scan_fit_locked(p, rounded, false) : nullptr;
 }
 
 void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size) {
