@@ -8,7 +8,10 @@
 // compare on the allocation path; the rest runs only for such blocks. Why: a logits-sized free
 // segment split for a long-lived activation stays split, and the next logits-sized request then
 // needs a new segment (docs/observability.md, "Memory efficiency on the GPT-2 trace").
-// The rule gives way when a new segment would exceed the memory limit.
+// Before a growth that would raise peak reserved, the whole free segments the rule refuses to
+// the request go back to the driver behind their fence (caching_allocator.cpp, release.cpp): they
+// would otherwise sit idle at the new peak. The rule gives way when a new segment would exceed
+// the memory limit.
 #pragma once
 
 #include "size_classes.hpp"
