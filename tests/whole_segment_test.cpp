@@ -111,6 +111,24 @@ TEST_CASE("A refused whole segment goes back to the driver, behind its fence, be
   }
 }
 
+TEST_CASE("A failed release of refused segments leaves them cached and the allocation goes on",
+          "[core][segment-fit][fault-injection]") {
+  sim_env env;
+  void* logits = env.alloc.allocate(200 * MiB, 0);
+  env.alloc.deallocate(logits);
+  env.dev.fail_next(sim::call::free_segment);
+  void* activation = nullptr;
+  REQUIRE_NOTHROW(activation = env.alloc.allocate(12 * MiB, 0));
+  CHECK_FALSE(inside(activation, logits, 200 * MiB));
+  CHECK(env.dev.counters().segment_frees == 0);
+  env.alloc.check_invariants();
+  void* again = env.alloc.allocate(200 * MiB, 0);  // still cached, still whole
+  CHECK(again == logits);
+  env.alloc.deallocate(again);
+  env.alloc.deallocate(activation);
+  env.alloc.check_invariants();
+}
+
 TEST_CASE("A whole free segment within the ratio, or within 20 MiB of the request, still serves it",
           "[core][segment-fit]") {
   sim_env env;

@@ -577,8 +577,14 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   if (!b && growth_raises_peak_with_refused_locked(p, rounded)) {
     // Whole free segments the rule refuses to this request would sit idle while the pool grows
     // past its peak: they go back to the driver first, behind their fence (segment_fit.hpp).
+    // Opportunistic: a failed release leaves its memory in the pool, and the allocation goes on.
     slk.unlock();
-    release_refused_segments(dlk, st, rounded);
+    try {
+      release_refused_segments(dlk, st, rounded);
+    } catch (const std::exception& e) {
+      detail::log().warn("device {}: giving refused whole segments back before growing failed: {}", backend_.device(),
+                         e.what());
+    }
     slk.lock();
   }
   if (!b) b = find_block_locked(st, p, rounded);
