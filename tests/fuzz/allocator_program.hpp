@@ -108,6 +108,7 @@ struct program_config {
   std::size_t device_bytes = 2 * GiB;
   std::size_t expandable_chunk_bytes = 20 * MiB;
   std::size_t max_split_size_bytes = 0;
+  std::size_t whole_segment_split_ratio = 8;  // the default; 0 (off) and 1 (most refusals) too
   bool reuse_stream_handles = false;
   bool holds = true;             // holds (kernels that wait for the host) may be enqueued
   bool inject_failures = true;   // backend failures may be injected
@@ -133,6 +134,8 @@ struct program_config {
     static constexpr std::size_t splits[] = {0, 0, 16 * MiB, 40 * MiB};
     c.max_split_size_bytes = splits[(b1 >> 1) & 3];
     c.reuse_stream_handles = ((b1 >> 3) & 1) != 0;
+    static constexpr std::size_t ratios[] = {8, 8, 0, 1};
+    c.whole_segment_split_ratio = ratios[(b1 >> 4) & 3];
     return c;
   }
 
@@ -141,7 +144,8 @@ struct program_config {
     os << "backend:" << streamsafe::to_string(backend) << " scope:" << streamsafe::to_string(scope)
        << " mode:" << streamsafe::to_string(mode) << " unrecorded:" << unrecorded_uses
        << " limit:" << memory_limit_bytes << " chunk:" << expandable_chunk_bytes
-       << " max_split:" << max_split_size_bytes << " reuse_handles:" << reuse_stream_handles;
+       << " max_split:" << max_split_size_bytes << " whole_ratio:" << whole_segment_split_ratio
+       << " reuse_handles:" << reuse_stream_handles;
     return os.str();
   }
 };
@@ -184,6 +188,7 @@ class program {
     o.memory_limit_bytes = config_.memory_limit_bytes;
     o.expandable_chunk_bytes = config_.expandable_chunk_bytes;
     o.max_split_size_bytes = config_.max_split_size_bytes;
+    o.whole_segment_split_ratio = config_.whole_segment_split_ratio;
     alloc_.emplace(dev_, o);
     dev_.set_reuse_stream_handles(config_.reuse_stream_handles);
     streams_.push_back({next_uid_++, 0, false});

@@ -194,12 +194,16 @@ struct caching_allocator::impl {
   block* new_block(stream_state& st);
   void recycle_block(stream_state& st, block* b);
   block* best_fit(pool& p, std::size_t rounded) const;
+  bool split_limit_refuses(const pool& p, const block* b, std::size_t rounded) const noexcept;  // max_split_size
+  bool keeps_whole(const block* b, std::size_t rounded) const noexcept;  // segment_fit.hpp's rule
+  block* fit_ignoring_whole_rule(pool& p, std::size_t rounded) const;  // at the memory limit
   block* take_pending_locked(stream_state& st, pool& p, std::size_t rounded);
   block* new_segment_locked(pool& p, std::size_t rounded);
   std::size_t map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk);  // bytes mapped
   block* expandable_fit_locked(pool& p, std::size_t rounded);
   block* steal_segment_locked(pool& p, std::size_t rounded);
-  block* find_block_locked(stream_state& st, pool& p, std::size_t rounded);
+  block* find_block_locked(stream_state& st, pool& p, std::size_t rounded, bool grow = true);
+  bool growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const;
   void* finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size);
   void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small);
   bool wants_collection_locked(std::size_t rounded) const;  // mu_ held
@@ -244,6 +248,8 @@ struct caching_allocator::impl {
   // ---- release.cpp -------------------------------------------------------------------------
   // mu_ and the segment owner's stream lock held.
   std::vector<stream_handle> fence_streams_locked(const segment* seg) const;
+  void add_fence_streams_locked(release_batch& batch, const segment* seg) const;
+  void detach_whole_segment_locked(release_batch& batch, segment* seg);  // a free cuda_malloc segment
   release_batch collect_releasable_locked();
   void record_fence_locked(release_batch& batch);
   bool fence_done_locked(const release_batch& batch);
@@ -259,6 +265,11 @@ struct caching_allocator::impl {
   std::size_t finish_deferred(std::unique_lock<std::mutex>& lk, bool wait);
   std::size_t release_cached(std::unique_lock<std::mutex>& lk, empty_cache_mode mode);
   void queue_batch_locked(release_batch& batch);  // to the deferred queue (fence recorded)
+  // Fences and releases a collected batch (queued in defer mode when its fence is pending).
+  std::size_t release_collected(std::unique_lock<std::mutex>& lk, release_batch& batch, empty_cache_mode mode);
+  // mu_ held, st's lock not: gives back st's whole free large segments that the whole-segment
+  // rule refuses to a request of `rounded` bytes (before a growth that would raise the peak).
+  std::size_t release_refused_segments(std::unique_lock<std::mutex>& lk, stream_state& st, std::size_t rounded);
   void destroy_all();
 };
 

@@ -1,10 +1,14 @@
 // streamsafe core: allocation, free, record_stream and bookkeeping of the caching allocator.
 //
 // Allocation order for a rounded request on stream s (pool = s's small or large pool):
-//   1. a good fit among the pool's free blocks (segregated lists, free_lists.hpp);
+//   1. a good fit among the pool's free blocks (segregated lists, free_lists.hpp); with the
+//      cuda_malloc backend a whole free segment far larger than a large request is skipped
+//      (segment_fit.hpp) for the best block that may be split;
 //   2. a block of the pool whose host free is done but whose other-stream uses are pending:
 //      s waits on their events (stream_wait_event), the host never blocks;
 //   3. growth: a new cudaMalloc segment, or more chunks mapped into s's expandable segment;
+//      if it would raise peak reserved, the whole segments skipped in step 1 are released first
+//      (fenced); at the memory limit, a skipped whole segment is split after all;
 //   4. (out of memory) a whole free segment of another stream's pool, moved behind a fence
 //      that s waits on; then a safe release of the cache (fenced) and one retry; then
 //      out_of_memory.
@@ -12,6 +16,7 @@
 // Invariants and the locks: see block.hpp and allocator_state.hpp.
 #include "allocator_state.hpp"
 #include "logging.hpp"
+#include "segment_fit.hpp"
 #include "size_classes.hpp"
 
 #include <algorithm>
@@ -258,12 +263,30 @@ void caching_allocator::impl::sample_peaks() {
 block* caching_allocator::impl::best_fit(pool& p, std::size_t rounded) const {
   block* b = p.mapped.find(rounded);
   if (!b) return nullptr;
-  if (!p.small && opts_.max_split_size_bytes != 0 && !b->seg->expandable) {
-    // Oversize blocks are never split, and serve only requests close to their size.
-    if (rounded < opts_.max_split_size_bytes && b->size >= opts_.max_split_size_bytes) return nullptr;
-    if (rounded >= opts_.max_split_size_bytes && b->size >= rounded + detail::k_large_segment_bytes) return nullptr;
+  if (opts_.max_split_size_bytes != 0 && split_limit_refuses(p, b, rounded)) return nullptr;
+  // A whole free segment far larger than the request stays whole (segment_fit.hpp): the best
+  // block that may be split instead, if any. One compare for blocks close in size.
+  if (b->size - rounded > detail::k_whole_segment_slack_bytes && keeps_whole(b, rounded)) {
+    return p.mapped.find_if(rounded, [&](const block* x) { return !keeps_whole(x, rounded) && !split_limit_refuses(p, x, rounded); });
   }
   return b;
+}
+
+bool caching_allocator::impl::split_limit_refuses(const pool& p, const block* b, std::size_t rounded) const noexcept {
+  if (p.small || opts_.max_split_size_bytes == 0 || b->seg->expandable) return false;
+  // Oversize blocks are never split, and serve only requests close to their size.
+  if (rounded < opts_.max_split_size_bytes && b->size >= opts_.max_split_size_bytes) return true;
+  return rounded >= opts_.max_split_size_bytes && b->size >= rounded + detail::k_large_segment_bytes;
+}
+
+bool caching_allocator::impl::keeps_whole(const block* b, std::size_t rounded) const noexcept {
+  return !b->seg->expandable &&
+         detail::keeps_segment_whole(b->size, rounded, opts_.whole_segment_split_ratio, !b->prev && !b->next);
+}
+
+block* caching_allocator::impl::fit_ignoring_whole_rule(pool& p, std::size_t rounded) const {
+  block* b = p.mapped.find(rounded);
+  return b && !split_limit_refuses(p, b, rounded) ? b : nullptr;
 }
 
 block* caching_allocator::impl::merge_locked(block* lo, block* hi) {
@@ -518,14 +541,17 @@ block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounde
   return best->first;
 }
 
-block* caching_allocator::impl::find_block_locked(stream_state& st, pool& p, std::size_t rounded) {
+block* caching_allocator::impl::find_block_locked(stream_state& st, pool& p, std::size_t rounded, bool grow) {
   if (!st.pending.empty()) process_events_locked(st);
   if (block* b = p.quick.pop(rounded)) return b;
   if (p.quick.count) flush_quick_locked(p);
   if (block* b = best_fit(p, rounded)) return b;
   if (block* b = take_pending_locked(st, p, rounded)) return b;
+  if (!grow) return nullptr;
   if (opts_.backend == backend_kind::expandable) return expandable_fit_locked(p, rounded);
-  return new_segment_locked(p, rounded);
+  if (block* b = new_segment_locked(p, rounded)) return b;
+  // At the memory limit the whole-segment rule gives way: split the best fit rather than fail.
+  return opts_.whole_segment_split_ratio != 0 ? fit_ignoring_whole_rule(p, rounded) : nullptr;
 }
 
 void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size) {
@@ -565,7 +591,21 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   }
   std::unique_lock<stream_lock> slk(st.mu);
   pool& p = pool_of(st, small);
-  block* b = find_block_locked(st, p, rounded);
+  block* b = find_block_locked(st, p, rounded, false);
+  if (!b && growth_raises_peak_with_refused_locked(p, rounded)) {
+    // Whole free segments the rule refuses to this request would sit idle while the pool grows
+    // past its peak: they go back to the driver first, behind their fence (segment_fit.hpp).
+    // Opportunistic: a failed release leaves its memory in the pool, and the allocation goes on.
+    slk.unlock();
+    try {
+      release_refused_segments(dlk, st, rounded);
+    } catch (const std::exception& e) {
+      detail::log().warn("device {}: giving refused whole segments back before growing failed: {}", backend_.device(),
+                         e.what());
+    }
+    slk.lock();
+  }
+  if (!b) b = find_block_locked(st, p, rounded);
   if (!b && !deferred_.empty()) {
     slk.unlock();
     finish_deferred(dlk, false);
@@ -593,6 +633,16 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
     throw out_of_memory(msg);
   }
   return finish_allocation(st, b, rounded, size);
+}
+
+bool caching_allocator::impl::growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const {
+  if (p.small || opts_.whole_segment_split_ratio == 0 || opts_.backend == backend_kind::expandable) return false;
+  // Below the peak growth costs nothing; at the limit the rule gives way (find_block_locked).
+  const std::size_t grown = static_cast<std::size_t>(stats_.reserved_bytes.current) + detail::segment_bytes_for(rounded);
+  if (grown <= static_cast<std::size_t>(stats_.reserved_bytes.peak) || grown > limit_bytes_) return false;
+  bool refused = false;
+  p.mapped.for_each([&](const block* b) { refused = refused || (!b->prev && !b->next && keeps_whole(b, rounded)); });
+  return refused;
 }
 
 bool caching_allocator::impl::wants_collection_locked(std::size_t rounded) const {

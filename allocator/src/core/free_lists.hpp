@@ -81,6 +81,23 @@ class free_lists {
     return best;
   }
 
+  // As find(), but only blocks for which ok(block) holds: the smallest such block among a
+  // bounded scan of each class, from the request's class up to the first class that has one.
+  template <class Pred>
+  block* find_if(std::size_t size, Pred&& ok) const {
+    for (int c = class_of(size); c >= 0; c = next_class(c + 1)) {
+      block* best = nullptr;
+      int scanned = 0;
+      for (block* b = heads_[c]; b && scanned < k_scan; b = b->free_next, ++scanned) {
+        if (b->size >= size && (!best || b->size < best->size || (b->size == best->size && b->addr < best->addr)) && ok(b)) {
+          best = b;
+        }
+      }
+      if (best) return best;
+    }
+    return nullptr;
+  }
+
   // The largest free block (bounded scan of the highest non-empty class), or nullptr.
   block* largest() const noexcept {
     if (!power_bits_) return nullptr;

@@ -2,6 +2,8 @@
 #include <streamsafe/core/errors.hpp>
 #include <streamsafe/core/options.hpp>
 
+#include "segment_fit.hpp"
+
 #include <cerrno>
 #include <cstdlib>
 #include <map>
@@ -121,6 +123,13 @@ options options::parse(std::string_view conf, std::vector<std::string>* warnings
       double mb = parse_number(key, value, "a size in MiB, at least 20 (0 = no limit)");
       if (mb != 0 && mb < 20) bad_value(key, value, "a size in MiB, at least 20 (0 = no limit)");
       o.max_split_size_bytes = static_cast<std::size_t>(mb * 1024 * 1024);
+    } else if (key == "whole_segment_split_ratio") {
+      static constexpr std::string_view accepted = "0 (off) or a whole number from 1 to 1024";
+      const double r = parse_number(key, value, accepted);
+      if (r > static_cast<double>(detail::k_max_whole_segment_ratio) || r != static_cast<double>(static_cast<std::size_t>(r))) {
+        bad_value(key, value, accepted);
+      }
+      o.whole_segment_split_ratio = static_cast<std::size_t>(r);
     } else if (key == "memory_limit") {
       o.memory_limit_bytes = parse_bytes(key, value);
     } else if (key == "memory_fraction" || key == "per_process_memory_fraction") {
@@ -150,7 +159,7 @@ options options::parse(std::string_view conf, std::vector<std::string>* warnings
     } else {
       throw config_error("streamsafe: unknown STREAMSAFE_ALLOC_CONF key '" + std::string(key) +
                          "'; known keys: backend, expandable_segments, release_fence, empty_cache, "
-                         "max_split_size_mb, memory_limit, memory_fraction, expandable_chunk_mb, roundup_power2_divisions, "
+                         "max_split_size_mb, whole_segment_split_ratio, memory_limit, memory_fraction, expandable_chunk_mb, roundup_power2_divisions, "
                          "garbage_collection_threshold, max_cached_bytes, trace_capacity");
     }
   }
@@ -167,6 +176,7 @@ std::string options::to_string() const {
   os << "backend:" << streamsafe::to_string(backend) << ",release_fence:" << streamsafe::to_string(release_fence)
      << ",empty_cache:" << streamsafe::to_string(empty_cache)
      << ",max_split_size_mb:" << max_split_size_bytes / (1024 * 1024)
+     << ",whole_segment_split_ratio:" << whole_segment_split_ratio
      << ",memory_limit:" << memory_limit_bytes << ",memory_fraction:" << memory_fraction
      << ",expandable_chunk_mb:" << expandable_chunk_bytes / (1024 * 1024) << ",roundup_power2_divisions:" << roundup_power2_divisions
      << ",garbage_collection_threshold:" << garbage_collection_threshold << ",max_cached_bytes:" << max_cached_bytes

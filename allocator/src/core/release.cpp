@@ -62,26 +62,29 @@ std::vector<stream_handle> caching_allocator::impl::fence_streams_locked(const s
   return out;
 }
 
+void caching_allocator::impl::add_fence_streams_locked(release_batch& batch, const segment* seg) const {
+  for (stream_handle s : fence_streams_locked(seg)) {
+    if (std::find(batch.streams.begin(), batch.streams.end(), s) == batch.streams.end()) batch.streams.push_back(s);
+  }
+}
+
+void caching_allocator::impl::detach_whole_segment_locked(release_batch& batch, segment* seg) {
+  block* f = seg->first;
+  seg->owner->mapped.erase(f);
+  f->state = block_state::releasing;
+  batch.blocks.push_back(f);
+  batch.bytes += f->size;
+  add_fence_streams_locked(batch, seg);
+}
+
 caching_allocator::impl::release_batch caching_allocator::impl::collect_releasable_locked() {
   release_batch batch;
-  auto add_streams = [&](const segment* seg) {
-    for (stream_handle s : fence_streams_locked(seg)) {
-      if (std::find(batch.streams.begin(), batch.streams.end(), s) == batch.streams.end()) batch.streams.push_back(s);
-    }
-  };
   for (auto& [base, seg] : segments_) {
     stream_state& owner = state_of(*seg->owner);
     if (owner.graph != 0 && !owner.graph_released) continue;  // a graph that may still replay
     std::lock_guard<stream_lock> slk(owner.mu);
     if (!seg->expandable) {
-      block* f = seg->first;
-      if (!f->next && f->state == block_state::free) {
-        seg->owner->mapped.erase(f);
-        f->state = block_state::releasing;
-        batch.blocks.push_back(f);
-        batch.bytes += f->size;
-        add_streams(seg);
-      }
+      if (!seg->first->next && seg->first->state == block_state::free) detach_whole_segment_locked(batch, seg);
       continue;
     }
     const std::size_t gran = chunk_bytes(seg);
@@ -118,7 +121,7 @@ caching_allocator::impl::release_batch caching_allocator::impl::collect_releasab
       took = true;
       b = mid;
     }
-    if (took) add_streams(seg);
+    if (took) add_fence_streams_locked(batch, seg);
   }
   return batch;
 }
@@ -339,8 +342,34 @@ std::size_t caching_allocator::impl::release_cached(std::unique_lock<std::mutex>
     flush_quick_locked(st->small_pool);
     flush_quick_locked(st->large_pool);
   }
-  std::size_t released = 0;
   release_batch batch = collect_releasable_locked();
+  std::size_t released = release_collected(lk, batch, mode);
+  released += finish_deferred(lk, mode == empty_cache_mode::wait);
+  return released;
+}
+
+std::size_t caching_allocator::impl::release_refused_segments(std::unique_lock<std::mutex>& lk, stream_state& st,
+                                                              std::size_t rounded) {
+  release_batch batch;
+  {
+    std::lock_guard<stream_lock> slk(st.mu);
+    pool& p = st.large_pool;
+    flush_quick_locked(p);
+    std::vector<segment*> refused;
+    p.mapped.for_each([&](block* b) {
+      if (!b->prev && !b->next && keeps_whole(b, rounded)) refused.push_back(b->seg);
+    });
+    for (segment* seg : refused) detach_whole_segment_locked(batch, seg);
+  }
+  if (batch.blocks.empty()) return 0;
+  detail::log().debug("device {}: releasing {} bytes of whole free segments refused to a {}-byte request before growing",
+                      backend_.device(), batch.bytes, rounded);
+  return release_collected(lk, batch, opts_.empty_cache);  // defer mode never blocks here
+}
+
+std::size_t caching_allocator::impl::release_collected(std::unique_lock<std::mutex>& lk, release_batch& batch,
+                                                       empty_cache_mode mode) {
+  std::size_t released = 0;
   if (!batch.blocks.empty()) {
     // Until the memory is given back or queued, any failure puts the blocks back in their pools.
     release_batch now;  // what goes back to the driver in this call
@@ -376,7 +405,6 @@ std::size_t caching_allocator::impl::release_cached(std::unique_lock<std::mutex>
     }
     if (!now.blocks.empty()) released += release_batch_memory(lk, now);
   }
-  released += finish_deferred(lk, mode == empty_cache_mode::wait);
   return released;
 }
 

@@ -37,6 +37,14 @@ struct options {
   empty_cache_mode empty_cache = empty_cache_mode::wait;
   // Blocks larger than this are never split (0 = no limit). PyTorch: max_split_size_mb.
   std::size_t max_split_size_bytes = 0;
+  // cuda_malloc backend: a wholly free cached segment more than this many times a large request
+  // (and more than 20 MiB bigger) is not split for it; the request takes the free remainder of
+  // a split segment or a new segment of its own, so the big segment stays whole for a request of
+  // its size. Before a growth that would raise peak reserved (and stay within the limit), the
+  // whole free segments so refused go back to the driver behind their fence (empty_cache mode:
+  // wait, or defer). 0 = off (PyTorch's placement); otherwise 1 to 1024. At the memory limit the
+  // rule gives way. On the GPT-2 trace: peak reserved / peak allocated 1.035 instead of 1.079.
+  std::size_t whole_segment_split_ratio = 8;
   // Cap on reserved bytes per device (0 = the device's total memory).
   std::size_t memory_limit_bytes = 0;
   // Fraction of device total memory as a cap (0 = unused); the smaller cap wins.

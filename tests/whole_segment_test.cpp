@@ -1,0 +1,210 @@
+// The whole-segment rule of the cuda_malloc backend (options::whole_segment_split_ratio,
+// allocator/src/core/segment_fit.hpp) on the simulated device: a wholly free segment far larger
+// than a large request stays whole for a request of its own size; remainders of split segments
+// and segments close in size still serve any request; at the memory limit the rule gives way.
+#include "support/sim_fixture.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <string>
+
+using namespace streamsafe;
+using namespace streamsafe::test;
+
+namespace {
+
+options with_ratio(std::size_t ratio, std::size_t limit_bytes = 0) {
+  options o;
+  o.whole_segment_split_ratio = ratio;
+  o.memory_limit_bytes = limit_bytes;
+  return o;
+}
+
+bool inside(const void* p, const void* seg, std::size_t seg_bytes) {
+  return addr(p) >= addr(seg) && addr(p) < addr(seg) + seg_bytes;
+}
+
+}  // namespace
+
+namespace {
+
+// After a 300 MiB peak (released), a 200 MiB "logits" block is freed, a 12 MiB "activation"
+// follows, then logits again. Reserved bytes stay below the earlier peak throughout.
+struct logits_then_activation {
+  void* logits = nullptr;
+  void* activation = nullptr;
+  void* logits_again = nullptr;
+  std::uint64_t segment_allocs = 0, segment_frees = 0;
+  std::int64_t peak_reserved = 0;
+};
+
+logits_then_activation replay_logits_then_activation(const options& o) {
+  sim_env env(o);
+  logits_then_activation r;
+  env.alloc.deallocate(env.alloc.allocate(300 * MiB, 0));
+  env.alloc.empty_cache();
+  r.logits = env.alloc.allocate(200 * MiB, 0);
+  env.alloc.deallocate(r.logits);
+  r.activation = env.alloc.allocate(12 * MiB, 0);  // 200 > 8 x 12 and 200 - 12 > 20 MiB
+  r.logits_again = env.alloc.allocate(200 * MiB, 0);
+  r.segment_allocs = env.dev.counters().segment_allocs;
+  r.segment_frees = env.dev.counters().segment_frees;
+  r.peak_reserved = env.alloc.stats().reserved_bytes.peak;
+  env.alloc.deallocate(r.logits_again);
+  env.alloc.deallocate(r.activation);
+  env.alloc.check_invariants();
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("A wholly free segment far larger than a large request stays whole for a request of its size",
+          "[core][segment-fit]") {
+  REQUIRE(options{}.whole_segment_split_ratio == 8);  // the default: the rule is on
+  const logits_then_activation r = replay_logits_then_activation(options{});
+  CHECK_FALSE(inside(r.activation, r.logits, 200 * MiB));  // a 12 MiB segment of its own
+  CHECK(r.logits_again == r.logits);                       // the big segment is still whole
+  CHECK(r.segment_allocs == 3);
+  CHECK(r.segment_frees == 1);  // only empty_cache's: the growth stayed below the peak
+  CHECK(r.peak_reserved == static_cast<std::int64_t>(300 * MiB));
+}
+
+TEST_CASE("whole_segment_split_ratio:0 carves the request out of the free segment, as PyTorch does",
+          "[core][segment-fit]") {
+  const logits_then_activation r = replay_logits_then_activation(options::parse("whole_segment_split_ratio:0"));
+  CHECK(r.activation == r.logits);  // best fit: the front of the 200 MiB segment
+  CHECK(r.logits_again != r.logits);  // the segment is split: the logits need a new one
+  CHECK(r.segment_allocs == 3);
+  CHECK(r.peak_reserved == static_cast<std::int64_t>(400 * MiB));
+}
+
+TEST_CASE("A refused whole segment goes back to the driver, behind its fence, before a growth past the peak",
+          "[core][segment-fit]") {
+  for (const char* conf : {"empty_cache:wait", "empty_cache:defer", "whole_segment_split_ratio:0"}) {
+    INFO(conf);
+    const std::string c = conf;
+    sim_env env(options::parse(conf));
+    auto s = env.dev.create_stream();
+    void* logits = env.alloc.allocate(200 * MiB, s);
+    env.dev.launch(s, 100, {writes(logits, 200 * MiB)}, "a kernel still writing the logits");
+    env.alloc.deallocate(logits);
+    void* activation = env.alloc.allocate(12 * MiB, s);  // 212 MiB would pass the 200 MiB peak
+    CHECK(env.dev.fault_count() == 0);  // nothing released under the kernel
+    if (c == "empty_cache:wait") {      // the default: waits on the fence, then cudaFree
+      CHECK(env.dev.counters().segment_frees == 1);
+      CHECK(env.alloc.stats().reserved_bytes.peak == static_cast<std::int64_t>(200 * MiB));
+    } else if (c == "empty_cache:defer") {  // never blocks: queued behind the fence
+      CHECK(env.dev.counters().segment_frees == 0);
+      CHECK(env.alloc.pending_release_bytes() == 200 * MiB);
+      env.dev.run_until_idle();
+      env.alloc.reclaim();
+      CHECK(env.dev.counters().segment_frees == 1);
+    } else {  // rule off: carved out of the logits segment (same stream: no wait needed)
+      CHECK(activation == logits);
+      CHECK(env.dev.counters().segment_frees == 0);
+    }
+    CHECK(env.dev.fault_count() == 0);
+    env.dev.run_until_idle();
+    env.alloc.deallocate(activation);
+    env.alloc.check_invariants();
+  }
+}
+
+TEST_CASE("A failed release of refused segments leaves them cached and the allocation goes on",
+          "[core][segment-fit][fault-injection]") {
+  sim_env env;
+  void* logits = env.alloc.allocate(200 * MiB, 0);
+  env.alloc.deallocate(logits);
+  env.dev.fail_next(sim::call::free_segment);
+  void* activation = nullptr;
+  REQUIRE_NOTHROW(activation = env.alloc.allocate(12 * MiB, 0));
+  CHECK_FALSE(inside(activation, logits, 200 * MiB));
+  CHECK(env.dev.counters().segment_frees == 0);
+  env.alloc.check_invariants();
+  void* again = env.alloc.allocate(200 * MiB, 0);  // still cached, still whole
+  CHECK(again == logits);
+  env.alloc.deallocate(again);
+  env.alloc.deallocate(activation);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("A whole free segment within the ratio, or within 20 MiB of the request, still serves it",
+          "[core][segment-fit]") {
+  sim_env env;
+  void* a = env.alloc.allocate(64 * MiB, 0);
+  env.alloc.deallocate(a);
+  void* b = env.alloc.allocate(12 * MiB, 0);  // 64 < 8 x 12: split as before
+  CHECK(b == a);
+  env.alloc.deallocate(b);
+  void* mid = env.alloc.allocate(2 * MiB, 0);  // a 20 MiB segment
+  env.alloc.deallocate(mid);
+  void* small_large = env.alloc.allocate(1536 * KiB, 0);  // 20 > 8 x 1.5 but only 18.5 MiB bigger
+  CHECK(small_large == mid);
+  CHECK(env.dev.counters().segment_allocs == 2);
+  env.alloc.deallocate(small_large);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("The free remainder of a split segment serves any request (best fit)", "[core][segment-fit]") {
+  sim_env env;
+  void* seg = env.alloc.allocate(400 * MiB, 0);
+  env.alloc.deallocate(seg);
+  void* front = env.alloc.allocate(100 * MiB, 0);  // 400 < 8 x 100: split, 300 MiB remain
+  CHECK(front == seg);
+  void* tail = env.alloc.allocate(12 * MiB, 0);  // 300 > 8 x 12, but the segment is split already
+  CHECK(addr(tail) == addr(seg) + 100 * MiB);
+  CHECK(env.dev.counters().segment_allocs == 1);
+  env.alloc.deallocate(front);
+  env.alloc.deallocate(tail);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("A refused whole segment that fits best gives way to a larger remainder that may be split",
+          "[core][segment-fit]") {
+  sim_env env;
+  void* a = env.alloc.allocate(400 * MiB, 0);
+  void* w = env.alloc.allocate(120 * MiB, 0);
+  env.alloc.deallocate(a);
+  env.alloc.deallocate(w);
+  void* front = env.alloc.allocate(250 * MiB, 0);  // only the 400 MiB segment fits: 150 MiB remain
+  CHECK(front == a);
+  void* x = env.alloc.allocate(12 * MiB, 0);  // best fit: the whole 120 MiB segment, refused
+  CHECK(addr(x) == addr(a) + 250 * MiB);      // the 150 MiB remainder instead
+  CHECK(env.dev.counters().segment_allocs == 2);
+  void* again = env.alloc.allocate(120 * MiB, 0);
+  CHECK(again == w);
+  for (void* p : {front, x, again}) env.alloc.deallocate(p);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("At the memory limit the whole-segment rule gives way instead of releasing or failing",
+          "[core][segment-fit]") {
+  sim_env env(with_ratio(8, 210 * MiB));
+  void* logits = env.alloc.allocate(200 * MiB, 0);
+  env.alloc.deallocate(logits);
+  void* activation = env.alloc.allocate(12 * MiB, 0);  // a 12 MiB segment would pass the limit
+  CHECK(activation == logits);
+  CHECK(env.dev.counters().segment_allocs == 1);
+  CHECK(env.dev.counters().segment_frees == 0);  // nothing went back to the driver to make room
+  CHECK(env.alloc.stats().num_alloc_retries == 0);
+  env.alloc.deallocate(activation);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("whole_segment_split_ratio accepts 0 to 1024 and names the key and the accepted values otherwise",
+          "[core][config][bad-input]") {
+  CHECK(options{}.whole_segment_split_ratio == 8);
+  CHECK(options::parse("whole_segment_split_ratio:0").whole_segment_split_ratio == 0);
+  CHECK(options::parse("whole_segment_split_ratio:16").whole_segment_split_ratio == 16);
+  CHECK(options::parse("whole_segment_split_ratio:1024").whole_segment_split_ratio == 1024);
+  CHECK_THAT(options{}.to_string(), Catch::Contains("whole_segment_split_ratio:8"));
+  for (const char* bad : {"whole_segment_split_ratio:1.5", "whole_segment_split_ratio:-2",
+                          "whole_segment_split_ratio:1025", "whole_segment_split_ratio:1e30",
+                          "whole_segment_split_ratio:eight", "whole_segment_split_ratio:"}) {
+    INFO(bad);
+    REQUIRE_THROWS_AS(options::parse(bad), config_error);
+    REQUIRE_THROWS_WITH(options::parse(bad), Catch::Contains("'whole_segment_split_ratio'") &&
+                                                 Catch::Contains("0 (off) or a whole number from 1 to 1024"));
+  }
+}
