@@ -132,6 +132,9 @@ struct caching_allocator::impl {
   mutable std::mutex mu_;
   std::unordered_map<stream_handle, std::unique_ptr<stream_state>> streams_;
   std::map<std::uintptr_t, segment*> segments_;  // by base address
+  // cudaMalloc segments out of segments_ while free_segment runs without mu_ (release.cpp):
+  // their one block is detached (releasing) and their bytes still count as reserved.
+  std::vector<segment*> releasing_segments_;
   std::deque<release_batch> deferred_;
   std::size_t deferred_bytes_ = 0;
   std::uint64_t next_batch_id_ = 1;

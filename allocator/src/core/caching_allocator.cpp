@@ -1253,6 +1253,11 @@ void caching_allocator::check_invariants() const {
     stat_active += st->st.allocated_bytes.current + st->st.pending_bytes.current;
     if (st->cur_allocated.load() != st->st.allocated_bytes.current) fail("allocated mirror disagrees");
   }
+  for (const segment* seg : m.releasing_segments_) {  // being freed with mu_ dropped (release.cpp)
+    if (seg->expandable || seg->first->next || seg->first->state != block_state::releasing)
+      fail("segment " + hex(seg->base) + " out of the segment map is not a whole segment being released");
+    reserved += static_cast<std::int64_t>(seg->mapped_bytes);
+  }
   std::size_t held_seen = 0;
   for (auto& [base, seg] : m.segments_) {
     for (const block* b = seg->first; b; b = b->next) held_seen += b->free_held ? 1 : 0;

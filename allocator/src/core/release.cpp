@@ -185,6 +185,15 @@ void caching_allocator::impl::wait_fence_unlocked(release_batch& batch) {
 std::size_t caching_allocator::impl::release_batch_memory(std::unique_lock<std::mutex>& lk, release_batch& batch) {
   std::vector<char> done(batch.blocks.size(), 0);
   std::exception_ptr error;
+  // A cudaFree'd segment leaves segments_ before the call: once cudaFree returns, cudaMalloc
+  // (another thread's growth, while mu_ is dropped) may hand out the same base address, whose
+  // new segment must find its key free. Until the lock is back it waits in releasing_segments_.
+  releasing_segments_.reserve(releasing_segments_.size() + batch.blocks.size());  // throws before anything moves
+  for (block* b : batch.blocks) {
+    if (b->seg->expandable) continue;
+    segments_.erase(b->seg->base);
+    releasing_segments_.push_back(b->seg);
+  }
   driver_call_scope in_flight(*this, lk);
   for (std::size_t i = 0; i < batch.blocks.size(); ++i) {
     block* b = batch.blocks[i];  // detached: nobody else touches it or its size
@@ -208,6 +217,10 @@ std::size_t caching_allocator::impl::release_batch_memory(std::unique_lock<std::
   for (std::size_t i = 0; i < batch.blocks.size(); ++i) {
     block* b = batch.blocks[i];
     segment* seg = b->seg;
+    if (!seg->expandable) {
+      releasing_segments_.erase(std::find(releasing_segments_.begin(), releasing_segments_.end(), seg));
+      if (!done[i]) segments_.emplace(seg->base, seg);  // still ours: nobody got its address
+    }
     stream_state& owner = state_of(*seg->owner);
     std::lock_guard<stream_lock> slk(owner.mu);
     if (!done[i]) {
@@ -229,7 +242,6 @@ std::size_t caching_allocator::impl::release_batch_memory(std::unique_lock<std::
       trace(trace_action::segment_free, b->addr, b->size, seg->stream);
       detail::log().debug("device {}: segment_free {} bytes at {:#x}", backend_.device(), b->size, b->addr);
       stats_.segment.decrease(1);
-      segments_.erase(seg->base);
       recycle_block(owner, b);
       delete seg;
     }

@@ -23,7 +23,9 @@
 //    Item X (on stream S') happens before everything later enqueued on stream S iff
 //    X.seq <= S.clock[S'] (absent entries are 0).
 //  * segments_, reservations_ never overlap each other or themselves; addresses come from a
-//    bump pointer (next_address_) and are never handed out twice. mapped_chunks_ holds the
+//    bump pointer (next_address_) and are never handed out twice, unless
+//    config_.reuse_freed_addresses: then freed segment ranges (with their guard granule) wait in
+//    freed_ranges_ and allocate_segment takes the lowest that fits first. mapped_chunks_ holds the
 //    granularity-aligned base of each mapped chunk, each inside a reservation.
 //    bytes_in_use_ == sum of segment sizes + granularity * mapped_chunks_.size() <= total.
 //  * contents_ is a set of disjoint half-open intervals [begin, end) -> byte value.
@@ -215,6 +217,7 @@ struct simulated_device::impl {
   // Memory.
   std::uintptr_t next_address_ = 0;
   std::map<std::uintptr_t, std::size_t> segments_;      // base -> size
+  std::map<std::uintptr_t, std::size_t> freed_ranges_;  // base -> bytes (reuse_freed_addresses)
   std::map<std::uintptr_t, std::size_t> reservations_;  // base -> size
   std::set<std::uintptr_t> mapped_chunks_;
   std::size_t bytes_in_use_ = 0;
@@ -845,10 +848,18 @@ void* simulated_device::allocate_segment(std::size_t size_bytes) {
                                    " is not a positive multiple of 512");
   }
   if (size_bytes > d.config_.total_bytes - d.bytes_in_use_) return nullptr;
-  const std::uintptr_t base = d.next_address_;
   // One unused granule after each segment, so an overrun is an access_unmapped fault.
-  d.next_address_ += round_up(size_bytes, d.config_.granularity_bytes) +
-                     d.config_.granularity_bytes;
+  const std::size_t span = round_up(size_bytes, d.config_.granularity_bytes) + d.config_.granularity_bytes;
+  std::uintptr_t base = d.next_address_;
+  auto reuse = std::find_if(d.freed_ranges_.begin(), d.freed_ranges_.end(),
+                            [span](const auto& r) { return r.second >= span; });
+  if (reuse != d.freed_ranges_.end()) {
+    base = reuse->first;
+    if (reuse->second > span) d.freed_ranges_.emplace(base + span, reuse->second - span);
+    d.freed_ranges_.erase(reuse);
+  } else {
+    d.next_address_ += span;
+  }
   d.segments_.emplace(base, size_bytes);
   d.bytes_in_use_ += size_bytes;
   ++d.counters_.segment_allocs;
@@ -875,6 +886,9 @@ void simulated_device::free_segment(void* base, std::size_t size_bytes) {
   d.segments_.erase(it);
   d.bytes_in_use_ -= size_bytes;
   d.assign_contents(addr, addr + size_bytes, std::nullopt);
+  if (d.config_.reuse_freed_addresses) {
+    d.freed_ranges_.emplace(addr, round_up(size_bytes, d.config_.granularity_bytes) + d.config_.granularity_bytes);
+  }
   ++d.counters_.segment_frees;
 }
 

@@ -84,6 +84,10 @@ struct device_config {
   // throws backend_error, freeing nothing, when an unopened hold blocks that (the host would
   // deadlock).
   bool free_segment_synchronizes = false;
+  // Model cudaMalloc handing out the address range of a freed segment again: allocate_segment
+  // takes the lowest freed range that fits (first fit, the rest stays free) before fresh
+  // addresses. Off: addresses are never handed out twice.
+  bool reuse_freed_addresses = false;
 };
 
 class simulated_device final : public device_backend {
