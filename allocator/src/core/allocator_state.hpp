@@ -10,7 +10,10 @@
 //   events_mu_             guards the event pool; a leaf (nothing is taken while holding it).
 // Whoever holds mu_ may take any number of stream locks (only one thread can hold mu_). A thread
 // holding a stream lock never waits for mu_: the fast path drops its stream lock before taking
-// mu_ and then the stream lock again. mu_ is dropped around host-blocking backend calls
+// mu_ and then the stream lock again. Holding mu_ does not keep a stream's pools still: what
+// was seen under a stream lock holds only while that lock is held, since that stream's fast path
+// may allocate from them as soon as it is dropped (steal_segment_locked re-checks its choice
+// under the lock before it moves a segment). mu_ is dropped around host-blocking backend calls
 // (synchronize_event, synchronize_device) and around the driver calls that return memory
 // (free_segment, unmap), whose blocks are detached (state releasing) meanwhile.
 // Graph capture (capture.cpp): captures_, graphs_, held_frees_ and the after-capture requests

@@ -507,20 +507,33 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
 block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounded) {
   if (opts_.backend == backend_kind::expandable || opts_.release_fence == fence_scope::device) return nullptr;
   if (capturing()) return nullptr;
-  segment* best = nullptr;
-  for (auto& [base, seg] : segments_) {
-    if (seg->expandable || seg->owner == &p || seg->small != p.small) continue;
-    stream_state& other = state_of(*seg->owner);
-    if (other.graph != 0 && !other.graph_released) continue;  // a graph's private pool
-    std::lock_guard<stream_lock> olk(other.mu);
+  // The other stream's lock is dropped between the search and the move, and that stream's fast
+  // path (its lock alone, no mu_) may meanwhile allocate from the chosen segment: the move
+  // re-checks, under that lock, that the segment is still one whole free block, and otherwise
+  // searches again (a retry follows another thread's allocation from that segment).
+  auto whole_free = [&](segment* seg) {
     if (seg->owner->quick.count) flush_quick_locked(*seg->owner);
     const block* f = seg->first;
-    if (f->next || f->state != block_state::free || f->size < rounded) continue;
-    if (!best || seg->size < best->size) best = seg;
+    return !f->next && f->state == block_state::free && f->size >= rounded;
+  };
+  segment* best = nullptr;
+  std::unique_lock<stream_lock> olk;
+  while (!best) {
+    for (auto& [base, seg] : segments_) {
+      if (seg->expandable || seg->owner == &p || seg->small != p.small) continue;
+      stream_state& other = state_of(*seg->owner);
+      if (other.graph != 0 && !other.graph_released) continue;  // a graph's private pool
+      std::lock_guard<stream_lock> lk(other.mu);
+      if (!whole_free(seg)) continue;
+      if (!best || seg->size < best->size) best = seg;
+    }
+    if (!best) return nullptr;
+    olk = std::unique_lock<stream_lock>(state_of(*best->owner).mu);
+    if (!whole_free(best)) {
+      olk.unlock();
+      best = nullptr;
+    }
   }
-  if (!best) return nullptr;
-  stream_state& other = state_of(*best->owner);
-  std::lock_guard<stream_lock> olk(other.mu);
   // The new stream waits, on the device, for every stream that may still touch the segment.
   for (stream_handle s : fence_streams_locked(best)) {
     if (s == p.stream) continue;
