@@ -26,7 +26,7 @@ set(STREAMSAFE_BENCH_PYTHON "" CACHE FILEPATH "Python used to find PyTorch (pyth
 # Google Benchmark runs benchmarks in registration order, which is the link order of the
 # translation units: put the scenarios in their numbered order, then any other *_bench.cpp.
 set(_ssb_sources)
-foreach(_ssb_name same_stream_pair random_allocations threads cross_stream empty_cache replay)
+foreach(_ssb_name same_stream_pair random_allocations threads driver_floor cross_stream empty_cache replay)
   list(APPEND _ssb_sources ${CMAKE_CURRENT_SOURCE_DIR}/${_ssb_name}_bench.cpp)
 endforeach()
 foreach(_ssb_file IN LISTS STREAMSAFE_BENCH_SOURCES)
