@@ -78,40 +78,49 @@ void cuda_event_ops::destroy_event(event_handle event) noexcept {
   }
 }
 
-// The event calls go through the driver API, with the device guard skipped when the device's
-// primary context is already current (any failure there is retried under the guard, which
-// reports it) (cheaper than the runtime's wrappers, see
-// driver_api.hpp). A thread on which the runtime has not bound a context yet gets
-// CUDA_ERROR_INVALID_CONTEXT from the driver; the runtime call then does the work (and binds the
-// context for the next call). The handles are the same objects in both APIs (cudaEvent_t is
-// CUevent, cudaStream_t is CUstream, including the legacy and per-thread stream values).
+// The event calls go through the driver API, which costs less than the runtime's wrappers (see
+// driver_api.hpp). The handles are the same objects in both APIs (cudaEvent_t is CUevent,
+// cudaStream_t is CUstream, including the legacy and per-thread stream values).
+namespace {
+
+// True for the driver results after which the runtime call must do the work: a thread on which
+// the runtime has not bound a context yet (it binds one lazily), or no driver entry points.
+bool needs_runtime(CUresult r) noexcept {
+  return r == CUDA_ERROR_INVALID_CONTEXT || r == CUDA_ERROR_NOT_INITIALIZED;
+}
+
+CUevent to_cu(event_handle event) noexcept { return reinterpret_cast<CUevent>(event); }
+CUstream to_cu_stream(stream_handle stream) noexcept { return reinterpret_cast<CUstream>(stream); }
+
+// Runs a driver call with `device` current: without the device guard when it already is
+// (`device_current`); a failure there is tried once more under the guard, which is the answer then.
+template <class DriverCall>
+CUresult on_device(bool device_current, int device, DriverCall call) {
+  if (device_current) {
+    const CUresult r = call();
+    if (r == CUDA_SUCCESS || r == CUDA_ERROR_NOT_READY) return r;
+  }
+  device_guard guard(device);
+  return call();
+}
+
+}  // namespace
+
 void cuda_event_ops::record_event(event_handle event, stream_handle stream) {
-  if (device_is_current() &&
-      driver::event_record(reinterpret_cast<CUevent>(event), reinterpret_cast<CUstream>(stream)) == CUDA_SUCCESS) {
-    return;
-  }
-  device_guard guard(device_);
-  const CUresult r = driver::event_record(reinterpret_cast<CUevent>(event), reinterpret_cast<CUstream>(stream));
+  const CUresult r = on_device(device_is_current(), device_,
+                               [&] { return driver::event_record(to_cu(event), to_cu_stream(stream)); });
   if (r == CUDA_SUCCESS) return;
-  if (r != CUDA_ERROR_INVALID_CONTEXT && r != CUDA_ERROR_NOT_INITIALIZED) {
-    detail::throw_cu_error(r, "cuEventRecord(event, stream)", __FILE__, __LINE__);
-  }
+  if (!needs_runtime(r)) detail::throw_cu_error(r, "cuEventRecord(event, stream)", __FILE__, __LINE__);
+  device_guard guard(device_);
   STREAMSAFE_CUDA_CHECK(cudaEventRecord(to_event(event), to_stream(stream)));
 }
 
 bool cuda_event_ops::query_event(event_handle event) {
-  if (device_is_current()) {
-    const CUresult r = driver::event_query(reinterpret_cast<CUevent>(event));
-    if (r == CUDA_SUCCESS) return true;
-    if (r == CUDA_ERROR_NOT_READY) return false;
-  }
-  device_guard guard(device_);
-  const CUresult r = driver::event_query(reinterpret_cast<CUevent>(event));
+  const CUresult r = on_device(device_is_current(), device_, [&] { return driver::event_query(to_cu(event)); });
   if (r == CUDA_SUCCESS) return true;
   if (r == CUDA_ERROR_NOT_READY) return false;
-  if (r != CUDA_ERROR_INVALID_CONTEXT && r != CUDA_ERROR_NOT_INITIALIZED) {
-    detail::throw_cu_error(r, "cuEventQuery(event)", __FILE__, __LINE__);
-  }
+  if (!needs_runtime(r)) detail::throw_cu_error(r, "cuEventQuery(event)", __FILE__, __LINE__);
+  device_guard guard(device_);
   return completed(cudaEventQuery(to_event(event)), "cudaEventQuery(event)", __LINE__);
 }
 
@@ -121,18 +130,11 @@ void cuda_event_ops::synchronize_event(event_handle event) {
 }
 
 void cuda_event_ops::stream_wait_event(stream_handle stream, event_handle event) {
-  if (device_is_current() &&
-      driver::stream_wait_event(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUevent>(event), 0) ==
-          CUDA_SUCCESS) {
-    return;
-  }
-  device_guard guard(device_);
-  const CUresult r =
-      driver::stream_wait_event(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUevent>(event), 0);
+  const CUresult r = on_device(device_is_current(), device_,
+                               [&] { return driver::stream_wait_event(to_cu_stream(stream), to_cu(event), 0); });
   if (r == CUDA_SUCCESS) return;
-  if (r != CUDA_ERROR_INVALID_CONTEXT && r != CUDA_ERROR_NOT_INITIALIZED) {
-    detail::throw_cu_error(r, "cuStreamWaitEvent(stream, event)", __FILE__, __LINE__);
-  }
+  if (!needs_runtime(r)) detail::throw_cu_error(r, "cuStreamWaitEvent(stream, event)", __FILE__, __LINE__);
+  device_guard guard(device_);
   STREAMSAFE_CUDA_CHECK(cudaStreamWaitEvent(to_stream(stream), to_event(event), 0));
 }
 
