@@ -5,6 +5,7 @@
 // cudaFree does, so defer-mode releases of segments wait for every stream to be idle). Another
 // thread calls empty_cache, reclaim, allocate and free on stream t during the capture and
 // after it; the allocator's invariants are checked after every step of the capturing thread.
+#include "support/forwarding_device.hpp"
 #include "support/sim_fixture.hpp"
 
 #include <catch2/catch.hpp>
@@ -35,43 +36,20 @@ sim::device_config cuda_free_config() {
 
 // The simulated device, with a hook that runs right after the n-th free_segment returns, while
 // the allocator that called it has its device lock dropped: what another thread may do there.
-class hooked_device final : public device_backend {
+class hooked_device final : public forwarding_device {
  public:
-  explicit hooked_device(sim::simulated_device& dev) : dev_(dev) {}
+  explicit hooked_device(sim::simulated_device& dev) : forwarding_device(dev) {}
   std::function<void()> after_free;  // runs once, after free_segment call number free_index
   int free_index = -1;
   std::chrono::microseconds free_delay{0};  // host time each free_segment takes (cudaFree waits)
 
-  int device() const noexcept override { return dev_.device(); }
-  const char* name() const noexcept override { return dev_.name(); }
-  void* allocate_segment(std::size_t n) override { return dev_.allocate_segment(n); }
   void free_segment(void* base, std::size_t n) override {
     dev_.free_segment(base, n);
     if (free_delay.count() != 0) std::this_thread::sleep_for(free_delay);
     if (frees_++ == free_index && after_free) after_free();
   }
-  bool free_segment_synchronizes() const noexcept override { return dev_.free_segment_synchronizes(); }
-  bool supports_expandable() const noexcept override { return dev_.supports_expandable(); }
-  std::size_t map_granularity_bytes() const noexcept override { return dev_.map_granularity_bytes(); }
-  void* reserve_address_range(std::size_t n) override { return dev_.reserve_address_range(n); }
-  void release_address_range(void* base, std::size_t n) override { dev_.release_address_range(base, n); }
-  bool map(void* p, std::size_t n) override { return dev_.map(p, n); }
-  void unmap(void* p, std::size_t n) override { dev_.unmap(p, n); }
-  event_handle create_event() override { return dev_.create_event(); }
-  void destroy_event(event_handle e) noexcept override { dev_.destroy_event(e); }
-  void record_event(event_handle e, stream_handle s) override { dev_.record_event(e, s); }
-  bool query_event(event_handle e) override { return dev_.query_event(e); }
-  void synchronize_event(event_handle e) override { dev_.synchronize_event(e); }
-  void stream_wait_event(stream_handle s, event_handle e) override { dev_.stream_wait_event(s, e); }
-  bool query_stream(stream_handle s) override { return dev_.query_stream(s); }
-  void synchronize_device() override { dev_.synchronize_device(); }
-  void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override {
-    dev_.memory_info(free_bytes, total_bytes);
-  }
-  bool stream_is_capturing(stream_handle s) noexcept override { return dev_.stream_is_capturing(s); }
 
  private:
-  sim::simulated_device& dev_;
   std::atomic<int> frees_{0};
 };
 

@@ -73,6 +73,7 @@ class recording_backend final : public device_backend {
     inner_.memory_info(free_bytes, total_bytes);
   }
   bool stream_is_capturing(stream_handle stream) noexcept override { return inner_.stream_is_capturing(stream); }
+  bool stream_is_per_thread(stream_handle stream) const noexcept override { return inner_.stream_is_per_thread(stream); }
 
  private:
   void note_locked(trace_action action, std::uintptr_t address, std::size_t size);

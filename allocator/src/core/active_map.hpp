@@ -1,5 +1,9 @@
 // streamsafe core: the table of a stream's active blocks, address -> block (internal).
 //
+// It also holds the blocks parked in the stream's quick caches (state cached, pool.hpp): a
+// same-stream free followed by an allocation of the same size then costs one lookup and no
+// insertion or removal. find_active() answers only for active blocks.
+//
 // Open addressing with linear probing and backward-shift deletion (no tombstones); load factor
 // at most 1/2; keys are block addresses (never 0). Insert, find and erase are O(1) expected and
 // allocate only when the table grows. Not thread-safe: the owning stream's lock guards it.
@@ -30,6 +34,12 @@ class active_map {
       if (!b) return nullptr;
       if (b->addr == addr) return b;
     }
+  }
+
+  // The active block at addr, or nullptr (also for a block parked in a quick cache).
+  block* find_active(std::uintptr_t addr) const noexcept {
+    block* b = find(addr);
+    return b && b->state == block_state::active ? b : nullptr;
   }
 
   // Removes the block at addr and returns it (nullptr when absent).

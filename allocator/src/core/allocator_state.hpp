@@ -68,6 +68,10 @@ struct caching_allocator::impl {
     std::uint64_t stream_waits = 0;
   };
 
+  // Blocks freed with uses on other streams are checked for completion in batches of this many
+  // (one event query per stream proves a whole batch, see process_events_locked).
+  static constexpr std::size_t k_pending_batch = 32;
+
   // A stream the allocator has seen, with its two pools.
   using stream_lock = detail::spin_lock;
   // Cache-line aligned: threads on different streams write only their own stream_state, and no
@@ -81,6 +85,9 @@ struct caching_allocator::impl {
     std::list<block*> pending;    // pending_free blocks of this stream's segments, in free order
     stream_stats st;
     block* spare = nullptr;       // recycled block objects (linked through next)
+    // The fast path runs process_events_locked once pending holds this many blocks (or when
+    // nothing else fits); each run sets it k_pending_batch above what stays pending.
+    std::size_t process_at = k_pending_batch;
     // Mirrors of st's current values, read without the lock to sample device-wide peaks.
     std::atomic<std::int64_t> cur_allocated{0}, cur_pending{0}, cur_requested{0};
     std::atomic<bool> alive{true};

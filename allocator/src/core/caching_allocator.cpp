@@ -5,7 +5,9 @@
 //      cuda_malloc backend a whole free segment far larger than a large request is skipped
 //      (segment_fit.hpp) for the best block that may be split;
 //   2. a block of the pool whose host free is done but whose other-stream uses are pending:
-//      s waits on their events (stream_wait_event), the host never blocks;
+//      first the pending blocks whose events have completed are retired (process_events_locked,
+//      which otherwise runs only when k_pending_batch more blocks are pending), then s waits
+//      on the events of the best pending block (stream_wait_event), the host never blocks;
 //   3. growth: a new cudaMalloc segment, or more chunks mapped into s's expandable segment;
 //      if it would raise peak reserved, the whole segments skipped in step 1 are released first
 //      (fenced); at the memory limit, a skipped whole segment is split after all;
@@ -342,7 +344,11 @@ void caching_allocator::impl::split_locked(block* b, std::size_t rounded) {
 }
 
 void caching_allocator::impl::flush_quick_locked(pool& p) {
-  p.quick.drain([&](block* b) { free_block_locked(b); });
+  detail::active_map& parked = state_of(p).active;  // cached blocks stay there while parked
+  p.quick.drain([&](block* b) {
+    parked.erase(b->addr);
+    free_block_locked(b);
+  });
 }
 
 void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) {
@@ -360,10 +366,38 @@ void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) 
 
 void caching_allocator::impl::process_events_locked(stream_state& st) {
   if (capturing()) return;  // no event query during a graph capture (capture.cpp)
-  // Events of one stream complete in order; as PyTorch does, stop at the first pending block.
+  st.process_at = st.pending.size() + k_pending_batch;
+  if (st.pending.empty()) return;
+  // Stream order proves a prefix with one query per stream. Every event of st.pending was
+  // recorded under st's lock in the same critical section that appended its block, so the
+  // events on one stream s lie in the list in the order they were recorded, and they complete
+  // in that order: when the newest of them has completed, all of them have. Tombstones (shared
+  // by every pool) and per-thread stream handles (a different stream in each thread) prove
+  // nothing and are queried one by one.
+  constexpr int k_streams = 8;
+  stream_handle asked[k_streams];
+  bool done[k_streams];
+  int n = 0;
+  auto slot = [&](stream_handle s) {
+    for (int i = 0; i < n; ++i) {
+      if (asked[i] == s) return i;
+    }
+    return -1;
+  };
+  for (auto it = st.pending.rbegin(); it != st.pending.rend() && n < k_streams; ++it) {
+    for (const auto& e : (*it)->events) {
+      if (n == k_streams) break;
+      if (e.stream == detail::k_tombstone_stream || backend_.stream_is_per_thread(e.stream) || slot(e.stream) >= 0) continue;
+      asked[n] = e.stream;
+      done[n++] = backend_.query_event(e.event);
+    }
+  }
+  // Then from the oldest, as PyTorch does: stop at the first block still in use.
   while (!st.pending.empty()) {
     block* b = st.pending.front();
-    for (auto& e : b->events) {
+    for (const auto& e : b->events) {
+      const int i = e.stream == detail::k_tombstone_stream ? -1 : slot(e.stream);
+      if (i >= 0 && done[i]) continue;
       if (!backend_.query_event(e.event)) return;
     }
     retire_pending_locked(st, b);
@@ -569,14 +603,15 @@ block* caching_allocator::impl::find_block_locked(stream_state& st, pool& p, std
 
 void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size) {
   if (b->state == block_state::cached) {
-    b->state = block_state::active;  // from the quick cache: exactly the right size
+    b->state = block_state::active;  // from the quick cache: exactly the right size, and
+                                     // still in st.active (active_map.hpp)
   } else {
     b->seg->owner->mapped.erase(b);
     b->state = block_state::active;  // before the split, so the remainder does not merge back
     split_locked(b, rounded);
+    st.active.insert(b);
   }
   b->requested = size;
-  st.active.insert(b);
   const std::int64_t old_peak = st.st.allocated_bytes.peak;
   const auto bytes = static_cast<std::int64_t>(b->size);
   st.st.allocated_bytes.add(bytes);
@@ -770,7 +805,7 @@ void caching_allocator::impl::throw_invalid_pointer_locked(const void* ptr, cons
 // ---- free -------------------------------------------------------------------------------------------
 
 void caching_allocator::impl::free_same_stream_locked(stream_state& st, block* b) {
-  // No event: straight to the quick cache (or the free lists).
+  // No event: straight to the quick cache, staying in st.active (or out of it, to the free lists).
   if (trace_.load(std::memory_order_relaxed)) {
     trace(trace_action::free_requested, b->addr, b->requested, st.handle);
     trace(trace_action::free_completed, b->addr, b->requested, st.handle);
@@ -783,13 +818,15 @@ void caching_allocator::impl::free_same_stream_locked(stream_state& st, block* b
   st.cur_requested.store(st.st.requested_bytes.current, std::memory_order_relaxed);
   b->requested = 0;
   b->state = block_state::cached;
-  if (!b->seg->owner->quick.push(b)) free_block_locked(b);
+  if (!b->seg->owner->quick.push(b)) {
+    st.active.erase(b->addr);
+    free_block_locked(b);
+  }
 }
 
 void caching_allocator::impl::free_found_locked(stream_state& st, block* b, const stream_handle* stream) {
   segment* seg = b->seg;
   if (b->uses.empty() && (!stream || *stream == seg->stream)) {
-    st.active.erase(b->addr);
     free_same_stream_locked(st, b);
     return;
   }
@@ -907,11 +944,12 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   if (const stream_cache_entry& last = t_cache.last_used; last.owner == id_ && !capturing()) {
     auto& st = *static_cast<stream_state*>(last.state);
     std::lock_guard<stream_lock> slk(st.mu);
-    if (block* b = st.active.erase(addr)) {
+    if (block* b = st.active.find_active(addr)) {
       if (b->uses.empty() && (!stream || *stream == b->seg->stream) && !b->free_held) {
         free_same_stream_locked(st, b);
         return;
       }
+      st.active.erase(addr);
       bool recorded = false;
       try {
         recorded = !b->free_held && record_use_events_locked(b, stream, false);
@@ -930,7 +968,7 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   stream_state* owner = owner_locked(ptr);
   std::unique_lock<stream_lock> slk;
   if (owner) slk = std::unique_lock<stream_lock>(owner->mu);
-  block* b = owner ? owner->active.find(addr) : nullptr;
+  block* b = owner ? owner->active.find_active(addr) : nullptr;
   if (!b || b->free_held) throw_invalid_pointer_locked(ptr, stream ? "deallocate(stream)" : "deallocate");
   if (capturing() && free_during_capture_locked(*owner, b, stream)) return;
   free_found_locked(*owner, b, stream);
@@ -971,7 +1009,9 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
   impl::stream_state& st = m.state_for(stream);
   {
     std::lock_guard<stream_lock> slk(st.mu);
-    if (!st.pending.empty()) m.process_events_locked(st);
+    // Blocks waiting for other streams are retired in batches (process_events_locked): when
+    // k_pending_batch more have queued up, or when nothing else fits.
+    if (st.pending.size() >= st.process_at) m.process_events_locked(st);
     pool& p = impl::pool_of(st, small);
     // An exact-size block from the quick cache; anything else is a best fit after the quick
     // cache is merged back, so that caching never costs fragmentation.
@@ -980,7 +1020,11 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
       if (p.quick.count) m.flush_quick_locked(p);
       b = m.best_fit(p, rounded);
     }
-    if (!b && !st.pending.empty()) b = m.take_pending_locked(st, p, rounded);
+    if (!b && !st.pending.empty()) {
+      m.process_events_locked(st);
+      b = m.best_fit(p, rounded);
+      if (!b) b = m.take_pending_locked(st, p, rounded);
+    }
     if (b) return m.finish_allocation(st, b, rounded, size_bytes);
   }
   return m.allocate_slow(st, size_bytes, rounded, small);
@@ -998,7 +1042,7 @@ void caching_allocator::record_stream(void* ptr, stream_handle stream) {
   if (const stream_cache_entry& last = t_cache.last_used; last.owner == m.id_) {
     auto& st = *static_cast<impl::stream_state*>(last.state);
     std::lock_guard<stream_lock> slk(st.mu);
-    if (block* b = st.active.find(reinterpret_cast<std::uintptr_t>(ptr)); b && !b->free_held) {
+    if (block* b = st.active.find_active(reinterpret_cast<std::uintptr_t>(ptr)); b && !b->free_held) {
       if (stream != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
         b->uses.push_back(stream);
       }
@@ -1010,7 +1054,7 @@ void caching_allocator::record_stream(void* ptr, stream_handle stream) {
   impl::stream_state* owner = m.owner_locked(ptr);
   std::unique_lock<stream_lock> slk;
   if (owner) slk = std::unique_lock<stream_lock>(owner->mu);
-  block* b = owner ? owner->active.find(reinterpret_cast<std::uintptr_t>(ptr)) : nullptr;
+  block* b = owner ? owner->active.find_active(reinterpret_cast<std::uintptr_t>(ptr)) : nullptr;
   if (!b || b->free_held) m.throw_invalid_pointer_locked(ptr, "record_stream");
   if (stream != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
     b->uses.push_back(stream);
@@ -1115,7 +1159,7 @@ caching_allocator::block_info caching_allocator::find_block(const void* ptr) con
   impl::stream_state* owner = m.owner_locked(ptr);
   if (!owner) return {};
   std::lock_guard<stream_lock> slk(owner->mu);
-  const block* b = owner->active.find(reinterpret_cast<std::uintptr_t>(ptr));
+  const block* b = owner->active.find_active(reinterpret_cast<std::uintptr_t>(ptr));
   if (!b) return {};
   return {b->addr, b->size, b->seg->stream};
 }
@@ -1228,6 +1272,7 @@ void caching_allocator::check_invariants() const {
         case block_state::cached:
           if (in_pool || in_mapped) fail("cached block " + hex(b->addr) + " is also in the free lists");
           if (!b->mapped) fail("cached block is unmapped");
+          if (owner.active.find(b->addr) != b) fail("cached block " + hex(b->addr) + " missing from its stream's active map");
           ++cached_seen;
           break;
       }
@@ -1259,8 +1304,9 @@ void caching_allocator::check_invariants() const {
     active_total += st->active.size();
     const impl::stream_state* owner_state = st.get();  // (clang 14: no lambda capture of a binding)
     st->active.for_each([&](const block* b) {
-      if (&impl::state_of(*b->seg->owner) != owner_state || b->state != block_state::active)
-        fail("active map holds a block of another stream or not active");
+      if (&impl::state_of(*b->seg->owner) != owner_state ||
+          (b->state != block_state::active && b->state != block_state::cached))
+        fail("active map holds a block of another stream, or one neither active nor cached");
     });
     stat_allocated += st->st.allocated_bytes.current;
     stat_active += st->st.allocated_bytes.current + st->st.pending_bytes.current;
@@ -1282,7 +1328,7 @@ void caching_allocator::check_invariants() const {
   if (free_in_pools != free_seen) fail("pools hold blocks that are not in any segment");
   if (cached_in_pools != cached_seen) fail("quick caches hold blocks that are not in any segment");
   if (pending_seen != pending_total) fail("pending lists disagree with pending blocks");
-  if (active_count != active_total) fail("active maps hold blocks not in any segment");
+  if (active_count + cached_seen != active_total) fail("active maps hold blocks not in any segment");
   if (reserved != m.stats_.reserved_bytes.current) fail("reserved bytes statistic disagrees with segments");
   if (allocated != stat_allocated) fail("allocated bytes statistic disagrees with blocks");
   if (active != stat_active) fail("active bytes statistic disagrees with blocks");

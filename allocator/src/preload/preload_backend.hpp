@@ -69,6 +69,7 @@ class watching_backend final : public device_backend {
     inner_->memory_info(free_bytes, total_bytes);
   }
   bool stream_is_capturing(stream_handle stream) noexcept override { return inner_->stream_is_capturing(stream); }
+  bool stream_is_per_thread(stream_handle stream) const noexcept override { return inner_->stream_is_per_thread(stream); }
 
  private:
   std::unique_ptr<device_backend> inner_;

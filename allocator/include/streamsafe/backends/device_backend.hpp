@@ -95,6 +95,10 @@ class device_backend {
   // True while `stream` is capturing a CUDA graph. Never throws (an error answers false); the
   // legacy default stream (0) is never capturing.
   virtual bool stream_is_capturing(stream_handle /*stream*/) noexcept { return false; }
+  // True when the handle names a different stream in each host thread (cudaStreamPerThread).
+  // The allocator relies on two events recorded on one stream completing in the order they were
+  // recorded; for such a handle it queries every event instead.
+  virtual bool stream_is_per_thread(stream_handle /*stream*/) const noexcept { return false; }
 };
 
 }  // namespace streamsafe
