@@ -141,3 +141,21 @@ TEST_CASE("Events on a per-thread stream handle are each queried: another thread
   // The test can tell: without the declaration the allocator trusts the proof and p races.
   CHECK(run(false) > 0);
 }
+
+TEST_CASE("Events pooled per stream are reused and all destroyed with the allocator", "[core][pending]") {
+  sim::simulated_device dev{sim_config()};
+  {
+    caching_allocator alloc{dev, options{}};
+    const auto a = dev.create_stream();
+    const auto b = dev.create_stream();
+    for (int i = 0; i < 300; ++i) {
+      void* p = alloc.allocate(64 * KiB, a);
+      alloc.record_stream(p, b);
+      alloc.deallocate(p);
+      dev.advance(5);
+    }
+    CHECK(alloc.stats().events_recorded == 300);
+    CHECK(dev.counters().events_created <= 64);  // about one batch of pending blocks, reused
+  }
+  CHECK(dev.counters().events_created == dev.counters().events_destroyed);
+}

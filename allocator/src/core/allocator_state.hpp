@@ -71,6 +71,7 @@ struct caching_allocator::impl {
   // Blocks freed with uses on other streams are checked for completion in batches of this many
   // (one event query per stream proves a whole batch, see process_events_locked).
   static constexpr std::size_t k_pending_batch = 32;
+  static constexpr std::size_t k_event_cache = 16;
 
   // A stream the allocator has seen, with its two pools.
   using stream_lock = detail::spin_lock;
@@ -85,6 +86,9 @@ struct caching_allocator::impl {
     std::list<block*> pending;    // pending_free blocks of this stream's segments, in free order
     stream_stats st;
     block* spare = nullptr;       // recycled block objects (linked through next)
+    // Pooled events of this stream's pending blocks, reused under this lock alone (no trip to
+    // the shared pool and events_mu_); at most k_event_cache, capacity reserved at creation.
+    std::vector<event_handle> event_cache;
     // The fast path runs process_events_locked once pending holds this many blocks (or when
     // nothing else fits); each run sets it k_pending_batch above what stays pending.
     std::size_t process_at = k_pending_batch;
@@ -234,6 +238,8 @@ struct caching_allocator::impl {
   void free_same_stream_locked(stream_state& st, block* b);  // b already out of the active map
   event_handle get_event();
   void put_event(event_handle e);
+  event_handle get_event(stream_state& st);      // st's lock held: st's event cache first
+  void put_event(stream_state& st, event_handle e);
   void note_use_locked(segment* seg, stream_handle stream);
   void order_after_locked(stream_handle waiter, stream_handle on);  // mu_ held
   void sample_peaks();

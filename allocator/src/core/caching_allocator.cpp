@@ -122,6 +122,7 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
 caching_allocator::impl::stream_state& caching_allocator::impl::new_state_locked(stream_handle key,
                                                                                  stream_handle handle) {
   auto state = std::make_unique<stream_state>();
+  state->event_cache.reserve(k_event_cache);
   state->handle = handle;
   state->small_pool.stream = state->large_pool.stream = handle;
   state->small_pool.small = true;
@@ -216,6 +217,18 @@ event_handle caching_allocator::impl::get_event() {
 void caching_allocator::impl::put_event(event_handle e) {
   std::lock_guard<std::mutex> lk(events_mu_);
   free_events_.push_back(e);
+}
+
+event_handle caching_allocator::impl::get_event(stream_state& st) {
+  if (st.event_cache.empty()) return get_event();
+  const event_handle e = st.event_cache.back();
+  st.event_cache.pop_back();
+  return e;
+}
+
+void caching_allocator::impl::put_event(stream_state& st, event_handle e) {
+  if (st.event_cache.size() < k_event_cache) st.event_cache.push_back(e);  // never reallocates
+  else put_event(e);
 }
 
 void caching_allocator::impl::order_after_locked(stream_handle waiter, stream_handle on) {
@@ -355,7 +368,7 @@ void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) 
   st.pending.erase(b->pending_pos);
   trace(trace_action::free_completed, b->addr, b->size, b->seg->stream);
   for (auto& e : b->events) {
-    if (e.stream != detail::k_tombstone_stream) put_event(e.event);  // tombstones are not pooled
+    if (e.stream != detail::k_tombstone_stream) put_event(st, e.event);  // tombstones are not pooled
   }
   b->events.clear();
   st.st.pending_bytes.sub(static_cast<std::int64_t>(b->size));
@@ -858,11 +871,12 @@ bool caching_allocator::impl::record_use_events_locked(block* b, const stream_ha
   // lock, only streams this thread knows to be alive are handled; otherwise nothing is
   // recorded and false is returned.
   const segment* seg = b->seg;
+  stream_state& owner = state_of(*seg->owner);
   std::vector<detail::pending_event>& events = b->events;
   events.reserve(b->uses.size() + 1);
   auto unwind = [&] {
     for (auto& e : events) {
-      if (e.stream != detail::k_tombstone_stream) put_event(e.event);
+      if (e.stream != detail::k_tombstone_stream) put_event(owner, e.event);
     }
     events.clear();
   };
@@ -878,11 +892,11 @@ bool caching_allocator::impl::record_use_events_locked(block* b, const stream_ha
     } else if (cached_live_state(s) == nullptr) {
       return false;
     }
-    event_handle e = get_event();
+    event_handle e = get_event(owner);
     try {
       backend_.record_event(e, s);
     } catch (...) {
-      put_event(e);
+      put_event(owner, e);
       throw;
     }
     events.push_back({e, s});

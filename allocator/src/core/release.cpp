@@ -470,6 +470,11 @@ void caching_allocator::impl::destroy_all() {
     }
     {
       std::lock_guard<std::mutex> elk(events_mu_);
+      for (auto& [s, st] : streams_) {
+        std::lock_guard<stream_lock> slk(st->mu);
+        free_events_.insert(free_events_.end(), st->event_cache.begin(), st->event_cache.end());
+        st->event_cache.clear();
+      }
       for (event_handle e : free_events_) backend_.destroy_event(e);
       free_events_.clear();
     }
