@@ -22,6 +22,7 @@
 
 #include "active_map.hpp"
 #include "block.hpp"
+#include "pending_list.hpp"
 #include "pool.hpp"
 #include "spin_lock.hpp"
 
@@ -31,7 +32,6 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
-#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -83,7 +83,7 @@ struct caching_allocator::impl {
     pool small_pool;
     pool large_pool;
     detail::active_map active;    // active blocks of this stream's segments
-    std::list<block*> pending;    // pending_free blocks of this stream's segments, in free order
+    detail::pending_list pending;  // pending_free blocks of this stream's segments, in free order
     stream_stats st;
     block* spare = nullptr;       // recycled block objects (linked through next)
     // Pooled events of this stream's pending blocks, reused under this lock alone (no trip to

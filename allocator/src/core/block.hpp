@@ -21,7 +21,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <list>
 #include <set>
 #include <vector>
 
@@ -51,7 +50,10 @@ struct block {
   bool mapped = true;
   std::vector<stream_handle> uses;     // recorded streams other than the segment's stream
   std::vector<pending_event> events;   // must complete before the block is reused
-  std::list<block*>::iterator pending_pos;  // valid while pending_free
+  // Links of the stream's pending list while pending_free (pending_list.hpp).
+  block* pending_prev = nullptr;
+  block* pending_next = nullptr;
+  bool pending_linked = false;
   // Links of the free list holding this block (free_lists.hpp); free_class < 0 when in none.
   block* free_prev = nullptr;
   block* free_next = nullptr;

@@ -191,7 +191,15 @@ caching_allocator::impl::stream_state* caching_allocator::impl::owner_locked(con
 block* caching_allocator::impl::new_block(stream_state& st) {
   if (block* b = st.spare) {
     st.spare = b->next;
+    // A fresh block, but the vectors keep their capacity: a recycled block recording a use or
+    // an event allocates nothing.
+    std::vector<stream_handle> uses = std::move(b->uses);
+    std::vector<detail::pending_event> events = std::move(b->events);
+    uses.clear();
+    events.clear();
     *b = block{};
+    b->uses = std::move(uses);
+    b->events = std::move(events);
     return b;
   }
   return new block;
@@ -365,7 +373,7 @@ void caching_allocator::impl::flush_quick_locked(pool& p) {
 }
 
 void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) {
-  st.pending.erase(b->pending_pos);
+  st.pending.erase(b);
   trace(trace_action::free_completed, b->addr, b->size, b->seg->stream);
   for (auto& e : b->events) {
     if (e.stream != detail::k_tombstone_stream) put_event(st, e.event);  // tombstones are not pooled
@@ -397,8 +405,8 @@ void caching_allocator::impl::process_events_locked(stream_state& st) {
     }
     return -1;
   };
-  for (auto it = st.pending.rbegin(); it != st.pending.rend() && n < k_streams; ++it) {
-    for (const auto& e : (*it)->events) {
+  for (const block* x = st.pending.back(); x && n < k_streams; x = x->pending_prev) {
+    for (const auto& e : x->events) {
       if (n == k_streams) break;
       if (e.stream == detail::k_tombstone_stream || backend_.stream_is_per_thread(e.stream) || slot(e.stream) >= 0) continue;
       asked[n] = e.stream;
@@ -943,7 +951,7 @@ void caching_allocator::impl::commit_free_locked(stream_state& st, block* b, con
   st.st.pending.add(1);
   st.cur_pending.store(st.st.pending_bytes.current, std::memory_order_relaxed);
   b->state = block_state::pending_free;
-  b->pending_pos = st.pending.insert(st.pending.end(), b);
+  st.pending.push_back(b);
 }
 
 void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* stream) {
@@ -1259,6 +1267,8 @@ void caching_allocator::check_invariants() const {
       const bool in_unmapped = seg->owner->unmapped.count(const_cast<block*>(b)) != 0;
       const bool in_pool = b->mapped ? in_mapped : in_unmapped;
       if (b->mapped && in_unmapped) fail("mapped block in the unmapped set");
+      if (b->pending_linked != (b->state == block_state::pending_free))
+        fail("block " + hex(b->addr) + ": its pending-list link disagrees with its state");
       switch (b->state) {
         case block_state::free:
           ++free_seen;
@@ -1276,7 +1286,7 @@ void caching_allocator::check_invariants() const {
           break;
         case block_state::pending_free:
           if (in_pool || in_mapped) fail("pending block in a free pool");
-          if (*b->pending_pos != b) fail("pending block not in its stream's pending list");
+          if (!b->pending_linked) fail("pending block not in its stream's pending list");
           active += static_cast<std::int64_t>(b->size);
           ++pending_seen;
           break;

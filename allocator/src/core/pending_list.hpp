@@ -1,0 +1,63 @@
+// streamsafe core: a stream's pending list (internal): its pending_free blocks (freed by the host,
+// waiting for events of other streams) in the order they were freed. An intrusive doubly linked
+// list through block::pending_prev / pending_next: insertion and removal are O(1) and allocate
+// nothing. Invariant: a block is linked (pending_linked) exactly while it is in one list.
+// Not thread-safe: the owning stream's lock guards it.
+#pragma once
+
+#include "block.hpp"
+
+#include <cstddef>
+
+namespace streamsafe::detail {
+
+class pending_list {
+ public:
+  class iterator {
+   public:
+    explicit iterator(block* b) noexcept : b_(b) {}
+    block* operator*() const noexcept { return b_; }
+    iterator& operator++() noexcept {
+      b_ = b_->pending_next;
+      return *this;
+    }
+    bool operator!=(const iterator& o) const noexcept { return b_ != o.b_; }
+
+   private:
+    block* b_;
+  };
+
+  bool empty() const noexcept { return head_ == nullptr; }
+  std::size_t size() const noexcept { return size_; }
+  block* front() const noexcept { return head_; }  // the oldest
+  block* back() const noexcept { return tail_; }   // the newest; older ones via pending_prev
+  iterator begin() const noexcept { return iterator(head_); }
+  iterator end() const noexcept { return iterator(nullptr); }
+
+  void push_back(block* b) noexcept {
+    b->pending_prev = tail_;
+    b->pending_next = nullptr;
+    if (tail_) tail_->pending_next = b;
+    else head_ = b;
+    tail_ = b;
+    b->pending_linked = true;
+    ++size_;
+  }
+
+  void erase(block* b) noexcept {
+    if (b->pending_prev) b->pending_prev->pending_next = b->pending_next;
+    else head_ = b->pending_next;
+    if (b->pending_next) b->pending_next->pending_prev = b->pending_prev;
+    else tail_ = b->pending_prev;
+    b->pending_prev = b->pending_next = nullptr;
+    b->pending_linked = false;
+    --size_;
+  }
+
+ private:
+  block* head_ = nullptr;
+  block* tail_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+}  // namespace streamsafe::detail
