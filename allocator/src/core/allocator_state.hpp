@@ -4,7 +4,7 @@
 // Locks, in order:
 //   mu_ (the device lock)  guards streams_, segments_, the deferred queue, tombstones_ and the
 //                          device-level statistics (stats_). Taken only on slow paths.
-//   stream_state::mu       (a spin_lock) guards that stream's pools, the blocks of its segments, its active
+//   stream_state::mu       (a biased_lock) guards that stream's pools, the blocks of its segments, its active
 //                          map, its pending list and its statistics. The same-stream fast path
 //                          (allocate and free on one stream) takes only this lock.
 //   events_mu_             guards the event pool; a leaf (nothing is taken while holding it).
@@ -24,7 +24,7 @@
 #include "block.hpp"
 #include "pending_list.hpp"
 #include "pool.hpp"
-#include "spin_lock.hpp"
+#include "biased_lock.hpp"
 
 #include <streamsafe/core/caching_allocator.hpp>
 
@@ -73,8 +73,9 @@ struct caching_allocator::impl {
   static constexpr std::size_t k_pending_batch = 32;
   static constexpr std::size_t k_event_cache = 16;
 
-  // A stream the allocator has seen, with its two pools.
-  using stream_lock = detail::spin_lock;
+  // A stream the allocator has seen, with its two pools. Its lock is biased toward the thread
+  // that uses the stream (biased_lock.hpp): that thread's acquires make no atomic read-modify-write.
+  using stream_lock = detail::biased_lock;
   // Cache-line aligned: threads on different streams write only their own stream_state, and no
   // two of them share a line (no false sharing on the fast path).
   struct alignas(64) stream_state {

@@ -30,7 +30,7 @@
 namespace streamsafe {
 
 using detail::block;
-using stream_lock = detail::spin_lock;
+using stream_lock = detail::biased_lock;
 using detail::block_state;
 using detail::pool;
 using detail::segment;

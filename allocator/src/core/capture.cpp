@@ -34,7 +34,7 @@
 namespace streamsafe {
 
 using detail::block;
-using stream_lock = detail::spin_lock;
+using stream_lock = detail::biased_lock;
 
 namespace {
 

@@ -24,7 +24,7 @@
 namespace streamsafe {
 
 using detail::block;
-using stream_lock = detail::spin_lock;
+using stream_lock = detail::biased_lock;
 using detail::block_state;
 using detail::pending_event;
 using detail::segment;

@@ -1,13 +1,22 @@
-// streamsafe core: the stream lock (internal). A test-and-test-and-set lock that spins briefly,
+// streamsafe core: the spin lock (internal). A test-and-test-and-set lock that spins briefly,
 // then yields: the fast path holds it for tens of nanoseconds, so an uncontended acquire must
 // cost one atomic exchange (std::mutex costs several times that). Slow paths may hold it across
-// a driver call; waiters then yield the CPU instead of spinning. Satisfies Lockable.
+// a driver call; waiters then yield the CPU instead of spinning. Satisfies Lockable. The stream
+// lock (biased_lock.hpp) is built on it.
 #pragma once
 
 #include <atomic>
 #include <thread>
 
 namespace streamsafe::detail {
+
+// Waits until done() returns true: spins briefly, then yields the CPU between checks (as lock does).
+template <class Done>
+void spin_until(Done done) noexcept {
+  for (int spins = 0; !done();) {
+    if (++spins > 64) std::this_thread::yield();
+  }
+}
 
 class spin_lock {
  public:
@@ -23,6 +32,8 @@ class spin_lock {
     return !locked_.load(std::memory_order_relaxed) && !locked_.exchange(true, std::memory_order_acquire);
   }
   void unlock() noexcept { locked_.store(false, std::memory_order_release); }
+  // A relaxed look (no ordering): true while some thread holds the lock.
+  bool is_locked() const noexcept { return locked_.load(std::memory_order_relaxed); }
 
  private:
   std::atomic<bool> locked_{false};
