@@ -236,7 +236,7 @@ struct caching_allocator::impl {
   bool record_use_events_locked(block* b, const stream_handle* stream, bool device_locked);
   void commit_free_locked(stream_state& st, block* b, const stream_handle* stream);
   stream_state* cached_live_state(stream_handle stream) const;  // this thread's stream cache
-  void free_same_stream_locked(stream_state& st, block* b);  // b already out of the active map
+  void free_same_stream_locked(stream_state& st, block* b);  // b in st.active (it stays there if parked)
   event_handle get_event();
   void put_event(event_handle e);
   event_handle get_event(stream_state& st);      // st's lock held: st's event cache first
