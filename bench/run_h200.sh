@@ -121,6 +121,23 @@ if [ "$status" -ne 0 ] && [ "$status" -ne 124 ] && [ "$filter" = "." ] && grep -
   say "GPU suite (without pytorch_c10) exit status ${PIPESTATUS[0]}"
 fi
 
+# The host's vCPUs differ in speed (a shared VM): one short run pinned to each vCPU shows how far
+# a single-thread figure depends on where the scheduler put the thread. Same binary, same minute.
+if command -v taskset >/dev/null; then
+  say "vCPU spread (same_stream_pair 512 B, record_stream_free, driver floor; pinned to each vCPU)"
+  {
+    echo "vCPU: benchmark=ns (real time) ..."
+    for cpu in $(seq 0 $(( $(nproc) - 1 ))); do
+      [ "$(budget 100 60)" -gt 12 ] || break  # keep a minute for the simulated suite and plots
+      row=$(timeout 15 taskset -c "$cpu" "$build/bench/streamsafe_bench" --benchmark_min_time=0.02 \
+        --benchmark_filter='same_stream_pair/(streamsafe_expandable|cub)/bytes:512/|record_stream_free/streamsafe_expandable|driver_floor/cu_event_record_query' \
+        2>/dev/null | awk '/^(same|record|driver)/ {sub("/real_time", "", $1); printf "%s=%s ", $1, $2}')
+      echo "$cpu: $row"
+    done
+  } > "$OUT/cpu_spread.txt" 2>&1
+  cat "$OUT/cpu_spread.txt" | tee -a "$log"
+fi
+
 say "simulated-device suite"
 timeout "$(budget 40 8)" "$build/bench/streamsafe_bench_sim" --benchmark_min_time=0.05 --benchmark_repetitions=1 \
   --benchmark_out="$OUT/bench_sim.json" --benchmark_out_format=json >> "$log" 2>&1

@@ -82,8 +82,10 @@ namespace streamsafe::detail {
 class biased_lock;
 
 // A thread's record for biased locks (see above): its slots name the locks it holds by the fast
-// path. Written only by its thread; read by revokers. Never freed.
-struct biased_lock_thread {
+// path. Written only by its thread; read by revokers. Never freed. Each record has cache lines of
+// its own (128 bytes: a line and its prefetch pair): threads write their slots on every fast-path
+// lock and unlock, and records sharing a line would make that line bounce between their cores.
+struct alignas(128) biased_lock_thread {
   static constexpr int k_slots = 4;  // more biased locks held at once take the normal path
   std::atomic<const biased_lock*> inside[k_slots] = {};
 };
