@@ -39,7 +39,10 @@ struct pending_event {
 // The stream of a pending_event that is a destroyed stream's tombstone (not pooled).
 inline constexpr stream_handle k_tombstone_stream = ~stream_handle{0};
 
-struct block {
+// Cache-line aligned: the fast path writes a block on every allocation and free, and blocks of
+// streams used by different threads must not share a line (they may have been allocated one after
+// the other by one thread).
+struct alignas(64) block {
   std::uintptr_t addr = 0;
   std::size_t size = 0;       // bytes, a multiple of 512
   std::size_t requested = 0;  // bytes asked for (active blocks)
