@@ -29,8 +29,13 @@ void thread_pairs(benchmark::State& state, bool shared_stream) {
                                  : A::stream(stream_role::thread, state.thread_index());
     a->deallocate(a->allocate(k_thread_pair_bytes, s), s);
     loop_clock clock;
+    // The loop a range-for would make, with the clock started after state.end(), which is Google
+    // Benchmark's start barrier: started before it, a thread's clock would also count the wait for
+    // the other threads to be created.
+    auto it = state.begin();
+    const auto last = state.end();
     clock.start();
-    for (auto _ : state) {
+    for (; it != last; ++it) {
       void* p = a->allocate(k_thread_pair_bytes, s);
       // The const overload (an input-only asm operand): Debian's Google Benchmark 1.7.1 read-write
       // overload ("+m,r") let GCC hand CUB's DeviceFree a clobbered pointer in this loop.
