@@ -29,20 +29,22 @@ void thread_pairs(benchmark::State& state, bool shared_stream) {
                                  : A::stream(stream_role::thread, state.thread_index());
     a->deallocate(a->allocate(k_thread_pair_bytes, s), s);
     loop_clock clock;
-    // The loop a range-for would make, with the clock started after state.end(), which is Google
-    // Benchmark's start barrier: started before it, a thread's clock would also count the wait for
-    // the other threads to be created.
-    auto it = state.begin();
-    const auto last = state.end();
-    clock.start();
-    for (; it != last; ++it) {
-      void* p = a->allocate(k_thread_pair_bytes, s);
-      // The const overload (an input-only asm operand): Debian's Google Benchmark 1.7.1 read-write
-      // overload ("+m,r") let GCC hand CUB's DeviceFree a clobbered pointer in this loop.
-      benchmark::DoNotOptimize(static_cast<const void*>(p));
-      a->deallocate(p, s);
+    // One batch of all the iterations between Google Benchmark's start and finish barriers, timed
+    // inside them: each thread's clock covers its own pairs only, not the wait for the other
+    // threads to be created or to finish. Mpairs_per_s (the sum of the threads' own rates) is then
+    // the total throughput of threads that run independently.
+    const benchmark::IterationCount n = state.max_iterations;
+    while (state.KeepRunningBatch(n)) {
+      clock.start();
+      for (benchmark::IterationCount i = 0; i < n; ++i) {
+        void* p = a->allocate(k_thread_pair_bytes, s);
+        // The const overload (an input-only asm operand): Debian's Google Benchmark 1.7.1
+        // read-write overload ("+m,r") let GCC hand CUB's DeviceFree a clobbered pointer.
+        benchmark::DoNotOptimize(static_cast<const void*>(p));
+        a->deallocate(p, s);
+      }
+      clock.stop();
     }
-    clock.stop();
     state.SetItemsProcessed(state.iterations());
     set_rate_counters(state, clock, "ns_per_pair");
     A::synchronize(s);
