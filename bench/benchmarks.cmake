@@ -48,6 +48,10 @@ target_include_directories(streamsafe_bench_sim PRIVATE ${CMAKE_CURRENT_SOURCE_D
 target_compile_definitions(streamsafe_bench_sim PRIVATE STREAMSAFE_BENCH_SIM=1 ${_ssb_common_definitions})
 target_link_libraries(streamsafe_bench_sim PRIVATE streamsafe::sim benchmark::benchmark streamsafe_warnings)
 
+# ---- the host's own thread scaling (no allocator, no CUDA): the reference for scenario 3 ---------
+add_executable(host_scaling_probe host_scaling_probe.cpp)
+target_link_libraries(host_scaling_probe PRIVATE Threads::Threads streamsafe_warnings)
+
 # ---- the GPU suite ------------------------------------------------------------------------------
 find_path(STREAMSAFE_BENCH_CUB_INCLUDE_DIR cub/util_allocator.cuh
   HINTS ${CUDAToolkit_INCLUDE_DIRS}/cccl ${CUDAToolkit_INCLUDE_DIRS} ${CUDAToolkit_LIBRARY_ROOT}/include/cccl
