@@ -66,6 +66,9 @@
 // and under ThreadSanitizer, which does not model membarrier's fence and would report the fast
 // path as a race.
 //
+// fork(): as with any lock, a child forked while another thread holds a biased lock (or is
+// registering or retiring its record) must not take that lock: the holder does not exist there.
+//
 // try_lock never blocks: it takes the fast path if this thread is the owner, else tries locked_
 // once; while another thread holds the bias it fails (a revocation would wait for the owner's
 // critical section) even when the lock is free, and releases locked_ again. Nothing in streamsafe

@@ -405,7 +405,11 @@ void caching_allocator::impl::process_events_locked(stream_state& st) {
     }
     return -1;
   };
-  for (const block* x = st.pending.back(); x && n < k_streams; x = x->pending_prev) {
+  // The newest events only: a bounded walk from the back (a stream whose newest event lies
+  // further back just gets no proof, and its events are queried one by one below).
+  std::size_t walked = 0;
+  for (const block* x = st.pending.back(); x && n < k_streams && walked < 2 * k_pending_batch;
+       x = x->pending_prev, ++walked) {
     for (const auto& e : x->events) {
       if (n == k_streams) break;
       if (e.stream == detail::k_tombstone_stream || backend_.stream_is_per_thread(e.stream) || slot(e.stream) >= 0) continue;

@@ -457,8 +457,10 @@ void caching_allocator::impl::destroy_all() {
       while (!st->pending.empty()) retire_pending_locked(*st, st->pending.front());
     }
     release_cached(lk, empty_cache_mode::wait);
-    std::size_t live = 0;
-    for (auto& [s, st] : streams_) live += st->active.size();
+    std::size_t live = 0;  // active blocks (the active maps also hold quick-cached ones)
+    for (auto& [s, st] : streams_) {
+      st->active.for_each([&](const block* b) { live += b->state == block_state::active ? 1 : 0; });
+    }
     if (live != 0) {
       detail::log().warn("device {}: allocator destroyed with {} live block(s); their device memory is kept",
                          backend_.device(), live);
@@ -468,13 +470,15 @@ void caching_allocator::impl::destroy_all() {
         backend_.release_address_range(reinterpret_cast<void*>(seg->base), seg->size);
       }
     }
+    std::vector<event_handle> cached_events;  // the streams' event caches (events_mu_ is a leaf)
+    for (auto& [s, st] : streams_) {
+      std::lock_guard<stream_lock> slk(st->mu);
+      cached_events.insert(cached_events.end(), st->event_cache.begin(), st->event_cache.end());
+      st->event_cache.clear();
+    }
+    for (event_handle e : cached_events) backend_.destroy_event(e);
     {
       std::lock_guard<std::mutex> elk(events_mu_);
-      for (auto& [s, st] : streams_) {
-        std::lock_guard<stream_lock> slk(st->mu);
-        free_events_.insert(free_events_.end(), st->event_cache.begin(), st->event_cache.end());
-        st->event_cache.clear();
-      }
       for (event_handle e : free_events_) backend_.destroy_event(e);
       free_events_.clear();
     }

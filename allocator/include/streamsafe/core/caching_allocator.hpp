@@ -87,6 +87,11 @@ class caching_allocator {
 
   // Tells the allocator a stream is gone: it is dropped from fences; cached blocks of its
   // pool stay cached and are reused by other streams only behind an event wait.
+  // Call it before the stream is destroyed (cudaStreamDestroy), and always before its handle
+  // value may name a new stream: blocks waiting for a stream are retired in batches, where one
+  // completed event on a handle proves every older event recorded on that handle; a handle
+  // reused without this call would let the new stream's events vouch for the old stream's
+  // pending work.
   void notify_stream_destroyed(stream_handle stream);
 
   // ---- CUDA graph capture (K11) -----------------------------------------------------------
