@@ -221,6 +221,7 @@ struct caching_allocator::impl {
   block* expandable_fit_locked(pool& p, std::size_t rounded);
   block* steal_segment_locked(pool& p, std::size_t rounded);
   block* find_block_locked(stream_state& st, pool& p, std::size_t rounded, bool grow = true);
+  block* grow_locked(pool& p, std::size_t rounded);  // step 3 of the allocation order
   bool growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const;
   void* finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size);
   void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small);
@@ -242,6 +243,7 @@ struct caching_allocator::impl {
   event_handle get_event(stream_state& st);      // st's lock held: st's event cache first
   void put_event(stream_state& st, event_handle e);
   void note_use_locked(segment* seg, stream_handle stream);
+  void add_use_locked(block* b, stream_handle stream);  // record_stream: b's owner lock held
   void order_after_locked(stream_handle waiter, stream_handle on);  // mu_ held
   void sample_peaks();
   std::string oom_message_locked(std::size_t size, std::size_t rounded, stream_handle stream,

@@ -254,6 +254,13 @@ void caching_allocator::impl::order_after_locked(stream_handle waiter, stream_ha
   ++stats_.stream_waits;
 }
 
+void caching_allocator::impl::add_use_locked(block* b, stream_handle stream) {
+  if (stream != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
+    b->uses.push_back(stream);
+  }
+  note_use_locked(b->seg, stream);
+}
+
 void caching_allocator::impl::note_use_locked(segment* seg, stream_handle stream) {
   if (stream != seg->stream &&
       std::find(seg->used_streams.begin(), seg->used_streams.end(), stream) == seg->used_streams.end()) {
@@ -619,7 +626,10 @@ block* caching_allocator::impl::find_block_locked(stream_state& st, pool& p, std
   if (p.quick.count) flush_quick_locked(p);
   if (block* b = best_fit(p, rounded)) return b;
   if (block* b = take_pending_locked(st, p, rounded)) return b;
-  if (!grow) return nullptr;
+  return grow ? grow_locked(p, rounded) : nullptr;
+}
+
+block* caching_allocator::impl::grow_locked(pool& p, std::size_t rounded) {
   if (opts_.backend == backend_kind::expandable) return expandable_fit_locked(p, rounded);
   if (block* b = new_segment_locked(p, rounded)) return b;
   // At the memory limit the whole-segment rule gives way: split the best fit rather than fail.
@@ -677,8 +687,10 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
                          e.what());
     }
     slk.lock();
+    b = find_block_locked(st, p, rounded);  // the pool may have changed while its lock was dropped
+  } else if (!b) {
+    b = grow_locked(p, rounded);  // both locks held since the search above: straight to growth
   }
-  if (!b) b = find_block_locked(st, p, rounded);
   if (!b && !deferred_.empty()) {
     slk.unlock();
     finish_deferred(dlk, false);
@@ -1069,10 +1081,7 @@ void caching_allocator::record_stream(void* ptr, stream_handle stream) {
     auto& st = *static_cast<impl::stream_state*>(last.state);
     std::lock_guard<stream_lock> slk(st.mu);
     if (block* b = st.active.find_active(reinterpret_cast<std::uintptr_t>(ptr)); b && !b->free_held) {
-      if (stream != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
-        b->uses.push_back(stream);
-      }
-      m.note_use_locked(b->seg, stream);
+      m.add_use_locked(b, stream);
       return;
     }
   }
@@ -1082,10 +1091,7 @@ void caching_allocator::record_stream(void* ptr, stream_handle stream) {
   if (owner) slk = std::unique_lock<stream_lock>(owner->mu);
   block* b = owner ? owner->active.find_active(reinterpret_cast<std::uintptr_t>(ptr)) : nullptr;
   if (!b || b->free_held) m.throw_invalid_pointer_locked(ptr, "record_stream");
-  if (stream != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
-    b->uses.push_back(stream);
-  }
-  m.note_use_locked(b->seg, stream);
+  m.add_use_locked(b, stream);
 }
 
 void caching_allocator::notify_stream_destroyed(stream_handle stream) {
@@ -1290,7 +1296,6 @@ void caching_allocator::check_invariants() const {
           break;
         case block_state::pending_free:
           if (in_pool || in_mapped) fail("pending block in a free pool");
-          if (!b->pending_linked) fail("pending block not in its stream's pending list");
           active += static_cast<std::int64_t>(b->size);
           ++pending_seen;
           break;
