@@ -41,7 +41,7 @@ fi
 # A header's finding is printed once per translation unit that includes it: count each once.
 findings=$(sed 's/\x1b\[[0-9;]*m//g' "$log" | grep -E ': (warning|error): ' | sort -u || true)
 if [ -n "$findings" ]; then
-  echo "$findings" | sed "s|^$PWD/||"
+  echo "${findings//$PWD\//}"
   echo
   echo "tidy: $(echo "$findings" | wc -l) findings; per check:"
   echo "$findings" | grep -oE '\[[a-z0-9.,-]+\]$' | sort | uniq -c | sort -rn
