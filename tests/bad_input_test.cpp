@@ -64,7 +64,8 @@ std::string run_in_child(F&& body, std::chrono::milliseconds timeout) {
 
 // ---- K7: bad pointers -----------------------------------------------------------------------
 
-TEST_CASE("K7: every kind of bad free and record_stream is invalid_pointer and changes nothing", "[bad-input][K7]") {
+TEST_CASE("K7: every kind of bad free and record_stream is invalid_pointer and changes nothing",
+          "[core][bad-input][cases][K7]") {
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     INFO(to_string(backend));
     sim_env env(make_options(backend));
@@ -132,7 +133,8 @@ TEST_CASE("K7: every kind of bad free and record_stream is invalid_pointer and c
   }
 }
 
-TEST_CASE("K7: a stream-ordered double free is rejected like a host double free", "[bad-input][K7]") {
+TEST_CASE("K7: a stream-ordered double free is rejected like a host double free",
+          "[core][bad-input][cases][K7]") {
   sim_env env;
   auto s1 = env.dev.create_stream();
   auto s2 = env.dev.create_stream();
@@ -146,7 +148,7 @@ TEST_CASE("K7: a stream-ordered double free is rejected like a host double free"
 }
 
 TEST_CASE("K7: a pointer of one device's allocator is unknown to another's, and the owner still frees it",
-          "[bad-input][K7]") {
+          "[core][bad-input][cases][K7]") {
   sim::simulated_device dev0(sim_config(8 * GiB, 0));
   sim::simulated_device dev1(sim_config(8 * GiB, 1));
   caching_allocator a0(dev0, options{});
@@ -167,7 +169,8 @@ TEST_CASE("K7: a pointer of one device's allocator is unknown to another's, and 
 
 // ---- sizes ------------------------------------------------------------------------------------
 
-TEST_CASE("Size 0 is invalid_size on every stream and backend, and changes nothing", "[bad-input]") {
+TEST_CASE("Size 0 is invalid_size on every stream and backend, and changes nothing",
+          "[core][bad-input]") {
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     sim_env env(make_options(backend));
     auto s = env.dev.create_stream();
@@ -181,7 +184,7 @@ TEST_CASE("Size 0 is invalid_size on every stream and backend, and changes nothi
 }
 
 TEST_CASE("Sizes near SIZE_MAX and beyond the limit are out_of_memory on both backends, without overflow",
-          "[bad-input]") {
+          "[core][bad-input]") {
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     INFO(to_string(backend));
     options o = make_options(backend);
@@ -217,7 +220,8 @@ TEST_CASE("Sizes near SIZE_MAX and beyond the limit are out_of_memory on both ba
   }
 }
 
-TEST_CASE("A limit smaller than one segment makes every allocation out_of_memory, cleanly", "[bad-input]") {
+TEST_CASE("A limit smaller than one segment makes every allocation out_of_memory, cleanly",
+          "[core][bad-input]") {
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     for (std::size_t limit : {std::size_t{1}, std::size_t{512}, 1 * MiB}) {
       INFO(to_string(backend) << " limit " << limit);
@@ -232,7 +236,7 @@ TEST_CASE("A limit smaller than one segment makes every allocation out_of_memory
   }
 }
 
-TEST_CASE("A memory fraction caps reserved bytes below the device total", "[bad-input]") {
+TEST_CASE("A memory fraction caps reserved bytes below the device total", "[core][bad-input]") {
   options o;
   o.memory_fraction = 0.25;
   sim_env env(o, sim_config(1 * GiB));
@@ -245,7 +249,7 @@ TEST_CASE("A memory fraction caps reserved bytes below the device total", "[bad-
 // ---- K6: destroyed and recycled streams -------------------------------------------------------
 
 TEST_CASE("K6: streams destroyed while their kernels run; recycled handles inherit nothing without a wait",
-          "[bad-input][K6]") {
+          "[core][bad-input][cases][K6]") {
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     for (auto mode : {empty_cache_mode::wait, empty_cache_mode::defer}) {
       INFO(to_string(backend) << "/" << to_string(mode));
@@ -309,7 +313,7 @@ TEST_CASE("K6: streams destroyed while their kernels run; recycled handles inher
 }
 
 TEST_CASE("K6: the default stream takes a destroyed stream's cached segment only behind its last work",
-          "[bad-input][K6]") {
+          "[core][bad-input][cases][K6]") {
   options o;
   o.memory_limit_bytes = 64 * MiB;
   sim_env env(o);
@@ -331,7 +335,8 @@ TEST_CASE("K6: the default stream takes a destroyed stream's cached segment only
   env.alloc.check_invariants();
 }
 
-TEST_CASE("K6: notify_stream_destroyed of a stream the allocator never saw is a no-op", "[bad-input][K6]") {
+TEST_CASE("K6: notify_stream_destroyed of a stream the allocator never saw is a no-op",
+          "[core][bad-input][cases][K6]") {
   sim_env env;
   auto s = env.dev.create_stream();
   const std::string before = env.alloc.stats().to_string();
@@ -342,7 +347,7 @@ TEST_CASE("K6: notify_stream_destroyed of a stream the allocator never saw is a 
 }
 
 TEST_CASE("K6: a host free after the recorded stream was destroyed makes no call on the dead stream",
-          "[bad-input][K6]") {
+          "[core][bad-input][cases][K6]") {
   // The dead stream's tombstone event stands in for its use (record_event on a destroyed handle
   // would fail, or hit a recycled handle).
   sim_env env;
@@ -360,7 +365,7 @@ TEST_CASE("K6: a host free after the recorded stream was destroyed makes no call
 }
 
 TEST_CASE("K6: a recycled stream handle does not inherit a block behind another stream's unrecorded use",
-          "[bad-input][K6]") {
+          "[core][bad-input][cases][K6]") {
   // With the all_streams scope a use on another stream may go unrecorded (FSDP2) as long as the
   // program orders that stream before the next use on the allocation stream s. After s is
   // destroyed and the driver recycles its handle value, the new stream takes s's cached blocks:
@@ -393,7 +398,7 @@ TEST_CASE("K6: a recycled stream handle does not inherit a block behind another 
 
 TEST_CASE("The device fence scope in defer mode: empty_cache(wait) finishes the deferred release instead of "
           "spinning",
-          "[bad-input]") {
+          "[core][bad-input]") {
   // A release batch of the device scope is never complete by polling; finish_deferred(wait) once
   // synchronised the device and then looped for ever on the same batch (found by the fuzzer,
   // fixed in the core). Run in a child process with a time limit, so a regression fails
@@ -415,7 +420,7 @@ TEST_CASE("The device fence scope in defer mode: empty_cache(wait) finishes the 
 
 TEST_CASE("After the runtime unloads (every backend call fails), frees without driver work still succeed and "
           "the destructor neither throws nor crashes",
-          "[bad-input][exit]") {
+          "[core][bad-input][exit]") {
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     for (auto mode : {empty_cache_mode::wait, empty_cache_mode::defer}) {
       INFO(to_string(backend) << "/" << to_string(mode));
@@ -451,7 +456,7 @@ TEST_CASE("After the runtime unloads (every backend call fails), frees without d
 
 TEST_CASE("An allocator with static storage duration is destroyed cleanly at process exit after the runtime "
           "unloaded",
-          "[bad-input][exit]") {
+          "[core][bad-input][exit]") {
   const std::string how = run_in_child(
       [] {
         static sim::simulated_device dev(sim_config());
@@ -475,7 +480,7 @@ TEST_CASE("An allocator with static storage duration is destroyed cleanly at pro
 
 TEST_CASE("K6: a recycled stream handle does not inherit a block behind an unrecorded use on a stream that is "
           "gone too",
-          "[bad-input][K6]") {
+          "[core][bad-input][cases][K6]") {
   // Was a bug (fixed in stream_locked): when a recycled handle revived, the new stream waited on its own old
   // tombstone and on an event of every *live* stream, but not on the tombstones of other
   // destroyed streams. If the stream t that used a block of s without a record (FSDP2, legal

@@ -43,7 +43,7 @@ struct guarded {
 
 }  // namespace
 
-TEST_CASE("A thread that keeps taking the stream lock becomes its bias owner", "[lock]") {
+TEST_CASE("A thread that keeps taking the stream lock becomes its bias owner", "[core][lock]") {
   biased_lock lk;
   take_n_times(lk, biased_lock::k_first_bias_after - 1);
   CHECK(lk.bias_owner() == nullptr);
@@ -64,7 +64,7 @@ TEST_CASE("A thread that keeps taking the stream lock becomes its bias owner", "
   CHECK(lk.revocations() == 0);
 }
 
-TEST_CASE("Another thread revokes the bias, and the bias is granted again", "[lock]") {
+TEST_CASE("Another thread revokes the bias, and the bias is granted again", "[core][lock]") {
   biased_lock lk(8, 32);
   take_n_times(lk, 8);
   if (!biased_lock::bias_supported()) {
@@ -103,7 +103,7 @@ TEST_CASE("Another thread revokes the bias, and the bias is granted again", "[lo
   CHECK(lk.grants() == 3);
 }
 
-TEST_CASE("The stream lock excludes while its bias moves between threads", "[lock]") {
+TEST_CASE("The stream lock excludes while its bias moves between threads", "[core][lock]") {
   // K small, so that the bias is granted and revoked again and again. The threads run until
   // the bias has been revoked k_revocations times (or for k_limit where no bias is granted).
   biased_lock lk(4, 16);

@@ -112,7 +112,7 @@ options k8_options(backend_kind backend, fence_scope scope, empty_cache_mode mod
 
 TEST_CASE("K8: with empty_cache:defer, an allocation that needs the cache released returns out_of_memory without "
           "waiting on a stream held by a collective",
-          "[cases][K8]") {
+          "[core][cases][K8]") {
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     INFO("backend " << to_string(backend));
     const options o = k8_options(backend, fence_scope::all_streams, empty_cache_mode::defer);
@@ -170,7 +170,7 @@ TEST_CASE("K8: with empty_cache:defer, an allocation that needs the cache releas
 
 TEST_CASE("K8: with empty_cache:defer, the out-of-memory path releases what is already safe and queues the rest, "
           "without waiting",
-          "[cases][K8]") {
+          "[core][cases][K8]") {
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     INFO("backend " << to_string(backend));
     blocking_device d(k8_options(backend, fence_scope::used_streams, empty_cache_mode::defer), 0);
@@ -205,7 +205,7 @@ TEST_CASE("K8: with empty_cache:defer, the out-of-memory path releases what is a
 
 TEST_CASE("K8: with empty_cache:wait, the out-of-memory path waits on exactly the fenced streams and another "
           "thread keeps using the allocator meanwhile",
-          "[cases][K8]") {
+          "[core][cases][K8]") {
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     INFO("backend " << to_string(backend));
     blocking_device d(k8_options(backend, fence_scope::used_streams, empty_cache_mode::wait), 0);
@@ -268,7 +268,7 @@ TEST_CASE("K8: with empty_cache:wait, the out-of-memory path waits on exactly th
 
 TEST_CASE("K8: with empty_cache:defer and a free_segment that waits for the whole device (cudaFree), no segment "
           "is freed while a collective runs on a stream the allocator knows",
-          "[cases][K8]") {
+          "[core][cases][K8]") {
   for (auto scope : {fence_scope::used_streams, fence_scope::all_streams}) {
     INFO("release_fence " << to_string(scope));
     blocking_device d(k8_options(backend_kind::cuda_malloc, scope, empty_cache_mode::defer), 0, true);

@@ -49,7 +49,8 @@ TEST_CASE("A freed block is reused on its stream and its free neighbours are mer
   CHECK(env.dev.counters().segment_allocs == 1);
 }
 
-TEST_CASE("Small and large requests come from separate segments of the documented sizes", "[core]") {
+TEST_CASE("Small and large requests come from separate segments of the documented sizes",
+          "[core]") {
   sim_env env;
   void* small = env.alloc.allocate(1 * MiB, 0);
   void* mid = env.alloc.allocate(3 * MiB, 0);
@@ -61,7 +62,8 @@ TEST_CASE("Small and large requests come from separate segments of the documente
   env.alloc.check_invariants();
 }
 
-TEST_CASE("Each stream has its own pool: a block freed on one stream is not handed to another", "[core]") {
+TEST_CASE("Each stream has its own pool: a block freed on one stream is not handed to another",
+          "[core]") {
   sim_env env;
   auto s1 = env.dev.create_stream();
   auto s2 = env.dev.create_stream();
@@ -142,7 +144,8 @@ TEST_CASE("A same-stream free records no event", "[core]") {
   CHECK(env.dev.counters().events_recorded == 0);
 }
 
-TEST_CASE("A stream-ordered free on another stream keeps the block until that stream passes", "[core]") {
+TEST_CASE("A stream-ordered free on another stream keeps the block until that stream passes",
+          "[core]") {
   sim_env env;
   auto s1 = env.dev.create_stream();
   auto s2 = env.dev.create_stream();
@@ -214,7 +217,8 @@ TEST_CASE("Out of memory releases the cache safely, retries, then reports the st
   env.alloc.check_invariants();
 }
 
-TEST_CASE("Expandable segments grow by mapping chunks and empty_cache unmaps whole free chunks", "[core][expandable]") {
+TEST_CASE("Expandable segments grow by mapping chunks and empty_cache unmaps whole free chunks",
+          "[core][expandable]") {
   options o = make_options(backend_kind::expandable);
   o.expandable_chunk_bytes = 2 * MiB;
   sim_env env(o);
@@ -254,7 +258,8 @@ TEST_CASE("max_split_size keeps large blocks whole", "[core]") {
   env.alloc.check_invariants();
 }
 
-TEST_CASE("A backend that cannot map refuses the expandable setting with a clear error", "[core][bad-input]") {
+TEST_CASE("A backend that cannot map refuses the expandable setting with a clear error",
+          "[core][bad-input]") {
   sim::device_config c = sim_config();
   c.supports_expandable = false;
   sim::simulated_device dev(c);
@@ -262,7 +267,7 @@ TEST_CASE("A backend that cannot map refuses the expandable setting with a clear
 }
 
 TEST_CASE("A stream announced as destroyed is fenced by its last event and a recycled handle waits for it",
-          "[core][K6]") {
+          "[core][cases][K6]") {
   sim_env env;
   env.dev.set_reuse_stream_handles(true);
   auto s1 = env.dev.create_stream();
@@ -361,7 +366,8 @@ TEST_CASE("The trace records allocations, frees, segment operations, deferred re
   CHECK(csv.str().rfind("time_us,action,address,size,stream", 0) == 0);
 }
 
-TEST_CASE("roundup_power2_divisions rounds sizes to a few steps per power of two", "[core][config]") {
+TEST_CASE("roundup_power2_divisions rounds sizes to a few steps per power of two",
+          "[core][config]") {
   options o = options::parse("roundup_power2_divisions:4");
   sim_env env(o);
   void* p = env.alloc.allocate(5 * MiB + 1, 0);  // between 4 and 8 MiB: steps of 1 MiB

@@ -60,7 +60,8 @@ TEST_CASE("The C API allocates on a stream and reuses a freed block on that stre
   CHECK(streamsafe_free_on_stream(nullptr, stream) == STREAMSAFE_SUCCESS);
 }
 
-TEST_CASE("Stream-ordered frees and recorded uses through the C API record one event each", "[capi]") {
+TEST_CASE("Stream-ordered frees and recorded uses through the C API record one event each",
+          "[capi]") {
   use_simulated();
   void *s1 = nullptr, *s2 = nullptr;
   REQUIRE(streamsafe_sim_create_stream(0, &s1) == STREAMSAFE_SUCCESS);

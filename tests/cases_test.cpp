@@ -10,7 +10,7 @@
 using namespace streamsafe;
 using namespace streamsafe::test;
 
-TEST_CASE("K2: unmap on free never runs before the stream's work, 200 times", "[cases][K2]") {
+TEST_CASE("K2: unmap on free never runs before the stream's work, 200 times", "[core][cases][K2]") {
   sim_env env(make_options(backend_kind::expandable), sim_config(4 * GiB));
   auto s = env.dev.create_stream();
   for (int i = 0; i < 200; ++i) {
@@ -26,7 +26,7 @@ TEST_CASE("K2: unmap on free never runs before the stream's work, 200 times", "[
 }
 
 TEST_CASE("K2: the same release under the allocation_stream scope faults when another stream uses the memory",
-          "[cases][K2]") {
+          "[core][cases][K2]") {
   // Proof that the K2 check can fail: a use on a second stream, without record_stream.
   sim_env env(make_options(backend_kind::expandable, fence_scope::allocation_stream), sim_config(4 * GiB));
   auto s = env.dev.create_stream();
@@ -44,7 +44,7 @@ TEST_CASE("K2: the same release under the allocation_stream scope faults when an
 }
 
 TEST_CASE("K2: a bulk release twice in a row under a hold defers, then is a no-op, never a driver error",
-          "[cases][K2]") {
+          "[core][cases][K2]") {
   sim_env env(make_options(backend_kind::expandable, fence_scope::all_streams, empty_cache_mode::defer),
               sim_config(4 * GiB));
   auto s = env.dev.create_stream();
@@ -70,7 +70,8 @@ TEST_CASE("K2: a bulk release twice in a row under a hold defers, then is a no-o
   env.alloc.check_invariants();
 }
 
-TEST_CASE("K3: a cached block moved between streams carries the ordering of its last use", "[cases][K3]") {
+TEST_CASE("K3: a cached block moved between streams carries the ordering of its last use",
+          "[core][cases][K3]") {
   options o;
   o.memory_limit_bytes = 64 * MiB;
   sim_env env(o);
@@ -97,7 +98,8 @@ TEST_CASE("K3: a cached block moved between streams carries the ordering of its 
   env.alloc.check_invariants();
 }
 
-TEST_CASE("K4: a block freed at enqueue time on S1 reaches S2 only behind a wait on S1", "[cases][K4]") {
+TEST_CASE("K4: a block freed at enqueue time on S1 reaches S2 only behind a wait on S1",
+          "[core][cases][K4]") {
   options o;
   o.memory_limit_bytes = 40 * MiB;
   sim_env env(o);
@@ -135,7 +137,8 @@ TEST_CASE("K4: a block freed at enqueue time on S1 reaches S2 only behind a wait
   env.alloc.check_invariants();
 }
 
-TEST_CASE("K7: bad frees are clear errors that change nothing, and the allocator keeps working", "[cases][K7]") {
+TEST_CASE("K7: bad frees are clear errors that change nothing, and the allocator keeps working",
+          "[core][cases][K7]") {
   sim::simulated_device dev0(sim_config(8 * GiB, 0));
   sim::simulated_device dev1(sim_config(8 * GiB, 1));
   caching_allocator a0(dev0, options{});
@@ -163,7 +166,7 @@ TEST_CASE("K7: bad frees are clear errors that change nothing, and the allocator
 }
 
 TEST_CASE("K7: an injected backend failure on the free path leaves the block live and no lock held",
-          "[cases][K7]") {
+          "[core][cases][K7]") {
   sim_env env;
   auto s1 = env.dev.create_stream();
   auto s2 = env.dev.create_stream();
@@ -202,7 +205,8 @@ std::vector<std::size_t> working_set() {
 
 }  // namespace
 
-TEST_CASE("K10: synchronising the stream never releases cache; empty_cache costs what it releases", "[cases][K10]") {
+TEST_CASE("K10: synchronising the stream never releases cache; empty_cache costs what it releases",
+          "[core][cases][K10]") {
   const auto sizes = working_set();
   sim_env env(options{}, sim_config(64 * GiB));
   auto s = env.dev.create_stream();
@@ -235,7 +239,8 @@ TEST_CASE("K10: synchronising the stream never releases cache; empty_cache costs
   CHECK(env.dev.fault_count() == 0);
 }
 
-TEST_CASE("K10: empty_cache under a hold skips the busy blocks and never releases them early", "[cases][K10]") {
+TEST_CASE("K10: empty_cache under a hold skips the busy blocks and never releases them early",
+          "[core][cases][K10]") {
   sim_env env(make_options(backend_kind::cuda_malloc, fence_scope::all_streams, empty_cache_mode::defer));
   auto s = env.dev.create_stream();
   auto busy = env.dev.create_stream();

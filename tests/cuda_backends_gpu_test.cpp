@@ -95,7 +95,7 @@ bool all_bytes_are(const void* device_ptr, std::size_t size, unsigned char value
 }  // namespace
 
 TEST_CASE("device_count returns zero without a GPU and the CUDA backends refuse a missing "
-          "device with backend_error instead of crashing") {
+          "device with backend_error instead of crashing", "[backends]") {
   const int count = streamsafe::cuda::device_count();
   REQUIRE(count == streamsafe::test::gpu_count());
   // Without a driver the runtime's initialisation error stays sticky (every call, even
@@ -122,7 +122,7 @@ TEST_CASE("device_count returns zero without a GPU and the CUDA backends refuse 
 
 TEMPLATE_TEST_CASE("A CUDA backend hands out segments that the device can write and the host "
                    "can read back",
-                   "[gpu]", cuda_malloc_backend, expandable_backend) {
+                   "[gpu][backends]", cuda_malloc_backend, expandable_backend) {
   STREAMSAFE_REQUIRE_GPU();
   TestType backend(0);
   REQUIRE(backend.device() == 0);
@@ -145,7 +145,7 @@ TEMPLATE_TEST_CASE("A CUDA backend hands out segments that the device can write 
 
 TEMPLATE_TEST_CASE("A CUDA backend returns nullptr for an impossible segment size and leaves no "
                    "error behind",
-                   "[gpu]", cuda_malloc_backend, expandable_backend) {
+                   "[gpu][backends]", cuda_malloc_backend, expandable_backend) {
   STREAMSAFE_REQUIRE_GPU();
   TestType backend(0);
   std::size_t free_bytes = 0;
@@ -165,7 +165,7 @@ TEMPLATE_TEST_CASE("A CUDA backend returns nullptr for an impossible segment siz
 
 TEMPLATE_TEST_CASE("A CUDA backend's events record, report pending work as incomplete, "
                    "synchronize and then report completion",
-                   "[gpu]", cuda_malloc_backend, expandable_backend) {
+                   "[gpu][backends]", cuda_malloc_backend, expandable_backend) {
   STREAMSAFE_REQUIRE_GPU();
   TestType backend(0);
   test_stream stream;
@@ -193,7 +193,7 @@ TEMPLATE_TEST_CASE("A CUDA backend's events record, report pending work as incom
 
 TEMPLATE_TEST_CASE("A CUDA backend's stream_wait_event orders work on one stream after an event "
                    "recorded on another without blocking the host",
-                   "[gpu]", cuda_malloc_backend, expandable_backend) {
+                   "[gpu][backends]", cuda_malloc_backend, expandable_backend) {
   STREAMSAFE_REQUIRE_GPU();
   TestType backend(0);
   const std::size_t size = 8 * mib;
@@ -227,7 +227,7 @@ TEMPLATE_TEST_CASE("A CUDA backend's stream_wait_event orders work on one stream
 
 TEST_CASE("The expandable backend maps and unmaps several chunks, and data in the chunks that "
           "stay mapped survives",
-          "[gpu]") {
+          "[gpu][backends]") {
   STREAMSAFE_REQUIRE_GPU();
   expandable_backend backend(0);
   REQUIRE(backend.supports_expandable());
@@ -282,7 +282,7 @@ TEST_CASE("The expandable backend maps and unmaps several chunks, and data in th
 
 TEST_CASE("The expandable backend's map returns false and leaves nothing mapped when physical "
           "memory runs out partway through",
-          "[gpu]") {
+          "[gpu][backends]") {
   STREAMSAFE_REQUIRE_GPU();
   expandable_backend backend(0);
   const std::size_t g = backend.map_granularity_bytes();
@@ -322,7 +322,7 @@ TEST_CASE("The expandable backend's map returns false and leaves nothing mapped 
 
 TEST_CASE("The cuda_malloc backend refuses reserve, map and unmap because it has no expandable "
           "segments",
-          "[gpu]") {
+          "[gpu][backends]") {
   STREAMSAFE_REQUIRE_GPU();
   cuda_malloc_backend backend(0);
   REQUIRE(std::string(backend.name()) == "cuda_malloc");
@@ -335,7 +335,7 @@ TEST_CASE("The cuda_malloc backend refuses reserve, map and unmap because it has
 
 TEST_CASE("A device guard makes a device current and restores the previous one, and backend "
           "calls leave the caller's current device as it was",
-          "[gpu]") {
+          "[gpu][backends]") {
   STREAMSAFE_REQUIRE_GPU();
   const int count = streamsafe::cuda::device_count();
   REQUIRE(cudaSetDevice(0) == cudaSuccess);

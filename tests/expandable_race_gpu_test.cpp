@@ -66,7 +66,8 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
-TEST_CASE("On the GPU the allocation_stream scope unmaps under a pending kernel and faults", "[gpu][race]") {
+TEST_CASE("On the GPU the allocation_stream scope unmaps under a pending kernel and faults",
+          "[gpu][core][race]") {
   STREAMSAFE_REQUIRE_GPU();
   const std::string out = run_child(
       "--child signsgd_per_parameter pytorch --params 256 --shard-floats 4194304 --steps 2");
@@ -75,7 +76,8 @@ TEST_CASE("On the GPU the allocation_stream scope unmaps under a pending kernel 
   CHECK(out.find("illegal memory access") != std::string::npos);
 }
 
-TEST_CASE("On the GPU streamsafe's default release never faults the pending kernel", "[gpu][race]") {
+TEST_CASE("On the GPU streamsafe's default release never faults the pending kernel",
+          "[gpu][core][race]") {
   STREAMSAFE_REQUIRE_GPU();
   const std::string out = run_child(
       "--child signsgd_per_parameter streamsafe --params 256 --shard-floats 4194304 --steps 2");
@@ -83,7 +85,8 @@ TEST_CASE("On the GPU streamsafe's default release never faults the pending kern
   CHECK(out.find("RESULT|1|2|") != std::string::npos);
 }
 
-TEST_CASE("On the GPU empty_cache waits for exactly the stream that still uses the memory", "[gpu][race]") {
+TEST_CASE("On the GPU empty_cache waits for exactly the stream that still uses the memory",
+          "[gpu][core][race]") {
   STREAMSAFE_REQUIRE_GPU();
   gpu_env env;
   options o;
@@ -114,7 +117,8 @@ TEST_CASE("On the GPU empty_cache waits for exactly the stream that still uses t
   cudaStreamDestroy(unrelated);
 }
 
-TEST_CASE("On the GPU empty_cache in defer mode returns at once and reclaim finishes the release", "[gpu][race]") {
+TEST_CASE("On the GPU empty_cache in defer mode returns at once and reclaim finishes the release",
+          "[gpu][core][race]") {
   STREAMSAFE_REQUIRE_GPU();
   gpu_env env;
   options o;

@@ -97,7 +97,7 @@ stream_handle seen_stream(fi_env& env) {
 }  // namespace
 
 TEST_CASE("A failing segment allocation or chunk map is an out-of-memory: retried once, then out_of_memory",
-          "[fault-injection]") {
+          "[core][fault-injection]") {
   for (const variant& v : all_variants) {
     INFO(describe(v));
     const sim::call call = v.backend == backend_kind::expandable ? sim::call::map : sim::call::allocate_segment;
@@ -130,7 +130,8 @@ TEST_CASE("A failing segment allocation or chunk map is an out-of-memory: retrie
   }
 }
 
-TEST_CASE("A failing address-range reservation is a backend_error that changes nothing", "[fault-injection]") {
+TEST_CASE("A failing address-range reservation is a backend_error that changes nothing",
+          "[core][fault-injection]") {
   for (auto mode : {empty_cache_mode::wait, empty_cache_mode::defer}) {
     fi_env env(opts({backend_kind::expandable, mode}));
     const std::string before = env.a().stats().to_string();
@@ -145,7 +146,7 @@ TEST_CASE("A failing address-range reservation is a backend_error that changes n
 }
 
 TEST_CASE("A failing free_segment or unmap keeps the memory cached, reserved and reusable; the next empty_cache releases it",
-          "[fault-injection]") {
+          "[core][fault-injection]") {
   for (const variant& v : all_variants) {
     INFO(describe(v));
     const bool expandable = v.backend == backend_kind::expandable;
@@ -176,7 +177,7 @@ TEST_CASE("A failing free_segment or unmap keeps the memory cached, reserved and
 }
 
 TEST_CASE("A failing event creation or record on the free path leaves the block live and the statistics unchanged",
-          "[fault-injection]") {
+          "[core][fault-injection]") {
   for (const variant& v : all_variants) {
     for (sim::call call : {sim::call::create_event, sim::call::record_event}) {
       const char* name = call == sim::call::create_event ? "create_event" : "record_event";
@@ -209,7 +210,8 @@ TEST_CASE("A failing event creation or record on the free path leaves the block 
   }
 }
 
-TEST_CASE("A failing event creation or record for the release fence keeps the cache intact", "[fault-injection]") {
+TEST_CASE("A failing event creation or record for the release fence keeps the cache intact",
+          "[core][fault-injection]") {
   for (const variant& v : all_variants) {
     for (sim::call call : {sim::call::create_event, sim::call::record_event}) {
       const char* name = call == sim::call::create_event ? "create_event" : "record_event";
@@ -238,7 +240,7 @@ TEST_CASE("A failing event creation or record for the release fence keeps the ca
 }
 
 TEST_CASE("A failing host wait on the release fence puts the memory back and a later empty_cache releases it",
-          "[fault-injection]") {
+          "[core][fault-injection]") {
   for (const variant& v : all_variants) {
     for (fence_scope scope : {fence_scope::all_streams, fence_scope::used_streams, fence_scope::device}) {
       INFO(describe(v) << " " << to_string(scope));
@@ -267,7 +269,7 @@ TEST_CASE("A failing host wait on the release fence puts the memory back and a l
 }
 
 TEST_CASE("A failing stream wait when reusing a block freed behind other streams leaves it pending; the next allocation succeeds",
-          "[fault-injection]") {
+          "[core][fault-injection]") {
   for (const variant& v : all_variants) {
     INFO(describe(v));
     fi_env env(opts(v));
@@ -300,7 +302,8 @@ TEST_CASE("A failing stream wait when reusing a block freed behind other streams
   }
 }
 
-TEST_CASE("A failing stream wait when moving a free segment to another stream changes nothing", "[fault-injection]") {
+TEST_CASE("A failing stream wait when moving a free segment to another stream changes nothing",
+          "[core][fault-injection]") {
   for (auto mode : {empty_cache_mode::wait, empty_cache_mode::defer}) {
     options o = opts({backend_kind::cuda_malloc, mode});
     o.memory_limit_bytes = 40 * MiB;
@@ -332,7 +335,7 @@ TEST_CASE("A failing stream wait when moving a free segment to another stream ch
 }
 
 TEST_CASE("A failing record when a stream is announced destroyed leaves it known; the retry succeeds",
-          "[fault-injection][K6]") {
+          "[core][fault-injection][cases][K6]") {
   for (const variant& v : all_variants) {
     for (sim::call call : {sim::call::create_event, sim::call::record_event}) {
       INFO(describe(v));
@@ -357,7 +360,7 @@ TEST_CASE("A failing record when a stream is announced destroyed leaves it known
 }
 
 TEST_CASE("A failing event query while polling pending blocks is a backend_error; nothing is lost",
-          "[fault-injection]") {
+          "[core][fault-injection]") {
   for (const variant& v : all_variants) {
     INFO(describe(v));
     fi_env env(opts(v));
@@ -383,7 +386,7 @@ TEST_CASE("A failing event query while polling pending blocks is a backend_error
 }
 
 TEST_CASE("A failing event query while empty_cache polls the release fence does not lose the detached memory",
-          "[fault-injection]") {
+          "[core][fault-injection]") {
   // release_cached() once lost the detached batch when query_event threw after the fence was
   // recorded: the memory stayed reserved for good (found by the seeded fuzz run, seed 2, op 931;
   // fixed in the core). Both backends and modes.

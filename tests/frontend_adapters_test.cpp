@@ -33,7 +33,8 @@ struct env {
 
 }  // namespace
 
-TEST_CASE("The CUB-style adapter allocates and frees with CUB's signatures and return codes", "[adapters]") {
+TEST_CASE("The CUB-style adapter allocates and frees with CUB's signatures and return codes",
+          "[adapters]") {
   env e;
   cub_allocator cub(e.alloc);
   void* p = nullptr;
@@ -109,7 +110,8 @@ TEST_CASE("SetMaxCachedBytes bounds what the CUB-style adapter leaves cached", "
   CHECK(bins.bin_growth == 8);
 }
 
-TEST_CASE("The cuda::mr adapter is an async resource and works through async_resource_ref", "[adapters]") {
+TEST_CASE("The cuda::mr adapter is an async resource and works through async_resource_ref",
+          "[adapters]") {
   static_assert(cuda::mr::async_resource_with<memory_resource, cuda::mr::device_accessible>);
   env e;
   memory_resource mr(e.alloc);
@@ -138,7 +140,8 @@ TEST_CASE("The cuda::mr adapter is an async resource and works through async_res
   CHECK(e.alloc.stats(1).allocated_bytes.current == 0);
 }
 
-TEST_CASE("The Thrust allocator takes stream-ordered memory from the cuda::mr adapter", "[adapters]") {
+TEST_CASE("The Thrust allocator takes stream-ordered memory from the cuda::mr adapter",
+          "[adapters]") {
   env e;
   auto& dev = e.platform.device(0);
   const cudaStream_t s = as_stream(dev.create_stream());

@@ -73,7 +73,8 @@ TEST_CASE("The front end creates one caching allocator per device, on first use"
   CHECK_THROWS_AS(env.alloc.stats(-1), std::out_of_range);
 }
 
-TEST_CASE("A free is routed to the owning device whatever device is current (K7)", "[frontend]") {
+TEST_CASE("A free is routed to the owning device whatever device is current (K7)",
+          "[frontend][cases][K7]") {
   two_devices env;
   void* on0 = env.alloc.allocate(512, 0, nullptr);
   void* on1 = env.alloc.allocate(64 * MiB, 1, nullptr);
@@ -102,7 +103,7 @@ TEST_CASE("A free is routed to the owning device whatever device is current (K7)
 }
 
 TEST_CASE("Bad frees throw invalid_pointer naming the devices searched and change nothing (K7)",
-          "[frontend]") {
+          "[frontend][cases][K7]") {
   two_devices env;
   SECTION("before any allocation") {
     int x = 0;
@@ -309,7 +310,7 @@ TEST_CASE("On the GPU, the front end serves, routes and empties the cache", "[gp
 }
 
 TEST_CASE("On the GPU, a block freed while another device is current returns to its own device (K7)",
-          "[gpu][frontend][multigpu]") {
+          "[gpu][multigpu][frontend][cases][K7]") {
   STREAMSAFE_REQUIRE_GPUS(2);
   allocator alloc;
   void* p = alloc.allocate(MiB, 1, nullptr);

@@ -50,7 +50,8 @@ long long json_number(const std::string& text, const std::string& key) {
 
 #if defined(STREAMSAFE_PRELOAD_LOOP_PATH) && defined(STREAMSAFE_PRELOAD_LIB_PATH)
 
-TEST_CASE("The interposer loads into a plain CUDA program and leaves its results unchanged", "[preload]") {
+TEST_CASE("The interposer loads into a plain CUDA program and leaves its results unchanged",
+          "[preload]") {
   const std::string loop = std::string("'") + STREAMSAFE_PRELOAD_LOOP_PATH + "' --iterations 300";
   const command_result plain = run_command(loop);
   const command_result preloaded =
@@ -91,7 +92,8 @@ TEST_CASE("On the GPU, the interposer keeps the cudaFree contract with far fewer
 #endif
 
 #ifdef STREAMSAFE_CUB_EXAMPLE_PATH
-TEST_CASE("On the GPU, CUB, Thrust and cuda::mr run with temporary storage from streamsafe", "[gpu][adapters]") {
+TEST_CASE("On the GPU, CUB, Thrust and cuda::mr run with temporary storage from streamsafe",
+          "[gpu][adapters]") {
   STREAMSAFE_REQUIRE_GPU();
   const command_result r = run_command(std::string("'") + STREAMSAFE_CUB_EXAMPLE_PATH + "' --iterations 50");
   INFO(r.output);

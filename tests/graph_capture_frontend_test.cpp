@@ -13,7 +13,7 @@ using streamsafe::cuda::simulated_platform;
 using streamsafe::test::MiB;
 
 TEST_CASE("The front end announces a capture to the stream's device and releases the graph there",
-          "[frontend][K11][graph]") {
+          "[frontend][graph][cases][K11]") {
   simulated_platform platform{2};
   cuda::allocator alloc{options{}, platform.make_platform()};
   simulated_platform::set_current_device(1);

@@ -62,7 +62,7 @@ std::unique_ptr<device_backend> make_backend(backend_kind kind) {
 
 TEST_CASE("K11 on the GPU: a graph that allocates, frees and launches kernels is captured while empty_cache runs, "
           "and replays exactly",
-          "[gpu][graph]") {
+          "[gpu][core][graph][cases][K11]") {
   STREAMSAFE_REQUIRE_GPU();
   const backend_kind kind = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
   INFO("backend " << (kind == backend_kind::expandable ? "expandable" : "cuda_malloc"));

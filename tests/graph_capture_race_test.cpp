@@ -166,7 +166,7 @@ struct k11_run {
 
 TEST_CASE("K11 with cudaFree semantics: the GPU sequence (capture, empty_cache and eager work on another thread, "
           "replays) keeps the allocator consistent",
-          "[cases][K11][graph]") {
+          "[core][graph][cases][K11]") {
   constexpr int k_iterations = 200;
   for (int iteration = 0; iteration < k_iterations; ++iteration) {
     k11_run run;
@@ -219,7 +219,7 @@ TEST_CASE("K11 with cudaFree semantics: the GPU sequence (capture, empty_cache a
 
 TEST_CASE("K11 with cudaFree semantics: the GPU sequence, single-threaded, with the other thread's round inside "
           "each segment free in turn (the device lock dropped, the freed range handed out again)",
-          "[cases][K11][graph]") {
+          "[core][graph][cases][K11]") {
   // The rounds of the other thread run at fixed points, and one more inside the n-th
   // free_segment call, for every n the sequence reaches.
   int frees_seen = 0;

@@ -87,7 +87,7 @@ struct capture_env : sim_env {
 
 TEST_CASE("K11: cap M, fill 0.9 M, free 0.3 M, capture S, ask 0.25 M: out_of_memory, no release, sync or query, "
           "the capture stays valid",
-          "[cases][K11][graph]") {
+          "[core][graph][cases][K11]") {
   const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
   const empty_cache_mode mode = GENERATE(empty_cache_mode::wait, empty_cache_mode::defer);
   INFO("backend " << name_of(backend) << ", empty_cache " << (mode == empty_cache_mode::wait ? "wait" : "defer"));
@@ -130,7 +130,8 @@ TEST_CASE("K11: cap M, fill 0.9 M, free 0.3 M, capture S, ask 0.25 M: out_of_mem
   env.finish();
 }
 
-TEST_CASE("K11: an empty_cache asked for during a capture runs, deferred, when the capture ends", "[cases][K11][graph]") {
+TEST_CASE("K11: an empty_cache asked for during a capture runs, deferred, when the capture ends",
+          "[core][graph][cases][K11]") {
   EACH_BACKEND(backend);
   capture_env env(backend);
   env.alloc.deallocate(env.alloc.allocate(64 * MiB, env.other));
@@ -145,7 +146,7 @@ TEST_CASE("K11: an empty_cache asked for during a capture runs, deferred, when t
 
 TEST_CASE("K11: memory cached before a capture is not handed to it (a replay on another stream would race with its "
           "old uses)",
-          "[cases][K11][graph]") {
+          "[core][graph][cases][K11]") {
   EACH_BACKEND(backend);
   capture_env env(backend);
   void* p = env.alloc.allocate(64 * MiB, env.s);
@@ -170,7 +171,7 @@ TEST_CASE("K11: memory cached before a capture is not handed to it (a replay on 
 
 TEST_CASE("K11: a block freed during the capture is reused inside it on the capturing stream, and by no one else "
           "until the graph is released",
-          "[cases][K11][graph]") {
+          "[core][graph][cases][K11]") {
   EACH_BACKEND(backend);
   capture_env env(backend);
   const auto s = env.s, t = env.other;
@@ -216,7 +217,7 @@ TEST_CASE("K11: a block freed during the capture is reused inside it on the capt
 }
 
 TEST_CASE("K11: a block from before the capture, freed inside it, is the graph's until the graph is released",
-          "[cases][K11][graph]") {
+          "[core][graph][cases][K11]") {
   EACH_BACKEND(backend);
   capture_env env(backend);
   const auto s = env.s;
@@ -256,7 +257,7 @@ TEST_CASE("K11: a block from before the capture, freed inside it, is the graph's
 }
 
 TEST_CASE("K11: expandable growth that runs out of device memory part-way during a capture unmaps nothing",
-          "[cases][K11][graph]") {
+          "[core][graph][cases][K11]") {
   // 100 MiB device, 60 MiB of it taken outside the allocator (and 2 MiB by the other stream):
   // mapping 60 MiB in 20 MiB chunks runs out after one chunk. Outside a capture they would be unmapped again; during one that
   // is illegal, so they stay mapped in the graph's pool.
@@ -273,7 +274,8 @@ TEST_CASE("K11: expandable growth that runs out of device memory part-way during
   env.finish();
 }
 
-TEST_CASE("K11: frees that need events during a capture are held until it ends", "[cases][K11][graph]") {
+TEST_CASE("K11: frees that need events during a capture are held until it ends",
+          "[core][graph][cases][K11]") {
   sim_env env(make_options(backend_kind::cuda_malloc));
   auto s = env.dev.create_stream();
   auto t = env.dev.create_stream();
@@ -302,7 +304,8 @@ TEST_CASE("K11: frees that need events during a capture are held until it ends",
   env.alloc.check_invariants();
 }
 
-TEST_CASE("K11: the capture stays valid while another thread calls empty_cache and reclaim", "[cases][K11][graph]") {
+TEST_CASE("K11: the capture stays valid while another thread calls empty_cache and reclaim",
+          "[core][graph][cases][K11]") {
   EACH_BACKEND(backend);
   capture_env env(backend);
   const auto s = env.s, t = env.other;
@@ -341,7 +344,8 @@ TEST_CASE("K11: the capture stays valid while another thread calls empty_cache a
   env.finish();
 }
 
-TEST_CASE("K11: a capture the allocator was not told about is detected on the slow path", "[cases][K11][graph]") {
+TEST_CASE("K11: a capture the allocator was not told about is detected on the slow path",
+          "[core][graph][cases][K11]") {
   sim_env env(make_options(backend_kind::cuda_malloc));
   auto s = env.dev.create_stream();
   auto t = env.dev.create_stream();
@@ -364,7 +368,8 @@ TEST_CASE("K11: a capture the allocator was not told about is detected on the sl
   env.alloc.check_invariants();
 }
 
-TEST_CASE("K11: capture calls with bad arguments are named errors", "[cases][K11][graph][bad-input]") {
+TEST_CASE("K11: capture calls with bad arguments are named errors",
+          "[core][graph][bad-input][cases][K11]") {
   sim_env env;
   auto s = env.dev.create_stream();
   CHECK_THROWS_AS(env.alloc.notify_capture_begin(0), std::invalid_argument);
@@ -380,7 +385,8 @@ TEST_CASE("K11: capture calls with bad arguments are named errors", "[cases][K11
   env.alloc.check_invariants();
 }
 
-TEST_CASE("simulated device: calls forbidden during a capture fault and invalidate it", "[sim][graph]") {
+TEST_CASE("simulated device: calls forbidden during a capture fault and invalidate it",
+          "[sim][graph]") {
   sim::simulated_device dev(sim_config());
   auto s = dev.create_stream();
   auto t = dev.create_stream();

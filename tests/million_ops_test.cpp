@@ -55,7 +55,7 @@ program_stats run_one(std::uint64_t seed, bool trace) {
 }  // namespace
 
 TEST_CASE("A million random operations keep every invariant and fault nothing under safe fence scopes",
-          "[soak][property]") {
+          "[core][property][soak]") {
   if (const char* one = std::getenv("STREAMSAFE_SEED"); one && *one) {
     run_one(std::strtoull(one, nullptr, 10), true);
     return;

@@ -126,7 +126,7 @@ bool default_stream_idle(int device) {
 
 TEST_CASE("K1 on two GPUs: empty_cache with device 0 current waits on device 1's default stream before releasing "
           "device 1's segment",
-          "[gpu][multigpu][K1]") {
+          "[gpu][multigpu][backends][cases][K1]") {
   STREAMSAFE_REQUIRE_GPUS(2);
   shared_flags f;
   warm_up(1, f);
@@ -157,7 +157,7 @@ TEST_CASE("K1 on two GPUs: empty_cache with device 0 current waits on device 1's
 
 TEST_CASE("K1 on two GPUs: with empty_cache:defer and device 0 current, device 1's segment waits in the queue "
           "until device 1's default stream has passed it",
-          "[gpu][multigpu][K1]") {
+          "[gpu][multigpu][backends][cases][K1]") {
   STREAMSAFE_REQUIRE_GPUS(2);
   {
     shared_flags warm;
@@ -198,7 +198,7 @@ TEST_CASE("K1 on two GPUs: with empty_cache:defer and device 0 current, device 1
 
 TEST_CASE("On two GPUs, record_stream and frees of a device 1 block run on device 1 while device 0 is current, "
           "and its reuse is ordered after the recorded use (K7)",
-          "[gpu][multigpu][K7]") {
+          "[gpu][multigpu][backends][cases][K7]") {
   STREAMSAFE_REQUIRE_GPUS(2);
   shared_flags f;
   warm_up(1, f);
@@ -243,7 +243,7 @@ TEST_CASE("On two GPUs, record_stream and frees of a device 1 block run on devic
 
 TEST_CASE("On two GPUs, a kernel on device 1 reads and writes blocks of device 0's expandable segment, including "
           "chunks mapped after the first",
-          "[gpu][multigpu][expandable]") {
+          "[gpu][multigpu][backends][expandable]") {
   STREAMSAFE_REQUIRE_GPUS(2);
   int can_access = 0;
   REQUIRE(cudaDeviceCanAccessPeer(&can_access, 1, 0) == cudaSuccess);
@@ -314,7 +314,7 @@ TEST_CASE("On two GPUs, a kernel on device 1 reads and writes blocks of device 0
 
 TEST_CASE("K8 on two GPUs: one thread enqueues half of a collective on device 0, allocates through the "
           "out-of-memory path with empty_cache:defer, then enqueues the other half on device 1, without a hang",
-          "[gpu][multigpu][K8]") {
+          "[gpu][multigpu][backends][cases][K8]") {
   STREAMSAFE_REQUIRE_GPUS(2);
   {
     shared_flags warm;

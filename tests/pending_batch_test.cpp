@@ -50,7 +50,8 @@ class per_thread_device final : public forwarding_device {
 
 }  // namespace
 
-TEST_CASE("Cross-stream frees are retired in batches: one event query proves many", "[core][pending]") {
+TEST_CASE("Cross-stream frees are retired in batches: one event query proves many",
+          "[core][pending]") {
   sim_env env;
   const auto a = env.dev.create_stream();
   const auto b = env.dev.create_stream();
@@ -79,7 +80,8 @@ TEST_CASE("Cross-stream frees are retired in batches: one event query proves man
   env.alloc.check_invariants();
 }
 
-TEST_CASE("A batch is retired only up to the first block whose stream is still busy", "[core][pending]") {
+TEST_CASE("A batch is retired only up to the first block whose stream is still busy",
+          "[core][pending]") {
   sim_env env;
   const auto a = env.dev.create_stream();
   const auto b = env.dev.create_stream();
@@ -142,7 +144,8 @@ TEST_CASE("Events on a per-thread stream handle are each queried: another thread
   CHECK(run(false) > 0);
 }
 
-TEST_CASE("Events pooled per stream are reused and all destroyed with the allocator", "[core][pending]") {
+TEST_CASE("Events pooled per stream are reused and all destroyed with the allocator",
+          "[core][pending]") {
   sim::simulated_device dev{sim_config()};
   {
     caching_allocator alloc{dev, options{}};

@@ -64,7 +64,8 @@ std::string temp_path(const std::string& name) {
 
 }  // namespace
 
-TEST_CASE("A PyTorch-style trace becomes allocs and frees by slot, segment rows counted aside", "[replay]") {
+TEST_CASE("A PyTorch-style trace becomes allocs and frees by slot, segment rows counted aside",
+          "[replay]") {
   replay_program p = read_trace_text(k_pytorch_trace);
   CHECK(p.format == trace_format::pytorch);
   CHECK(p.lines == 13);
@@ -142,7 +143,8 @@ TEST_CASE("Columns are found by name, in any order, with extra columns", "[repla
   CHECK(p.steps[1].time_us == 11);
 }
 
-TEST_CASE("Headerless traces are read in the canonical column order, guessed or forced", "[replay]") {
+TEST_CASE("Headerless traces are read in the canonical column order, guessed or forced",
+          "[replay]") {
   replay_program guessed = read_trace_text("5,alloc,4096,100,0\n6,free_requested,4096,100,0\n");
   CHECK(guessed.format == trace_format::pytorch);
   CHECK(guessed.steps.size() == 2);
@@ -173,7 +175,8 @@ TEST_CASE("Blank lines, comments, CRLF line ends and a byte order mark are accep
   CHECK(p.steps.size() == 2);
 }
 
-TEST_CASE("Malformed lines are reported with their line numbers and skipped by default", "[replay]") {
+TEST_CASE("Malformed lines are reported with their line numbers and skipped by default",
+          "[replay]") {
   const std::string text =
       "time_us,action,address,size,stream\n"   // 1
       "1,alloc,4096,100,0\n"                   // 2
@@ -210,7 +213,8 @@ TEST_CASE("Malformed lines are reported with their line numbers and skipped by d
   }
 }
 
-TEST_CASE("Random garbage after a valid header is reported line by line, never a crash", "[replay]") {
+TEST_CASE("Random garbage after a valid header is reported line by line, never a crash",
+          "[replay]") {
   std::mt19937 rng(1234);
   const std::string pieces[] = {"alloc", "free_requested", "segment_alloc", "0x1f", "4096", "-1", "", "\"", ",",
                                 "99999999999999999999", "free", "oom", "\t", "abc", "12", "512", "\xff\xfe", ":"};
@@ -236,7 +240,8 @@ TEST_CASE("Random garbage after a valid header is reported line by line, never a
   REQUIRE_NOTHROW(run_replay(p, s));
 }
 
-TEST_CASE("Gzip-compressed and plain files are read; truncation and absence are reported", "[replay]") {
+TEST_CASE("Gzip-compressed and plain files are read; truncation and absence are reported",
+          "[replay]") {
   const std::string gz = temp_path("trace.csv.gz");
   {
     gzFile f = gzopen(gz.c_str(), "wb");
@@ -355,7 +360,8 @@ TEST_CASE("A replay with cudaMalloc-style segments reaches the known peaks", "[r
   CHECK(snap.time_us == 1004);  // peak reached by the 30 MiB alloc
 }
 
-TEST_CASE("A replay with expandable segments maps chunks and its trace replays to the same peaks", "[replay]") {
+TEST_CASE("A replay with expandable segments maps chunks and its trace replays to the same peaks",
+          "[replay]") {
   replay_program p = read_trace_text(k_pytorch_trace);
   replay_report rep = run_replay(p, sim_settings(backend_kind::expandable));
   const statistics& s = rep.result.stats;
@@ -411,7 +417,8 @@ TEST_CASE("Frees on another stream replay as stream-ordered frees", "[replay]") 
   CHECK(completed == 1);  // only the same-stream free is known to complete at once
 }
 
-TEST_CASE("Allocations the device cannot hold are counted as OOMs and their frees skipped", "[replay]") {
+TEST_CASE("Allocations the device cannot hold are counted as OOMs and their frees skipped",
+          "[replay]") {
   replay_program p = read_trace_text(
       "time_us,action,address,size,stream\n"
       "1,alloc,4096,41943040,0\n"
@@ -427,7 +434,8 @@ TEST_CASE("Allocations the device cannot hold are counted as OOMs and their free
   CHECK(saw_oom);
 }
 
-TEST_CASE("The HTML report is one self-contained file with the plot and the segment map", "[replay]") {
+TEST_CASE("The HTML report is one self-contained file with the plot and the segment map",
+          "[replay]") {
   replay_program p = read_trace_text(k_pytorch_trace);
   replay_report rep = run_replay(p, sim_settings(backend_kind::expandable));
   html_report_input in;

@@ -140,7 +140,7 @@ struct scope_case {
 }  // namespace
 
 TEST_CASE("Random programs never release or reuse memory under pending work with a safe fence scope",
-          "[property]") {
+          "[core][property]") {
   const int programs = 250;  // per (scope, backend, mode): 4,000 programs in all
   std::size_t ops = 0;
   for (auto sc : {scope_case{fence_scope::all_streams, true}, scope_case{fence_scope::device, true},
@@ -162,7 +162,8 @@ TEST_CASE("Random programs never release or reuse memory under pending work with
   CHECK(ops >= 400000);
 }
 
-TEST_CASE("The same random programs fault under the unsafe allocation_stream scope", "[property]") {
+TEST_CASE("The same random programs fault under the unsafe allocation_stream scope",
+          "[core][property]") {
   std::size_t faulty_programs = 0;
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     for (int i = 0; i < 100; ++i) {

@@ -24,7 +24,7 @@ using namespace streamsafe;
 using namespace streamsafe::test;
 
 TEST_CASE("a free segment moved to another stream is not allocated meanwhile by its owner's fast path",
-          "[threads][segment_move]") {
+          "[core][threads][segment-move]") {
   constexpr std::size_t k_block = 12 * MiB;  // its own segment, exactly this size
   constexpr int k_held = 256;                // held segments the search walks past
   constexpr int k_rounds = 100000;

@@ -59,7 +59,7 @@ memory_snapshot sample() {
 
 }  // namespace
 
-TEST_CASE("A consistent snapshot passes its checks and sums bytes per state", "[snapshot]") {
+TEST_CASE("A consistent snapshot passes its checks and sums bytes per state", "[core][snapshot]") {
   memory_snapshot snap = sample();
   REQUIRE_NOTHROW(snap.check_consistency());
   CHECK(snap.segments[0].bytes_in(snapshot_block_state::active) == 4 * KiB);
@@ -69,7 +69,7 @@ TEST_CASE("A consistent snapshot passes its checks and sums bytes per state", "[
   CHECK(std::string(to_string(snapshot_pool::small)) == "small");
 }
 
-TEST_CASE("Snapshot checks name the segment whose blocks do not tile it", "[snapshot]") {
+TEST_CASE("Snapshot checks name the segment whose blocks do not tile it", "[core][snapshot]") {
   memory_snapshot snap = sample();
   snap.segments[0].blocks[1].address += 512;
   CHECK_THROWS_WITH(snap.check_consistency(), Catch::Contains("segment 0x100000000") && Catch::Contains("tile"));
@@ -96,7 +96,7 @@ TEST_CASE("Snapshot checks name the segment whose blocks do not tile it", "[snap
   CHECK_THROWS_WITH(snap.check_consistency(), Catch::Contains("precedes"));
 }
 
-TEST_CASE("Snapshot JSON is valid and uses PyTorch's segment and block keys", "[snapshot]") {
+TEST_CASE("Snapshot JSON is valid and uses PyTorch's segment and block keys", "[core][snapshot]") {
   std::ostringstream os;
   sample().to_json(os);
   const std::string json = os.str();
@@ -118,7 +118,8 @@ TEST_CASE("Snapshot JSON is valid and uses PyTorch's segment and block keys", "[
   CHECK(test::json_error(empty.str()).empty());
 }
 
-TEST_CASE("Statistics JSON carries every PyTorch key and streamsafe's counters", "[snapshot]") {
+TEST_CASE("Statistics JSON carries every PyTorch key and streamsafe's counters",
+          "[core][snapshot]") {
   statistics s;
   s.allocated_bytes.increase(1000);
   s.allocated_bytes.decrease(400);
@@ -141,7 +142,8 @@ TEST_CASE("Statistics JSON carries every PyTorch key and streamsafe's counters",
   }
 }
 
-TEST_CASE("memory_summary is an aligned table of current, peak and totals plus the counters", "[snapshot]") {
+TEST_CASE("memory_summary is an aligned table of current, peak and totals plus the counters",
+          "[core][snapshot]") {
   statistics s;
   s.allocated_bytes.increase(static_cast<std::int64_t>(3 * MiB / 2));
   s.allocated_bytes.increase(static_cast<std::int64_t>(MiB / 2));

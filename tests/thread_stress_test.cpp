@@ -271,7 +271,7 @@ outcome stress(backend_kind backend, empty_cache_mode mode, int ops_per_worker) 
 
 TEST_CASE("12 threads on own and shared streams, with empty_cache and reclaim from another thread, stay "
           "consistent, fault-free and deadlock-free",
-          "[threads][stress]") {
+          "[core][threads][stress]") {
   struct config {
     backend_kind backend;
     empty_cache_mode mode;

@@ -20,7 +20,7 @@ trace_event ev(std::uint64_t t, trace_action a, std::uintptr_t addr, std::size_t
 
 }  // namespace
 
-TEST_CASE("Every trace action has a name that parses back to it", "[trace]") {
+TEST_CASE("Every trace action has a name that parses back to it", "[core][trace]") {
   for (auto a : {trace_action::alloc, trace_action::free_requested, trace_action::free_completed,
                  trace_action::segment_alloc, trace_action::segment_free, trace_action::segment_map,
                  trace_action::segment_unmap, trace_action::release_deferred, trace_action::oom}) {
@@ -33,7 +33,8 @@ TEST_CASE("Every trace action has a name that parses back to it", "[trace]") {
   CHECK_FALSE(parse_trace_action("allocate"));
 }
 
-TEST_CASE("The recorder keeps events oldest first and writes the shared CSV format", "[trace]") {
+TEST_CASE("The recorder keeps events oldest first and writes the shared CSV format",
+          "[core][trace]") {
   trace_recorder rec(8);
   rec.record(ev(100, trace_action::segment_alloc, 4096, 2097152, 7));
   rec.record(ev(101, trace_action::alloc, 4096, 1000, 7));
@@ -55,7 +56,8 @@ TEST_CASE("The recorder keeps events oldest first and writes the shared CSV form
         "102,free_requested,4096,1000,7\n");
 }
 
-TEST_CASE("A full recorder overwrites its oldest events and counts them as dropped", "[trace]") {
+TEST_CASE("A full recorder overwrites its oldest events and counts them as dropped",
+          "[core][trace]") {
   trace_recorder rec(4);
   for (std::uint64_t i = 0; i < 10; ++i) rec.record(ev(i, trace_action::alloc, 512 * i, 512));
   CHECK(rec.size() == 4);
@@ -74,7 +76,8 @@ TEST_CASE("A full recorder overwrites its oldest events and counts them as dropp
   CHECK(rec.events()[0].action == trace_action::oom);
 }
 
-TEST_CASE("A recorder of capacity zero keeps nothing and counts every event as dropped", "[trace]") {
+TEST_CASE("A recorder of capacity zero keeps nothing and counts every event as dropped",
+          "[core][trace]") {
   trace_recorder rec(0);
   rec.record(ev(1, trace_action::alloc, 512, 512));
   rec.record(trace_action::free_requested, 512, 512, 0, 0);
@@ -86,7 +89,7 @@ TEST_CASE("A recorder of capacity zero keeps nothing and counts every event as d
   CHECK(csv.str() == "time_us,action,address,size,stream\n");
 }
 
-TEST_CASE("The JSON export is valid JSON with PyTorch's trace entry keys", "[trace]") {
+TEST_CASE("The JSON export is valid JSON with PyTorch's trace entry keys", "[core][trace]") {
   trace_recorder rec(2);
   rec.record(ev(5, trace_action::segment_map, 1 << 21, 20 << 20, 3));
   rec.record(ev(6, trace_action::release_deferred, 1 << 21, 20 << 20, 3));
@@ -105,7 +108,7 @@ TEST_CASE("The JSON export is valid JSON with PyTorch's trace entry keys", "[tra
   CHECK(test::json_error(empty.str()).empty());
 }
 
-TEST_CASE("record() stamps events with the system clock in microseconds", "[trace]") {
+TEST_CASE("record() stamps events with the system clock in microseconds", "[core][trace]") {
   trace_recorder rec(1);
   const std::uint64_t before = trace_recorder::now_us();
   rec.record(trace_action::alloc, 512, 100, 0, 3);
@@ -117,7 +120,7 @@ TEST_CASE("record() stamps events with the system clock in microseconds", "[trac
   CHECK(before > 1'600'000'000'000'000ull);  // after September 2020: microseconds since the epoch
 }
 
-TEST_CASE("Threads recording at once lose no count and keep each thread's order", "[trace]") {
+TEST_CASE("Threads recording at once lose no count and keep each thread's order", "[core][trace]") {
   constexpr int threads = 4;
   constexpr std::uint64_t per_thread = 20000;
   trace_recorder rec(1000);

@@ -146,7 +146,8 @@ TEST_CASE("A whole free segment within the ratio, or within 20 MiB of the reques
   env.alloc.check_invariants();
 }
 
-TEST_CASE("The free remainder of a split segment serves any request (best fit)", "[core][segment-fit]") {
+TEST_CASE("The free remainder of a split segment serves any request (best fit)",
+          "[core][segment-fit]") {
   sim_env env;
   void* seg = env.alloc.allocate(400 * MiB, 0);
   env.alloc.deallocate(seg);
