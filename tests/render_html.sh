@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Renders an HTML file to a PNG with headless Chromium (Debian's `chromium` package), the way a
-# person's browser shows it, and checks that the picture is not blank.
+# person's browser shows it, and checks the picture with tests/render_html_check.py: its size,
+# that it is not blank, that the plot's fills are drawn, and that the segment map shows one band
+# per mapped row with its colours in the proportion of the report's active and inactive bytes.
 #
 # Usage: tests/render_html.sh IN.html OUT.png [WIDTH,HEIGHT]   (default 1400,1000)
-# Exit: 0 rendered; 77 skipped (Chromium absent: the message says how to install it);
-#       1 the input is missing, Chromium failed, or the PNG is missing, not a PNG, or blank.
+# Exit: 0 rendered and checked; 77 skipped (Chromium or python3 absent: the message says how to
+#       install it); 1 the input is missing, Chromium failed, or the PNG is missing, not a PNG,
+#       blank or not the picture the report describes.
 # Chromium gets a throw-away profile and no network features; --no-sandbox because CI runs as
 # root. A blank 1400x1000 page compresses to a few KiB; a page with text and plots to far more.
 set -euo pipefail
@@ -27,6 +30,10 @@ for candidate in chromium chromium-browser google-chrome; do
 done
 if [ -z "$browser" ]; then
   echo "skipped: Chromium is not installed (Debian: apt-get install -y chromium)"
+  exit 77
+fi
+if ! command -v python3 >/dev/null 2>&1; then
+  echo "skipped: python3 is not installed (Debian: apt-get install -y python3)"
   exit 77
 fi
 if [ ! -f "$in" ]; then
@@ -63,6 +70,10 @@ dims=$(od -An -tu1 -j16 -N8 "$out_abs" | awk '{printf "%d x %d", $1*16777216+$2*
 bytes=$(stat -c %s "$out_abs")
 if [ "$bytes" -lt "$min_png_bytes" ]; then
   echo "render_html: $out_abs ($dims, $bytes bytes) looks blank (fewer than $min_png_bytes bytes)" >&2
+  exit 1
+fi
+if ! python3 "$(dirname "$0")/render_html_check.py" "$out_abs" --html "$in_abs" --size "$size"; then
+  echo "render_html: $out_abs ($dims, $bytes bytes) is not the picture $in describes" >&2
   exit 1
 fi
 echo "rendered $in -> $out_abs ($dims pixels, $bytes bytes) with $browser"
