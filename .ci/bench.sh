@@ -3,12 +3,13 @@
 # (scenarios 1-3 and 6 on the simulated device) and streamsafe_bench (the GPU suite must compile
 # and start without a driver: it lists its benchmarks), then runs scenarios 1-3 on the simulated
 # device for 0.01 s each and fails only if a benchmark reports an error. It asserts nothing about
-# timing. Usage: bash .ci/bench.sh   (build directory: build/, or $STREAMSAFE_BUILD_DIR)
+# timing. Usage: bash .ci/bench.sh   (build directory: build/, or $STREAMSAFE_BUILD_DIR; configure
+# preset: default, or $STREAMSAFE_PRESET)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash .ci/deps.sh
 build=${STREAMSAFE_BUILD_DIR:-build}
-cmake -S . -B "$build" -G Ninja -DSTREAMSAFE_WERROR="${STREAMSAFE_WERROR:-OFF}" -DSTREAMSAFE_BUILD_BENCHMARKS=ON
+cmake --preset "${STREAMSAFE_PRESET:-default}" -B "$build" -DSTREAMSAFE_BUILD_BENCHMARKS=ON
 cmake --build "$build" -j "$(nproc)" --target streamsafe_bench_sim streamsafe_bench
 
 echo "== streamsafe_bench (GPU suite) starts without a GPU and lists $("$build/bench/streamsafe_bench" --benchmark_list_tests 2>/dev/null | wc -l) benchmarks"

@@ -3,12 +3,13 @@
 # against the INSTALLED tree (1) examples/consumer with CMake's find_package(streamsafe), and
 # (2) examples/consumer/main.c with pkg-config, as a C user outside CMake would.
 #   usage: bash .ci/package.sh [BUILD_DIR]   (default: $STREAMSAFE_BUILD_DIR or build; configured
-#          here if it is not, built incrementally either way)
+#          here with the preset $STREAMSAFE_PRESET (default: default) if it is not, built
+#          incrementally either way)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-${STREAMSAFE_BUILD_DIR:-build}}
 if [ ! -f "$build/CMakeCache.txt" ]; then
-  cmake -S . -B "$build" -G Ninja -DSTREAMSAFE_WERROR="${STREAMSAFE_WERROR:-OFF}"
+  cmake --preset "${STREAMSAFE_PRESET:-default}" -B "$build"
 fi
 cmake --build "$build" -j "$(nproc)"
 

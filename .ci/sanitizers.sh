@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Builds the host tests (tests/host_only: the allocator core, the simulated device and every
-# test that needs no GPU, in one Catch2 binary) twice, with clang: under AddressSanitizer +
-# UndefinedBehaviorSanitizer, and under ThreadSanitizer; runs both. Any sanitizer report fails.
+# Builds the host tests (streamsafe_tests without CUDA: the allocator core, the simulated device
+# and tests/core, tests/sim) twice, with clang, through the presets of CMakePresets.json:
+# asan-ubsan (AddressSanitizer + UndefinedBehaviorSanitizer) and tsan (ThreadSanitizer); runs
+# both. Any sanitizer report fails.
 # Usage: bash .ci/sanitizers.sh [asan|tsan]...   (default: both)
 #        Catch2 arguments in STREAMSAFE_SANITIZER_TEST_ARGS (default: every host test but [soak])
-#        build directories: ${STREAMSAFE_SANITIZER_BUILD_PREFIX:-build}-asan, -tsan
+#        build directories: the presets' build-asan-ubsan/, build-tsan/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 which=("$@")
@@ -20,17 +21,15 @@ export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1}
 
 for kind in "${which[@]}"; do
   case "$kind" in
-    asan) sanitize=address,undefined ;;
-    tsan) sanitize=thread ;;
+    asan) preset=asan-ubsan ;;
+    tsan) preset=tsan ;;
     *) echo "unknown sanitizer '$kind' (asan or tsan)" >&2; exit 2 ;;
   esac
-  build=${STREAMSAFE_SANITIZER_BUILD_PREFIX:-build}-$kind
-  cmake -S tests/host_only -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DSTREAMSAFE_SANITIZE="$sanitize" \
-    -DSTREAMSAFE_WERROR=ON
-  cmake --build "$build"
-  echo "== host tests under $kind ($sanitize)"
+  cmake --preset "$preset"
+  cmake --build --preset "$preset" -j "$(nproc)"
+  echo "== host tests under $kind (preset $preset)"
   runner=()
   # ThreadSanitizer of clang 14 needs a narrower address space than recent kernels randomise into.
   if [ "$kind" = tsan ] && command -v setarch >/dev/null; then runner=(setarch "$(uname -m)" -R); fi
-  "${runner[@]}" "$build/host_tests" "${test_args[@]}"
+  "${runner[@]}" "build-$preset/tests/streamsafe_tests" "${test_args[@]}"
 done

@@ -1,10 +1,12 @@
 # streamsafe as a package (included at the end of allocator/CMakeLists.txt):
 #   cmake --install BUILD --prefix PREFIX
-# installs the headers, the static libraries (core, sim, cuda), the shared front ends (C API,
-# preload interposer, PyTorch allocator), CMake package files for
-#   find_package(streamsafe)  ->  streamsafe::streamsafe (C++: core + sim + cuda),
-#       streamsafe::core, ::sim, ::cuda, ::cccl (cuda::mr adapter), ::c, ::preload, ::torch
+# installs the headers, the static libraries (core, sim, backends_cuda, frontend_cxx), the shared
+# front ends (C API, preload interposer, PyTorch allocator), CMake package files for
+#   find_package(streamsafe)  ->  streamsafe::streamsafe (C++: core + sim + backends_cuda +
+#       frontend_cxx), streamsafe::core, ::sim, ::backends_cuda, ::frontend_cxx, ::cccl (cuda::mr
+#       adapter), ::c, ::preload, ::torch
 # and a pkg-config file (streamsafe.pc) for the C API: cc prog.c $(pkg-config --cflags --libs streamsafe).
+# Without CUDA (STREAMSAFE_ENABLE_CUDA=OFF) the package holds the core and the simulated device.
 # The package needs CUDA (the CUDA Toolkit's runtime; CCCL for streamsafe::cccl), spdlog and
 # Threads on the consuming machine; streamsafe-config.cmake finds them. Checked by .ci/package.sh.
 option(STREAMSAFE_INSTALL "Generate the install rules of streamsafe" ON)
@@ -17,13 +19,20 @@ include(CMakePackageConfigHelpers)
 
 set(STREAMSAFE_CMAKE_DIR "${CMAKE_INSTALL_LIBDIR}/cmake/streamsafe")
 
-# Exported names: streamsafe::core, streamsafe::sim, streamsafe::cuda (as the build-tree aliases).
+# Exported names as the build-tree aliases: streamsafe::core, ::sim, ::backends_cuda, ...
 set_target_properties(streamsafe_core PROPERTIES EXPORT_NAME core)
 set_target_properties(streamsafe_sim PROPERTIES EXPORT_NAME sim)
-set_target_properties(streamsafe_cuda PROPERTIES EXPORT_NAME cuda)
+set(STREAMSAFE_INSTALLED_TARGETS streamsafe streamsafe_core streamsafe_sim)
+set(STREAMSAFE_FIND_CUDA "")
+if(STREAMSAFE_CUDA)
+  set_target_properties(streamsafe_backends_cuda PROPERTIES EXPORT_NAME backends_cuda)
+  set_target_properties(streamsafe_frontend_cxx PROPERTIES EXPORT_NAME frontend_cxx)
+  list(APPEND STREAMSAFE_INSTALLED_TARGETS streamsafe_backends_cuda streamsafe_frontend_cxx
+       streamsafe_cccl streamsafe_c streamsafe_preload streamsafe_torch)
+  set(STREAMSAFE_FIND_CUDA "find_dependency(CUDAToolkit)")
+endif()
 
-install(TARGETS streamsafe streamsafe_core streamsafe_sim streamsafe_cuda streamsafe_cccl
-                streamsafe_c streamsafe_preload streamsafe_torch
+install(TARGETS ${STREAMSAFE_INSTALLED_TARGETS}
         EXPORT streamsafe-targets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
@@ -41,7 +50,7 @@ file(WRITE "${STREAMSAFE_CONFIG_IN}" [=[
 @PACKAGE_INIT@
 
 include(CMakeFindDependencyMacro)
-find_dependency(CUDAToolkit)
+@STREAMSAFE_FIND_CUDA@
 find_dependency(spdlog)
 find_dependency(Threads)
 
@@ -72,4 +81,6 @@ Version: ${PROJECT_VERSION}
 Libs: -L\${libdir} -lstreamsafe_c
 Cflags: -I\${includedir}
 ")
-install(FILES "${CMAKE_CURRENT_BINARY_DIR}/streamsafe.pc" DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
+if(STREAMSAFE_CUDA)
+  install(FILES "${CMAKE_CURRENT_BINARY_DIR}/streamsafe.pc" DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
+endif()

@@ -29,9 +29,9 @@
 #include "bench_common.hpp"
 
 #include <streamsafe/core/caching_allocator.hpp>
-#include <streamsafe/cuda/cuda_malloc_backend.hpp>
-#include <streamsafe/cuda/expandable_backend.hpp>
-#include <streamsafe/cuda/gpu.hpp>
+#include <streamsafe/backends/cuda_malloc_backend.hpp>
+#include <streamsafe/backends/expandable_backend.hpp>
+#include <streamsafe/backends/gpu.hpp>
 
 #include <cub/util_allocator.cuh>
 #include <cuda_runtime_api.h>

@@ -53,6 +53,10 @@ add_executable(host_scaling_probe host_scaling_probe.cpp)
 target_link_libraries(host_scaling_probe PRIVATE Threads::Threads streamsafe_warnings)
 
 # ---- the GPU suite ------------------------------------------------------------------------------
+if(NOT STREAMSAFE_CUDA)
+  message(STATUS "streamsafe: CUDA off: streamsafe_bench (the GPU suite) is skipped")
+  return()
+endif()
 find_path(STREAMSAFE_BENCH_CUB_INCLUDE_DIR cub/util_allocator.cuh
   HINTS ${CUDAToolkit_INCLUDE_DIRS}/cccl ${CUDAToolkit_INCLUDE_DIRS} ${CUDAToolkit_LIBRARY_ROOT}/include/cccl
   NO_DEFAULT_PATH)

@@ -2,8 +2,8 @@
 // streamsafe::streamsafe): the caching allocator and the multi-device front end over simulated
 // devices. Exit status 0 when every check passed.
 #include <streamsafe/core/caching_allocator.hpp>
-#include <streamsafe/cuda/allocator.hpp>
-#include <streamsafe/cuda/simulated_platform.hpp>
+#include <streamsafe/frontends/allocator.hpp>
+#include <streamsafe/sim/simulated_platform.hpp>
 #include <streamsafe/sim/simulated_device.hpp>
 
 #include <cstdio>

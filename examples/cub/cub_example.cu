@@ -10,8 +10,8 @@
 // Every result is checked against the host. Prints the time per iteration of each allocator.
 //   cub_example [--items N] [--iterations N]
 // Exit status 0 when every check passed, 1 otherwise (2: no GPU).
-#include <streamsafe/cuda/cub_allocator.hpp>
-#include <streamsafe/cuda/memory_resource.hpp>
+#include <streamsafe/frontends/cub_allocator.hpp>
+#include <streamsafe/frontends/memory_resource.hpp>
 
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_reduce.cuh>

@@ -1,7 +1,7 @@
 // race_repro: device_ops on a real GPU (kernels from streamsafe_kernels, VMM memory).
 #include "ops.hpp"
 
-#include <streamsafe/cuda/expandable_backend.hpp>
+#include <streamsafe/backends/expandable_backend.hpp>
 #include <streamsafe/kernels/optimizers.hpp>
 
 #include <cuda_runtime_api.h>

@@ -12,7 +12,7 @@
 #include "ops.hpp"
 #include "scenario.hpp"
 
-#include <streamsafe/cuda/gpu.hpp>
+#include <streamsafe/backends/gpu.hpp>
 
 #include <cuda_runtime_api.h>
 

@@ -1,0 +1,90 @@
+// streamsafe: expandable_backend, the device backend built on CUDA virtual memory management
+// (the driver's cuMem* calls, reached through streamsafe::cuda::driver, never linked).
+//
+//  * map_granularity_bytes(): the recommended granularity of pinned device memory on the
+//    device, at least 2 MiB (rounded up to a multiple of it).
+//  * reserve_address_range / release_address_range: cuMemAddressReserve / cuMemAddressFree,
+//    sizes rounded up to the granularity (the same rounding on both sides).
+//  * map(addr, size): ONE physical allocation (cuMemCreate) of the whole range, cuMemMap'ed,
+//    then cuMemSetAccess read/write for the device AND for every peer device that can access
+//    it (cudaDeviceCanAccessPeer, asked once at construction; peer_devices()). So kernels on a
+//    peer device may read and write any block of an expandable segment, including chunks
+//    mapped later; VMM memory needs no cudaDeviceEnablePeerAccess. Out of memory: nothing stays
+//    mapped and map returns false. The caching allocator maps one chunk per call
+//    (expandable_chunk_mb).
+//  * unmap(addr, size): cuMemUnmap + cuMemRelease of each mapped range inside; the range must
+//    be a union of whole ranges given to map(). NO synchronisation: the allocator fences
+//    before it (this is the call that faults under pending work).
+//  * allocate_segment / free_segment: reserve + map of the rounded size / unmap + release, so
+//    the backend also serves as a plain segment source.
+// Events, streams and memory info come from cuda_event_ops. Every driver call runs under a
+// device_guard for the backend's device. Failures other than out-of-memory throw
+// streamsafe::backend_error.
+//
+// Destruction: chunks still mapped are reported (log), then released after a device
+// synchronisation (the one place this backend waits: nothing else could release them).
+//
+// Thread safety: the chunk table (range address -> physical handle and size) is guarded by a mutex,
+// held only around table updates, never across driver calls; every call may come from any
+// thread. Concurrent calls on overlapping ranges are a caller error (the driver refuses them).
+#pragma once
+
+#include <streamsafe/backends/cuda_event_ops.hpp>
+
+#include <cuda.h>
+
+#include <cstddef>
+#include <map>
+#include <mutex>
+#include <vector>
+
+namespace streamsafe::cuda {
+
+class expandable_backend final : public cuda_event_ops {
+ public:
+  // Throws backend_error when `device` does not exist, lacks virtual memory management, or
+  // the driver entry points cannot be loaded (on a machine without a GPU: always).
+  explicit expandable_backend(int device);
+  ~expandable_backend() override;
+
+  const char* name() const noexcept override { return "expandable"; }
+
+  void* allocate_segment(std::size_t size_bytes) override;
+  void free_segment(void* base, std::size_t size_bytes) override;
+
+  bool supports_expandable() const noexcept override { return true; }
+  std::size_t map_granularity_bytes() const noexcept override { return granularity_; }
+  void* reserve_address_range(std::size_t size_bytes) override;
+  void release_address_range(void* base, std::size_t size_bytes) override;
+  bool map(void* addr, std::size_t size_bytes) override;
+  void unmap(void* addr, std::size_t size_bytes) override;
+
+  // Ranges mapped now, one per map() call (statistics, tests).
+  std::size_t mapped_chunk_count() const;
+  // The other devices that map() grants read/write access to (those that can access this
+  // device's memory), in increasing order; empty on a single-GPU machine.
+  const std::vector<int>& peer_devices() const noexcept { return peers_; }
+
+ private:
+  struct mapping {
+    CUmemGenericAllocationHandle handle;
+    std::size_t size_bytes;
+  };
+  // One entry per map() call: one physical allocation, mapped at its address.
+  using chunk_table = std::map<CUdeviceptr, mapping>;
+
+  std::size_t rounded_size(std::size_t size_bytes) const;
+  CUdeviceptr checked_range(void* addr, std::size_t size_bytes, const char* call) const;
+  void unmap_and_release(CUdeviceptr base, const mapping* maps,
+                         std::size_t count) const noexcept;
+
+  CUmemAllocationProp prop_{};
+  std::vector<int> peers_;
+  std::vector<CUmemAccessDesc> access_;  // read/write for the device, then each peer
+  std::size_t granularity_ = 0;
+  std::size_t total_bytes_ = 0;
+  mutable std::mutex mutex_;
+  chunk_table chunks_;  // guarded by mutex_
+};
+
+}  // namespace streamsafe::cuda

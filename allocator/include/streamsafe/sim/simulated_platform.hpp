@@ -1,0 +1,120 @@
+// streamsafe: simulated_platform, the cuda::allocator front end over simulated devices, for
+// host tests and the C API's simulated mode (no GPU needed).
+//
+// Device d is a sim::simulated_device whose addresses are shifted by address_offset(d), so that
+// the devices' address ranges are disjoint, as under CUDA's unified virtual addressing (every
+// simulated device numbers its memory from the same base). Work launched on a simulated device
+// names the device's own addresses: pass pointers through device_address() first.
+//
+// The "current device" is per host thread and shared by every simulated_platform of the
+// process (set_current_device, default 0). Streams are the simulated devices' handles; since
+// those repeat across devices, stream_device() answers the current device. There is no
+// per-thread default stream (cudaStreamPerThread): use 0 or created streams.
+//
+// Lifetime: the platform owns the devices; every allocator made over make_platform() must be
+// destroyed before it. Thread safety: as sim::simulated_device (one mutex per device).
+#pragma once
+
+#include <streamsafe/backends/device_backend.hpp>
+#include <streamsafe/frontends/allocator.hpp>
+#include <streamsafe/sim/simulated_device.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace streamsafe::cuda {
+
+class simulated_platform {
+ public:
+  explicit simulated_platform(int device_count, sim::device_config config = {}) {
+    for (int d = 0; d < device_count; ++d) {
+      sim::device_config c = config;
+      c.device = d;
+      devices_.push_back(std::make_unique<sim::simulated_device>(c));
+    }
+  }
+
+  int device_count() const noexcept { return static_cast<int>(devices_.size()); }
+  sim::simulated_device& device(int d) { return *devices_.at(static_cast<std::size_t>(d)); }
+
+  // 4 TiB windows: device d's addresses are its simulated device's plus d * 4 TiB.
+  static std::uintptr_t address_offset(int device) noexcept {
+    return static_cast<std::uintptr_t>(device) << 42;
+  }
+  // The simulated device's own address of a pointer the allocator handed out on `device`.
+  static std::uintptr_t device_address(const void* ptr, int device) noexcept {
+    return reinterpret_cast<std::uintptr_t>(ptr) - address_offset(device);
+  }
+
+  static void set_current_device(int device) noexcept { current_device_ref() = device; }
+  static int current_device() noexcept { return current_device_ref(); }
+
+  platform make_platform() {
+    platform p;
+    p.device_count = [this] { return device_count(); };
+    p.current_device = [] { return current_device(); };
+    p.stream_device = [](stream_handle) { return current_device(); };
+    p.make_backend = [this](int d, const options&) -> std::unique_ptr<device_backend> {
+      return std::make_unique<shifted_backend>(device(d), address_offset(d));
+    };
+    return p;
+  }
+
+ private:
+  static int& current_device_ref() noexcept {
+    thread_local int current = 0;
+    return current;
+  }
+
+  // A simulated device seen through an address shift.
+  class shifted_backend final : public device_backend {
+   public:
+    shifted_backend(sim::simulated_device& dev, std::uintptr_t offset) : dev_(dev), offset_(offset) {}
+
+    int device() const noexcept override { return dev_.device(); }
+    const char* name() const noexcept override { return dev_.name(); }
+    void* allocate_segment(std::size_t size_bytes) override { return out(dev_.allocate_segment(size_bytes)); }
+    void free_segment(void* base, std::size_t size_bytes) override { dev_.free_segment(in(base), size_bytes); }
+    bool free_segment_synchronizes() const noexcept override { return dev_.free_segment_synchronizes(); }
+    bool supports_expandable() const noexcept override { return dev_.supports_expandable(); }
+    std::size_t map_granularity_bytes() const noexcept override { return dev_.map_granularity_bytes(); }
+    void* reserve_address_range(std::size_t size_bytes) override {
+      return out(dev_.reserve_address_range(size_bytes));
+    }
+    void release_address_range(void* base, std::size_t size_bytes) override {
+      dev_.release_address_range(in(base), size_bytes);
+    }
+    bool map(void* addr, std::size_t size_bytes) override { return dev_.map(in(addr), size_bytes); }
+    void unmap(void* addr, std::size_t size_bytes) override { dev_.unmap(in(addr), size_bytes); }
+    event_handle create_event() override { return dev_.create_event(); }
+    void destroy_event(event_handle event) noexcept override { dev_.destroy_event(event); }
+    void record_event(event_handle event, stream_handle stream) override { dev_.record_event(event, stream); }
+    bool query_event(event_handle event) override { return dev_.query_event(event); }
+    void synchronize_event(event_handle event) override { dev_.synchronize_event(event); }
+    void stream_wait_event(stream_handle stream, event_handle event) override {
+      dev_.stream_wait_event(stream, event);
+    }
+    bool query_stream(stream_handle stream) override { return dev_.query_stream(stream); }
+    void synchronize_device() override { dev_.synchronize_device(); }
+    void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override {
+      dev_.memory_info(free_bytes, total_bytes);
+    }
+    bool stream_is_capturing(stream_handle stream) noexcept override { return dev_.stream_is_capturing(stream); }
+
+   private:
+    void* out(void* p) const noexcept {
+      return p ? reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(p) + offset_) : nullptr;
+    }
+    void* in(void* p) const noexcept {
+      return p ? reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(p) - offset_) : nullptr;
+    }
+
+    sim::simulated_device& dev_;
+    std::uintptr_t offset_;
+  };
+
+  std::vector<std::unique_ptr<sim::simulated_device>> devices_;
+};
+
+}  // namespace streamsafe::cuda

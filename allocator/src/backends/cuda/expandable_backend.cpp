@@ -1,0 +1,272 @@
+// streamsafe: expandable_backend (see expandable_backend.hpp). The chunk table is guarded by
+// mutex_, held only around table reads and updates, never across a driver call.
+#include <streamsafe/core/errors.hpp>
+#include <streamsafe/backends/capture_mode.hpp>
+#include <streamsafe/backends/cuda_check.hpp>
+#include <streamsafe/backends/device_guard.hpp>
+#include <streamsafe/backends/driver_api.hpp>
+#include <streamsafe/backends/expandable_backend.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace streamsafe::cuda {
+namespace {
+
+constexpr std::size_t min_granularity = std::size_t{2} << 20;
+
+std::string hex(CUdeviceptr address) {
+  char text[2 + 16 + 1];
+  std::snprintf(text, sizeof(text), "0x%llx", static_cast<unsigned long long>(address));
+  return text;
+}
+
+[[noreturn]] void invalid_range(const char* call, CUdeviceptr base, std::size_t size_bytes,
+                                const char* why) {
+  throw backend_error(std::string("streamsafe: expandable backend ") + call + "(" + hex(base) +
+                      ", " + std::to_string(size_bytes) + "): " + why);
+}
+
+}  // namespace
+
+expandable_backend::expandable_backend(int device) : cuda_event_ops(device) {
+  driver::load();
+  device_guard guard(device);
+  STREAMSAFE_CUDA_CHECK(cudaFree(nullptr));  // the primary context exists before any cuMem*
+  prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop_.location.id = device;
+  prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  // A device without virtual memory management fails here (CUDA_ERROR_NOT_SUPPORTED).
+  std::size_t recommended = 0;
+  STREAMSAFE_CU_CHECK(driver::mem_get_allocation_granularity(
+      &recommended, &prop_, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+  if (recommended == 0) recommended = min_granularity;
+  granularity_ = (min_granularity + recommended - 1) / recommended * recommended;
+  CUmemAccessDesc self{};
+  self.location = prop_.location;
+  self.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  access_.push_back(self);
+  int count = 0;
+  STREAMSAFE_CUDA_CHECK(cudaGetDeviceCount(&count));
+  for (int peer = 0; peer < count; ++peer) {
+    if (peer == device) continue;
+    int can_access = 0;
+    STREAMSAFE_CUDA_CHECK(cudaDeviceCanAccessPeer(&can_access, peer, device));
+    if (can_access == 0) continue;
+    peers_.push_back(peer);
+    CUmemAccessDesc desc = self;
+    desc.location.id = peer;
+    access_.push_back(desc);
+  }
+  std::size_t free_bytes = 0;
+  STREAMSAFE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes_));
+}
+
+expandable_backend::~expandable_backend() {
+  chunk_table left;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    left.swap(chunks_);
+  }
+  if (left.empty()) return;
+  std::optional<device_guard> guard;
+  try {
+    const std::string message = "streamsafe: expandable backend destroyed with " +
+                                std::to_string(left.size()) +
+                                " chunk(s) still mapped; synchronising the device and releasing";
+    detail::log_message(spdlog::level::warn, message.c_str());
+    guard.emplace(device());
+    STREAMSAFE_CUDA_CHECK_NOTHROW(cudaDeviceSynchronize());
+  } catch (...) {
+    // No guard (or no message): release anyway, the driver calls name their own addresses.
+  }
+  for (const auto& [address, m] : left) unmap_and_release(address, &m, 1);
+}
+
+std::size_t expandable_backend::rounded_size(std::size_t size_bytes) const {
+  if (size_bytes == 0) return granularity_;
+  if (size_bytes > std::numeric_limits<std::size_t>::max() - granularity_) {
+    throw backend_error("streamsafe: expandable backend: size " + std::to_string(size_bytes) +
+                        " overflows when rounded up to the granularity");
+  }
+  return (size_bytes + granularity_ - 1) / granularity_ * granularity_;
+}
+
+CUdeviceptr expandable_backend::checked_range(void* addr, std::size_t size_bytes,
+                                              const char* call) const {
+  const auto base = static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(addr));
+  if (base == 0 || size_bytes == 0 || base % granularity_ != 0 ||
+      size_bytes % granularity_ != 0) {
+    invalid_range(call, base, size_bytes,
+                  ("address and size must be non-zero multiples of the granularity (" +
+                   std::to_string(granularity_) + " bytes)")
+                      .c_str());
+  }
+  if (base > std::numeric_limits<CUdeviceptr>::max() - size_bytes) {
+    invalid_range(call, base, size_bytes, "the range wraps around the address space");
+  }
+  return base;
+}
+
+void expandable_backend::unmap_and_release(CUdeviceptr base, const mapping* maps,
+                                           std::size_t count) const noexcept {
+  for (std::size_t i = 0; i < count; ++i) {
+    STREAMSAFE_CU_CHECK_NOTHROW(driver::mem_unmap(base, maps[i].size_bytes));
+    STREAMSAFE_CU_CHECK_NOTHROW(driver::mem_release(maps[i].handle));
+    base += maps[i].size_bytes;
+  }
+}
+
+void* expandable_backend::allocate_segment(std::size_t size_bytes) {
+  if (size_bytes > total_bytes_) return nullptr;  // can never fit
+  const std::size_t size = rounded_size(size_bytes);
+  CUdeviceptr base = 0;
+  {
+    device_guard guard(device());
+    relaxed_capture_mode relaxed;  // growth is legal during a graph capture
+    const CUresult result = driver::mem_address_reserve(&base, size, granularity_, 0, 0);
+    if (result == CUDA_ERROR_OUT_OF_MEMORY) return nullptr;
+    if (result != CUDA_SUCCESS) {
+      detail::throw_cu_error(result, "cuMemAddressReserve(&base, size, granularity, 0, 0)",
+                             __FILE__, __LINE__);
+    }
+  }
+  void* const segment = reinterpret_cast<void*>(static_cast<std::uintptr_t>(base));
+  bool mapped = false;
+  try {
+    mapped = map(segment, size);
+  } catch (...) {
+    release_address_range(segment, size);
+    throw;
+  }
+  if (!mapped) {
+    release_address_range(segment, size);
+    return nullptr;
+  }
+  return segment;
+}
+
+void expandable_backend::free_segment(void* base, std::size_t size_bytes) {
+  if (base == nullptr) return;
+  const std::size_t size = rounded_size(size_bytes);
+  unmap(base, size);
+  release_address_range(base, size);
+}
+
+void* expandable_backend::reserve_address_range(std::size_t size_bytes) {
+  const std::size_t size = rounded_size(size_bytes);
+  device_guard guard(device());
+  relaxed_capture_mode relaxed;  // growth is legal during a graph capture
+  CUdeviceptr base = 0;
+  STREAMSAFE_CU_CHECK(driver::mem_address_reserve(&base, size, granularity_, 0, 0));
+  return reinterpret_cast<void*>(static_cast<std::uintptr_t>(base));
+}
+
+void expandable_backend::release_address_range(void* base, std::size_t size_bytes) {
+  if (base == nullptr) return;
+  const std::size_t size = rounded_size(size_bytes);
+  const CUdeviceptr address = checked_range(base, size, "release_address_range");
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = chunks_.lower_bound(address);
+    if (it != chunks_.end() && it->first < address + size) {
+      invalid_range("release_address_range", address, size,
+                    ("the chunk at " + hex(it->first) + " is still mapped").c_str());
+    }
+  }
+  device_guard guard(device());
+  STREAMSAFE_CU_CHECK(driver::mem_address_free(address, size));
+}
+
+bool expandable_backend::map(void* addr, std::size_t size_bytes) {
+  // One physical allocation for the whole range: the allocator maps in its own chunk size and
+  // unmaps only whole chunks, so fewer, larger handles mean fewer driver calls.
+  const CUdeviceptr base = checked_range(addr, size_bytes, "map");
+  if (size_bytes > total_bytes_) return false;  // can never fit
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = chunks_.upper_bound(base);
+    if (it != chunks_.begin() && std::prev(it)->first + std::prev(it)->second.size_bytes > base) --it;
+    if (it != chunks_.end() && it->first < base + size_bytes) {
+      invalid_range("map", base, size_bytes,
+                    ("the range at " + hex(it->first) + " is already mapped").c_str());
+    }
+  }
+  device_guard guard(device());
+  relaxed_capture_mode relaxed;  // growth is legal during a graph capture (not captured)
+  CUmemGenericAllocationHandle handle{};
+  CUresult failure = driver::mem_create(&handle, size_bytes, &prop_, 0);
+  if (failure == CUDA_ERROR_OUT_OF_MEMORY) return false;
+  if (failure != CUDA_SUCCESS) {
+    detail::throw_cu_error(failure, "cuMemCreate(&handle, size, &prop, 0)", __FILE__, __LINE__);
+  }
+  const char* failed_call = nullptr;
+  failure = driver::mem_map(base, size_bytes, 0, handle, 0);
+  if (failure != CUDA_SUCCESS) {
+    failed_call = "cuMemMap(base, size, 0, handle, 0)";
+    STREAMSAFE_CU_CHECK_NOTHROW(driver::mem_release(handle));
+  } else {
+    // Read/write for the device and every peer that can access it (one call for all).
+    failure = driver::mem_set_access(base, size_bytes, access_.data(), access_.size());
+    if (failure != CUDA_SUCCESS) {
+      failed_call = "cuMemSetAccess(base, size, access (device and peers), count)";
+      const mapping m{handle, size_bytes};
+      unmap_and_release(base, &m, 1);
+    }
+  }
+  if (failure != CUDA_SUCCESS) {
+    if (failure == CUDA_ERROR_OUT_OF_MEMORY) return false;
+    detail::throw_cu_error(failure, failed_call, __FILE__, __LINE__);
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  chunks_.emplace(base, mapping{handle, size_bytes});
+  return true;
+}
+
+void expandable_backend::unmap(void* addr, std::size_t size_bytes) {
+  // The range must be a union of whole ranges that map() mapped, back to back.
+  const CUdeviceptr base = checked_range(addr, size_bytes, "unmap");
+  std::vector<mapping> maps;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    CUdeviceptr at = base;
+    for (auto it = chunks_.find(base); at < base + size_bytes; ++it) {
+      if (it == chunks_.end() || it->first != at || it->first + it->second.size_bytes > base + size_bytes) {
+        invalid_range("unmap", base, size_bytes,
+                      ("the range at " + hex(at) + " is not exactly a mapped range").c_str());
+      }
+      maps.push_back(it->second);
+      at += it->second.size_bytes;
+    }
+  }
+  device_guard guard(device());
+  CUdeviceptr at = base;
+  for (const mapping& m : maps) {
+    CUresult result = driver::mem_unmap(at, m.size_bytes);
+    if (result == CUDA_SUCCESS) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        chunks_.erase(at);  // gone from the address space, whatever the release says
+      }
+      result = driver::mem_release(m.handle);
+    }
+    if (result != CUDA_SUCCESS) {
+      detail::throw_cu_error(result, "cuMemUnmap/cuMemRelease(range)", __FILE__, __LINE__);
+    }
+    at += m.size_bytes;
+  }
+}
+
+std::size_t expandable_backend::mapped_chunk_count() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return chunks_.size();
+}
+
+}  // namespace streamsafe::cuda
