@@ -114,7 +114,7 @@ def test_record_stream_reaches_streamsafe(ss):
 def test_memory_summary_runs(ss):
     x = torch.empty(5 * MiB, dtype=torch.uint8, device="cuda")
     text = torch.cuda.memory_summary()
-    assert "Allocated memory" in text and "Reserved memory" in text
+    assert "Allocated memory" in text and "GPU reserved memory" in text
     del x
 
 

@@ -359,6 +359,14 @@ class torch_allocator final : public cca::CUDAAllocator {
     pool.device = device;
     ++pool.use_count;
   }
+  // MemPool(use_on_oom=True) / MemPool(no_split=True): refused by name; ~MemPool resets
+  // use_on_oom to false, which is what streamsafe does anyway.
+  void setUseOnOOM(c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/, bool use_on_oom) override {
+    TORCH_CHECK(!use_on_oom, "streamsafe: MemPool(use_on_oom=True) is not supported");
+  }
+  void setNoSplit(c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/) override {
+    TORCH_CHECK(false, "streamsafe: MemPool(no_split=True) is not supported");
+  }
   cca::ShareableHandle shareIpcHandle(void* /*ptr*/) override {
     TORCH_CHECK(false,
                 "streamsafe: CUDA IPC of tensors (shareIpcHandle, torch.multiprocessing sharing of CUDA "
