@@ -245,6 +245,7 @@ def test_compile_reduce_overhead(ss):
             out = f(t)
     except Exception as e:  # must name what is unsupported
         assert "streamsafe" in str(e) and "not supported" in str(e), str(e)
+        print("torch.compile(mode='reduce-overhead'):", str(e).splitlines()[0])
         return
     torch.cuda.synchronize()
     assert torch.allclose(out, (t * 2 + 1).relu())
@@ -286,15 +287,24 @@ with torch.cuda.stream(busy):
         a @ a
     x.fill_(1)
 del x
+r0 = torch.cuda.memory_reserved()
 t = time.perf_counter(); torch.cuda.empty_cache(); dt = time.perf_counter() - t
+r1 = torch.cuda.memory_reserved()
 pending = s.pending_release_bytes()
+busy_done = busy.query()
 torch.cuda.synchronize()
 s.reclaim()
-print("R", json.dumps({"ms": dt * 1e3, "pending": pending, "after": s.pending_release_bytes()}))
+torch.cuda.empty_cache()
+print("R", json.dumps({"ms": dt * 1e3, "pending": pending, "after": s.pending_release_bytes(), "busy_done": busy_done,
+                       "released_at_call": r0 - r1, "released_in_all": r0 - torch.cuda.memory_reserved()}))
 '''
     rc, out = run_child(code)
     assert rc == 0, out
     r = json.loads(out.split("R ", 1)[1].splitlines()[0])
-    assert r["pending"] >= 512 << 20, r   # the busy stream's memory waits behind its fence
+    print("defer:", r)
+    assert not r["busy_done"], r          # the busy stream was still running at the call
+    assert r["released_at_call"] < 512 << 20, r  # the busy stream's block was not released under it
+    assert r["released_at_call"] + r["pending"] <= r["released_in_all"], r
+    assert r["released_in_all"] >= 512 << 20, r
     assert r["after"] == 0, r
     assert r["ms"] < 50, r                # no wait on the busy stream (its matmuls take longer)

@@ -235,7 +235,10 @@ void route_capture(int device, cudaStream_t stream) {
           "streamsafe: allocating to a memory pool outside a CUDA graph capture (torch.cuda.use_mem_pool, "
           "MemPool) is not supported; streamsafe keeps private pools for CUDA graph captures only");
     }
-    c.graph = allocator::instance().notify_capture_begin(stream);
+    // The device's allocator directly: the front end's notify_capture_begin(stream) asks the
+    // stream's device (cudaStreamGetDevice), which a capturing stream refuses.
+    c.graph = allocator::instance().device_allocator(device).notify_capture_begin(
+        streamsafe::cuda::to_stream_handle(stream));
     c.stream = stream;
     c.begun = true;
     return;
@@ -324,7 +327,7 @@ STREAMSAFE_EXPORT void streamsafe_torch_end_allocate_to_pool(int device, mempool
   }
   if (c.begun) {
     try {
-      allocator::instance().notify_capture_end(c.stream);
+      allocator::instance().device_allocator(c.device).notify_capture_end(streamsafe::cuda::to_stream_handle(c.stream));
     } catch (const std::exception& e) {
       note_error("streamsafe_torch_end_allocate_to_pool", e);
       throw std::runtime_error(last_error);

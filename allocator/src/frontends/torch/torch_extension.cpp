@@ -367,6 +367,12 @@ class torch_allocator final : public cca::CUDAAllocator {
   void setNoSplit(c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/) override {
     TORCH_CHECK(false, "streamsafe: MemPool(no_split=True) is not supported");
   }
+  bool checkPoolLiveAllocations(c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/,
+                                const std::unordered_set<void*>& /*expected_live_allocations*/) override {
+    TORCH_CHECK(false,
+                "streamsafe: checking a CUDA graph pool's live allocations (checkPoolLiveAllocations, used by "
+                "torch.compile mode=\"reduce-overhead\" cudagraph trees) is not supported by the streamsafe allocator");
+  }
   cca::ShareableHandle shareIpcHandle(void* /*ptr*/) override {
     TORCH_CHECK(false,
                 "streamsafe: CUDA IPC of tensors (shareIpcHandle, torch.multiprocessing sharing of CUDA "
@@ -781,7 +787,6 @@ void torch_allocator::releasePool(c10::DeviceIndex device, MempoolId_t mempool_i
   for (std::uint64_t g : graphs) guarded("CUDA graph release", [&] { ss_->notify_graph_released(g, pool_device); });
 }
 
-std::shared_ptr<torch_allocator> g_owner;  // keeps the installed allocator alive
 
 int copy_out(const std::string& text, char* buf, std::size_t len) noexcept {
   if (buf && len > 0) {
@@ -834,12 +839,13 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_install(const char* conf, char* err, 
         }
       }
     }
-    auto owner = std::make_shared<streamsafe::torch_ext::torch_allocator>(opts, conf ? conf : "");
-    streamsafe::torch_ext::g_owner = owner;
-    g_allocator = owner.get();
-    cca::allocator.store(owner.get());
-    c10::SetAllocator(c10::DeviceType::CUDA, owner.get(), /*priority=*/255);
-    if (c10::GetAllocator(c10::DeviceType::CUDA) != owner.get()) {
+    // Never destroyed: tensors are freed during interpreter shutdown, after static destructors
+    // would have run (PyTorch's own allocator is never destroyed either).
+    auto* owner = new streamsafe::torch_ext::torch_allocator(opts, conf ? conf : "");
+    g_allocator = owner;
+    cca::allocator.store(owner);
+    c10::SetAllocator(c10::DeviceType::CUDA, owner, /*priority=*/255);
+    if (c10::GetAllocator(c10::DeviceType::CUDA) != owner) {
       return copy_out("streamsafe.torch.install: c10::SetAllocator(kCUDA) did not take streamsafe's allocator", err,
                       len),
              -1;
