@@ -279,11 +279,14 @@ def test_defer_mode_never_blocks_and_reclaims():
 import json, time, torch, streamsafe.torch as s
 s.install("backend:expandable,empty_cache:defer")
 busy = torch.cuda.Stream()
-a = torch.randn(8192, 8192, device="cuda")
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 busy.wait_stream(torch.cuda.current_stream())
 with torch.cuda.stream(busy):
+    a @ a  # cuBLAS set up on this stream first
+torch.cuda.synchronize()
+with torch.cuda.stream(busy):  # about 0.5 s of work on the H200 (seed_race.py's busy stream)
     x = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(40):
+    for _ in range(300):
         a @ a
     x.fill_(1)
 del x
