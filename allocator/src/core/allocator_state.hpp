@@ -85,7 +85,7 @@ struct caching_allocator::impl {
     pool large_pool;
     detail::active_map active;    // active blocks of this stream's segments
     detail::pending_list pending;  // pending_free blocks of this stream's segments, in free order
-    stream_stats st;
+    stream_stats stats;  // this stream's counters (summed by caching_allocator::stats)
     block* spare = nullptr;       // recycled block objects (linked through next)
     // Pooled events of this stream's pending blocks, reused under this lock alone (no trip to
     // the shared pool and events_mu_); at most k_event_cache, capacity reserved at creation.
@@ -93,7 +93,7 @@ struct caching_allocator::impl {
     // The fast path runs process_events_locked once pending holds this many blocks (or when
     // nothing else fits); each run sets it k_pending_batch above what stays pending.
     std::size_t process_at = k_pending_batch;
-    // Mirrors of st's current values, read without the lock to sample device-wide peaks.
+    // Mirrors of stats' current values, read without the lock to sample device-wide peaks.
     std::atomic<std::int64_t> cur_allocated{0}, cur_pending{0}, cur_requested{0};
     std::atomic<bool> alive{true};
     // Non-zero: this is not a stream but the private pool of CUDA graph `graph` (capture.cpp),
@@ -155,7 +155,7 @@ struct caching_allocator::impl {
   std::uint64_t next_batch_id_ = 1;
   // Events recorded on streams just before they were destroyed: part of every fence.
   std::vector<detail::pending_event> tombstones_;
-  statistics stats_;  // device-level parts; per-stream parts live in stream_state::st
+  statistics stats_;  // device-level parts; per-stream parts live in stream_state::stats
 
   // CUDA graph capture (capture.cpp), guarded by mu_.
   std::vector<capture_record> captures_;
@@ -206,7 +206,7 @@ struct caching_allocator::impl {
 
   // ---- caching_allocator.cpp -----------------------------------------------------------------
   stream_state& state_for(stream_handle stream);     // no lock held; may take mu_
-  stream_state& stream_locked(stream_handle stream);  // mu_ held
+  stream_state& get_or_create_stream_locked(stream_handle stream);  // mu_ held
   stream_state& new_state_locked(stream_handle key, stream_handle handle);  // mu_ held
   stream_state* owner_locked(const void* ptr);        // mu_ held: owner of the segment, or null
   block* new_block(stream_state& st);

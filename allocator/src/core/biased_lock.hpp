@@ -4,7 +4,7 @@
 //
 // Why: the same-stream fast path (allocate and free on one stream, nearly always from one thread)
 // takes its stream's lock twice per pair. A spin lock pays an atomic exchange (a locked
-// read-modify-write, about 3-4 ns here) on every acquire even when no other thread ever comes. A
+// read-modify-write) on every acquire even when no other thread ever comes. A
 // biased lock lets one thread, its bias owner, acquire and release with plain loads and stores;
 // any other thread first revokes the bias, paying a heavy fence. This is biased locking in the
 // sense of Dice, Moir and Scherer, "Quickly reacquirable locks" (2003), with the heavy side of

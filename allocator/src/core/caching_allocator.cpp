@@ -59,7 +59,7 @@ const char* state_name(block_state s) {
     case block_state::active: return "active";
     case block_state::pending_free: return "freed, waiting for its stream uses";
     case block_state::releasing: return "being released to the driver";
-    case block_state::cached: return "free (cached for reuse)";
+    case block_state::quick_cached: return "free (cached for reuse)";
   }
   return "?";
 }
@@ -135,7 +135,7 @@ caching_allocator::impl::stream_state& caching_allocator::impl::new_state_locked
   return *streams_.emplace(key, std::move(state)).first->second;
 }
 
-caching_allocator::impl::stream_state& caching_allocator::impl::stream_locked(stream_handle stream) {
+caching_allocator::impl::stream_state& caching_allocator::impl::get_or_create_stream_locked(stream_handle stream) {
   auto it = streams_.find(stream);
   if (it == streams_.end()) {
     return new_state_locked(stream, stream);
@@ -172,7 +172,7 @@ caching_allocator::impl::stream_state& caching_allocator::impl::state_for(stream
     }
   }
   std::lock_guard<std::mutex> dlk(mu_);
-  stream_state& st = stream_locked(stream);
+  stream_state& st = get_or_create_stream_locked(stream);
   tc.streams[tc.next++ % k_stream_cache] = {id_, stream, &st};
   return st;
 }
@@ -372,7 +372,7 @@ void caching_allocator::impl::split_locked(block* b, std::size_t rounded) {
 }
 
 void caching_allocator::impl::flush_quick_locked(pool& p) {
-  detail::active_map& parked = state_of(p).active;  // cached blocks stay there while parked
+  detail::active_map& parked = state_of(p).active;  // quick_cached blocks stay there while parked
   p.quick.drain([&](block* b) {
     parked.erase(b->addr);
     free_block_locked(b);
@@ -386,9 +386,9 @@ void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) 
     if (e.stream != detail::k_tombstone_stream) put_event(st, e.event);  // tombstones are not pooled
   }
   b->events.clear();
-  st.st.pending_bytes.sub(static_cast<std::int64_t>(b->size));
-  st.st.pending.sub(1);
-  st.cur_pending.store(st.st.pending_bytes.current, std::memory_order_relaxed);
+  st.stats.pending_bytes.sub(static_cast<std::int64_t>(b->size));
+  st.stats.pending.sub(1);
+  st.cur_pending.store(st.stats.pending_bytes.current, std::memory_order_relaxed);
   free_block_locked(b);
 }
 
@@ -445,7 +445,7 @@ block* caching_allocator::impl::take_pending_locked(stream_state& st, pool& p, s
   if (!best) return nullptr;
   for (auto& e : best->events) {
     backend_.stream_wait_event(p.stream, e.event);
-    ++st.st.stream_waits;
+    ++st.stats.stream_waits;
   }
   retire_pending_locked(st, best);
   return best_fit(p, rounded);
@@ -637,7 +637,7 @@ block* caching_allocator::impl::grow_locked(pool& p, std::size_t rounded) {
 }
 
 void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size) {
-  if (b->state == block_state::cached) {
+  if (b->state == block_state::quick_cached) {
     b->state = block_state::active;  // from the quick cache: exactly the right size, and
                                      // still in st.active (active_map.hpp)
   } else {
@@ -647,16 +647,16 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
     st.active.insert(b);
   }
   b->requested = size;
-  const std::int64_t old_peak = st.st.allocated_bytes.peak;
+  const std::int64_t old_peak = st.stats.allocated_bytes.peak;
   const auto bytes = static_cast<std::int64_t>(b->size);
-  st.st.allocated_bytes.add(bytes);
-  st.st.requested_bytes.add(static_cast<std::int64_t>(size));
-  st.st.allocation.add(1);
-  st.st.active_bytes_peak = std::max(st.st.active_bytes_peak, st.st.allocated_bytes.current + st.st.pending_bytes.current);
-  st.st.active_peak = std::max(st.st.active_peak, st.st.allocation.current + st.st.pending.current);
-  st.cur_allocated.store(st.st.allocated_bytes.current, std::memory_order_relaxed);
-  st.cur_requested.store(st.st.requested_bytes.current, std::memory_order_relaxed);
-  if (st.st.allocated_bytes.current > old_peak) sample_peaks();
+  st.stats.allocated_bytes.add(bytes);
+  st.stats.requested_bytes.add(static_cast<std::int64_t>(size));
+  st.stats.allocation.add(1);
+  st.stats.active_bytes_peak = std::max(st.stats.active_bytes_peak, st.stats.allocated_bytes.current + st.stats.pending_bytes.current);
+  st.stats.active_peak = std::max(st.stats.active_peak, st.stats.allocation.current + st.stats.pending.current);
+  st.cur_allocated.store(st.stats.allocated_bytes.current, std::memory_order_relaxed);
+  st.cur_requested.store(st.stats.requested_bytes.current, std::memory_order_relaxed);
+  if (st.stats.allocated_bytes.current > old_peak) sample_peaks();
   t_cache.last_used = {id_, st.handle, &st};
   trace(trace_action::alloc, b->addr, size, st.handle);
   if (trace_log_) detail::log().trace("alloc {} bytes at {} stream {}", size, hex(b->addr), hex(st.handle));
@@ -848,13 +848,13 @@ void caching_allocator::impl::free_same_stream_locked(stream_state& st, block* b
     trace(trace_action::free_completed, b->addr, b->requested, st.handle);
   }
   const auto bytes = static_cast<std::int64_t>(b->size);
-  st.st.allocated_bytes.sub(bytes);
-  st.st.requested_bytes.sub(static_cast<std::int64_t>(b->requested));
-  st.st.allocation.sub(1);
-  st.cur_allocated.store(st.st.allocated_bytes.current, std::memory_order_relaxed);
-  st.cur_requested.store(st.st.requested_bytes.current, std::memory_order_relaxed);
+  st.stats.allocated_bytes.sub(bytes);
+  st.stats.requested_bytes.sub(static_cast<std::int64_t>(b->requested));
+  st.stats.allocation.sub(1);
+  st.cur_allocated.store(st.stats.allocated_bytes.current, std::memory_order_relaxed);
+  st.cur_requested.store(st.stats.requested_bytes.current, std::memory_order_relaxed);
   b->requested = 0;
-  b->state = block_state::cached;
+  b->state = block_state::quick_cached;
   if (!b->seg->owner->quick.push(b)) {
     st.active.erase(b->addr);
     free_block_locked(b);
@@ -952,20 +952,20 @@ void caching_allocator::impl::commit_free_locked(stream_state& st, block* b, con
   const auto bytes = static_cast<std::int64_t>(b->size);
   trace(trace_action::free_requested, b->addr, b->requested, seg->stream);
   if (b->events.empty()) trace(trace_action::free_completed, b->addr, b->requested, seg->stream);
-  st.st.allocated_bytes.sub(bytes);
-  st.st.requested_bytes.sub(static_cast<std::int64_t>(b->requested));
-  st.st.allocation.sub(1);
-  st.st.events_recorded += b->events.size();
-  st.cur_allocated.store(st.st.allocated_bytes.current, std::memory_order_relaxed);
-  st.cur_requested.store(st.st.requested_bytes.current, std::memory_order_relaxed);
+  st.stats.allocated_bytes.sub(bytes);
+  st.stats.requested_bytes.sub(static_cast<std::int64_t>(b->requested));
+  st.stats.allocation.sub(1);
+  st.stats.events_recorded += b->events.size();
+  st.cur_allocated.store(st.stats.allocated_bytes.current, std::memory_order_relaxed);
+  st.cur_requested.store(st.stats.requested_bytes.current, std::memory_order_relaxed);
   b->uses.clear();
   if (b->events.empty()) {
     free_block_locked(b);
     return;
   }
-  st.st.pending_bytes.add(bytes);  // still active: waiting for other streams
-  st.st.pending.add(1);
-  st.cur_pending.store(st.st.pending_bytes.current, std::memory_order_relaxed);
+  st.stats.pending_bytes.add(bytes);  // still active: waiting for other streams
+  st.stats.pending.add(1);
+  st.cur_pending.store(st.stats.pending_bytes.current, std::memory_order_relaxed);
   b->state = block_state::pending_free;
   st.pending.push_back(b);
 }
@@ -1124,7 +1124,7 @@ statistics caching_allocator::stats() const {
       to.freed += from.freed;
       to.peak = std::max(to.peak, from.peak);
     };
-    const auto& x = st->st;
+    const auto& x = st->stats;
     add(s.allocated_bytes, x.allocated_bytes.to_stat());
     add(s.requested_bytes, x.requested_bytes.to_stat());
     add(s.allocation, x.allocation.to_stat());
@@ -1133,13 +1133,13 @@ statistics caching_allocator::stats() const {
                              x.allocated_bytes.total - active_bytes});
     const std::int64_t active = x.allocation.current + x.pending.current;
     add(s.active, stat{active, x.active_peak, x.allocation.total, x.allocation.total - active});
-    s.events_recorded += st->st.events_recorded;
-    s.stream_waits += st->st.stream_waits;
+    s.events_recorded += st->stats.events_recorded;
+    s.stream_waits += st->stats.stream_waits;
   }
   for (auto& [base, seg] : m.segments_) {
     std::lock_guard<stream_lock> slk(impl::state_of(*seg->owner).mu);
     for (const block* b = seg->first; b; b = b->next) {
-      if ((b->state == block_state::free || b->state == block_state::cached) && b->mapped && (b->prev || b->next)) {
+      if ((b->state == block_state::free || b->state == block_state::quick_cached) && b->mapped && (b->prev || b->next)) {
         inactive_split += static_cast<std::int64_t>(b->size);
       }
     }
@@ -1159,7 +1159,7 @@ void caching_allocator::reset_peak_stats() {
   std::int64_t allocated = 0, active = 0, requested = 0;
   for (auto& [h, st] : m.streams_) {
     std::lock_guard<stream_lock> slk(st->mu);
-    auto& x = st->st;
+    auto& x = st->stats;
     for (impl::fast_stat* f : {&x.allocated_bytes, &x.requested_bytes, &x.allocation, &x.pending_bytes, &x.pending}) {
       f->peak = f->current;
     }
@@ -1241,7 +1241,7 @@ memory_snapshot caching_allocator::snapshot() const {
           bs.state = snapshot_block_state::releasing;
           break;
         case block_state::free:
-        case block_state::cached:
+        case block_state::quick_cached:
           bs.state = b->mapped ? snapshot_block_state::inactive : snapshot_block_state::unmapped;
           break;
       }
@@ -1302,10 +1302,10 @@ void caching_allocator::check_invariants() const {
         case block_state::releasing:
           if (in_pool || in_mapped) fail("releasing block in a free pool");
           break;
-        case block_state::cached:
-          if (in_pool || in_mapped) fail("cached block " + hex(b->addr) + " is also in the free lists");
-          if (!b->mapped) fail("cached block is unmapped");
-          if (owner.active.find(b->addr) != b) fail("cached block " + hex(b->addr) + " missing from its stream's active map");
+        case block_state::quick_cached:
+          if (in_pool || in_mapped) fail("quick-cached block " + hex(b->addr) + " is also in the free lists");
+          if (!b->mapped) fail("quick-cached block is unmapped");
+          if (owner.active.find(b->addr) != b) fail("quick-cached block " + hex(b->addr) + " missing from its stream's active map");
           ++cached_seen;
           break;
       }
@@ -1328,7 +1328,7 @@ void caching_allocator::check_invariants() const {
       std::size_t in_quick = 0;
       p->quick.for_each([&](const block* b) {
         ++in_quick;
-        if (b->seg->owner != p || b->state != block_state::cached) fail("quick cache holds a foreign or non-cached block");
+        if (b->seg->owner != p || b->state != block_state::quick_cached) fail("quick cache holds a foreign or non-quick-cached block");
       });
       if (in_quick != p->quick.count) fail("quick cache count disagrees");
       cached_in_pools += in_quick;
@@ -1338,12 +1338,12 @@ void caching_allocator::check_invariants() const {
     const impl::stream_state* owner_state = st.get();  // (clang 14: no lambda capture of a binding)
     st->active.for_each([&](const block* b) {
       if (&impl::state_of(*b->seg->owner) != owner_state ||
-          (b->state != block_state::active && b->state != block_state::cached))
-        fail("active map holds a block of another stream, or one neither active nor cached");
+          (b->state != block_state::active && b->state != block_state::quick_cached))
+        fail("active map holds a block of another stream, or one neither active nor quick-cached");
     });
-    stat_allocated += st->st.allocated_bytes.current;
-    stat_active += st->st.allocated_bytes.current + st->st.pending_bytes.current;
-    if (st->cur_allocated.load() != st->st.allocated_bytes.current) fail("allocated mirror disagrees");
+    stat_allocated += st->stats.allocated_bytes.current;
+    stat_active += st->stats.allocated_bytes.current + st->stats.pending_bytes.current;
+    if (st->cur_allocated.load() != st->stats.allocated_bytes.current) fail("allocated mirror disagrees");
   }
   for (const segment* seg : m.releasing_segments_) {  // being freed with mu_ dropped (release.cpp)
     if (seg->expandable || seg->first->next || seg->first->state != block_state::releasing)

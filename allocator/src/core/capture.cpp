@@ -65,7 +65,7 @@ std::uint64_t caching_allocator::impl::begin_capture_locked(stream_handle stream
                                 std::to_string(backend_.device()) + ": the stream is already capturing (graph " +
                                 std::to_string(c->graph) + "); call notify_capture_end first");
   }
-  stream_locked(stream);  // the capturing stream is known, for fences (before the capture counts)
+  get_or_create_stream_locked(stream);  // the capturing stream is known, for fences (before the capture counts)
   const std::uint64_t graph = next_graph_id_++;
   stream_state& g = new_state_locked(graph_key(graph), stream);
   g.graph = graph;
@@ -235,7 +235,7 @@ void* caching_allocator::impl::allocate_during_capture_locked(std::unique_lock<s
   if (const capture_record* c = capture_of_locked(stream)) {
     target = graph_state_locked(c->graph);
   } else {
-    target = &stream_locked(stream);
+    target = &get_or_create_stream_locked(stream);
   }
   std::unique_lock<stream_lock> slk(target->mu);
   pool& p = pool_of(*target, small);
