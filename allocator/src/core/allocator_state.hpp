@@ -4,7 +4,7 @@
 // Locks, in order:
 //   mu_ (the device lock)  guards streams_, segments_, the deferred queue, tombstones_ and the
 //                          device-level statistics (stats_). Taken only on slow paths.
-//   stream_state::mu       (a biased_lock) guards that stream's pools, the blocks of its segments, its active
+//   stream_state::mu       (a stream_lock, stream_lock.hpp) guards that stream's pools, the blocks of its segments, its active
 //                          map, its pending list and its statistics. The same-stream fast path
 //                          (allocate and free on one stream) takes only this lock.
 //   events_mu_             guards the event pool; a leaf (nothing is taken while holding it).
@@ -24,7 +24,7 @@
 #include "block.hpp"
 #include "pending_list.hpp"
 #include "pool.hpp"
-#include "biased_lock.hpp"
+#include "stream_lock.hpp"
 
 #include <streamsafe/core/caching_allocator.hpp>
 
@@ -32,6 +32,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -73,9 +74,10 @@ struct caching_allocator::impl {
   static constexpr std::size_t k_pending_batch = 32;
   static constexpr std::size_t k_event_cache = 16;
 
-  // A stream the allocator has seen, with its two pools. Its lock is biased toward the thread
-  // that uses the stream (biased_lock.hpp): that thread's acquires make no atomic read-modify-write.
-  using stream_lock = detail::biased_lock;
+  // A stream the allocator has seen, with its two pools. Its lock (stream_lock.hpp) is by
+  // default biased toward the thread that uses the stream (biased_lock.hpp): that thread's
+  // acquires make no atomic read-modify-write.
+  using stream_lock = detail::stream_lock;
   // Cache-line aligned: threads on different streams write only their own stream_state, and no
   // two of them share a line (no false sharing on the fast path).
   struct alignas(64) stream_state {
@@ -217,6 +219,10 @@ struct caching_allocator::impl {
   block* fit_ignoring_whole_rule(pool& p, std::size_t rounded) const;  // at the memory limit
   block* take_pending_locked(stream_state& st, pool& p, std::size_t rounded);
   block* new_segment_locked(pool& p, std::size_t rounded);
+  // A new segment of p at `base` as one free block: mapped (cuda_malloc) or not (expandable).
+  block* add_segment_locked(pool& p, std::uintptr_t base, std::size_t size, bool mapped);
+  // The unmapped block of p to grow into for `rounded` bytes and how many bytes to map there.
+  block* choose_unmapped_locked(pool& p, std::size_t rounded, std::size_t& map_bytes) const;
   std::size_t map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk);  // bytes mapped
   block* expandable_fit_locked(pool& p, std::size_t rounded);
   block* steal_segment_locked(pool& p, std::size_t rounded);
@@ -226,7 +232,10 @@ struct caching_allocator::impl {
   void* finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size);
   void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small);
   bool wants_collection_locked(std::size_t rounded) const;  // mu_ held
-  void split_locked(block* b, std::size_t rounded);
+  void split_locked(block* b, std::size_t rounded);  // b's remainder beyond `rounded`, if worth a block
+  // Cuts b at `offset`: the part beyond becomes a new block after b, of b's state and mapping.
+  block* split_off_locked(block* b, std::size_t offset);
+  block* take_cached_fit_locked(pool& p, std::size_t rounded);  // quick cache, else flush and best fit
   block* free_block_locked(block* b);          // to its pool, merging free neighbours
   block* merge_locked(block* lo, block* hi);   // address-adjacent; returns the survivor
   void process_events_locked(stream_state& st);
@@ -237,6 +246,7 @@ struct caching_allocator::impl {
   bool record_use_events_locked(block* b, const stream_handle* stream, bool device_locked);
   void commit_free_locked(stream_state& st, block* b, const stream_handle* stream);
   stream_state* cached_live_state(stream_handle stream) const;  // this thread's stream cache
+  void count_free_locked(stream_state& st, const block* b);  // the host free's counters (st's lock held)
   void free_same_stream_locked(stream_state& st, block* b);  // b in st.active (it stays there if parked)
   event_handle get_event();
   void put_event(event_handle e);
@@ -249,6 +259,11 @@ struct caching_allocator::impl {
   std::string oom_message_locked(std::size_t size, std::size_t rounded, stream_handle stream,
                                  const stream_state* held);
   std::size_t largest_free_locked(const stream_state* held) const;
+  // Counts the out-of-memory, drops both locks (slk may be null), logs and throws; `note` ends
+  // the message. `held`: the stream state whose lock the caller holds, as for oom_message_locked.
+  [[noreturn]] void throw_out_of_memory_locked(std::unique_lock<std::mutex>& dlk, std::unique_lock<stream_lock>* slk,
+                                               std::size_t size, std::size_t rounded, stream_handle stream,
+                                               const stream_state* held, const std::string& note);
   [[noreturn]] void throw_invalid_pointer_locked(const void* ptr, const char* what) const;
   void deallocate_impl(void* ptr, const stream_handle* stream);
 
@@ -261,6 +276,7 @@ struct caching_allocator::impl {
   void detect_captures_locked(std::unique_lock<std::mutex>& lk);  // asks the backend about each known stream
   void after_captures_locked(std::unique_lock<std::mutex>& lk);  // the last capture ended
   void release_graph_locked(std::uint64_t graph);
+  std::exception_ptr complete_held_frees_locked(std::uint64_t graph, const std::vector<stream_handle>& uses);
   // A free while a capture is underway; true when it was handled (held or done).
   bool free_during_capture_locked(stream_state& owner, block* b, const stream_handle* stream);
   void* allocate_during_capture_locked(std::unique_lock<std::mutex>& dlk, std::size_t size, std::size_t rounded,
@@ -294,5 +310,12 @@ struct caching_allocator::impl {
   std::size_t release_refused_segments(std::unique_lock<std::mutex>& lk, stream_state& st, std::size_t rounded);
   void destroy_all();
 };
+
+// Short names for the core's source files, the only ones that include this header.
+using detail::block;
+using detail::block_state;
+using detail::pool;
+using detail::segment;
+using detail::stream_lock;
 
 }  // namespace streamsafe

@@ -33,9 +33,6 @@
 
 namespace streamsafe {
 
-using detail::block;
-using stream_lock = detail::biased_lock;
-
 namespace {
 
 std::string stream_name(stream_handle s) { return "stream " + std::to_string(s); }
@@ -118,26 +115,7 @@ void caching_allocator::impl::detect_captures_locked(std::unique_lock<std::mutex
 
 void caching_allocator::impl::after_captures_locked(std::unique_lock<std::mutex>& lk) {
   // Frees held until the end of every capture; frees held for a graph stay until its release.
-  std::vector<held_free> held;
-  held.swap(held_frees_);
-  std::exception_ptr error;
-  for (std::size_t i = 0; i < held.size(); ++i) {
-    held_free& h = held[i];
-    if (h.graph != 0 || error) {
-      held_frees_.push_back(h);
-      continue;
-    }
-    stream_state& owner = state_of(*h.b->seg->owner);
-    std::lock_guard<stream_lock> slk(owner.mu);
-    h.b->free_held = false;
-    try {
-      free_found_locked(owner, h.b, h.has_stream ? &h.stream : nullptr);
-    } catch (...) {
-      h.b->free_held = true;  // still held: the next end of a capture retries
-      held_frees_.push_back(h);
-      error = std::current_exception();
-    }
-  }
+  std::exception_ptr error = complete_held_frees_locked(0, {});
   std::vector<std::uint64_t> releases;
   releases.swap(releases_after_capture_);
   for (std::uint64_t graph : releases) release_graph_locked(graph);
@@ -146,6 +124,39 @@ void caching_allocator::impl::after_captures_locked(std::unique_lock<std::mutex>
     release_cached(lk, empty_cache_mode::defer);
   }
   if (error) std::rethrow_exception(error);
+}
+
+std::exception_ptr caching_allocator::impl::complete_held_frees_locked(std::uint64_t graph,
+                                                                        const std::vector<stream_handle>& uses) {
+  // Each held free of `graph` (0: of no graph) completes with `uses` added to its block's
+  // uses; the first failure stops the rest, which stay held, and is returned for the caller to
+  // rethrow once its own bookkeeping is done.
+  std::vector<held_free> held;
+  held.swap(held_frees_);
+  std::exception_ptr error;
+  for (held_free& h : held) {
+    if (h.graph != graph || error) {
+      held_frees_.push_back(h);
+      continue;
+    }
+    stream_state& owner = state_of(*h.b->seg->owner);
+    std::lock_guard<stream_lock> slk(owner.mu);
+    block* b = h.b;
+    b->free_held = false;
+    const std::vector<stream_handle> before = b->uses;
+    for (stream_handle s : uses) {
+      if (s != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), s) == b->uses.end()) b->uses.push_back(s);
+    }
+    try {
+      free_found_locked(owner, b, h.has_stream ? &h.stream : nullptr);
+    } catch (...) {
+      b->uses = before;
+      b->free_held = true;  // still held: the next end of a capture (or release) retries
+      held_frees_.push_back(h);
+      error = std::current_exception();
+    }
+  }
+  return error;
 }
 
 void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
@@ -181,31 +192,7 @@ void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
       for (stream_handle s : every) note_use_locked(seg, s);
     }
   }
-  std::vector<held_free> held;
-  held.swap(held_frees_);
-  std::exception_ptr error;
-  for (held_free& h : held) {
-    if (h.graph != graph || error) {
-      held_frees_.push_back(h);
-      continue;
-    }
-    stream_state& owner = state_of(*h.b->seg->owner);
-    std::lock_guard<stream_lock> slk(owner.mu);
-    block* b = h.b;
-    b->free_held = false;
-    const std::vector<stream_handle> uses = b->uses;
-    for (stream_handle s : every) {
-      if (s != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), s) == b->uses.end()) b->uses.push_back(s);
-    }
-    try {
-      free_found_locked(owner, b, h.has_stream ? &h.stream : nullptr);
-    } catch (...) {
-      b->uses = uses;
-      b->free_held = true;
-      held_frees_.push_back(h);
-      error = std::current_exception();
-    }
-  }
+  std::exception_ptr error = complete_held_frees_locked(graph, every);
   detail::log().debug("device {}: graph {} released: its private pool is returned by empty_cache", backend_.device(),
                       graph);
   if (error) std::rethrow_exception(error);
@@ -239,22 +226,10 @@ void* caching_allocator::impl::allocate_during_capture_locked(std::unique_lock<s
   }
   std::unique_lock<stream_lock> slk(target->mu);
   pool& p = pool_of(*target, small);
-  block* b = p.quick.pop(rounded);
-  if (!b) {
-    if (p.quick.count) flush_quick_locked(p);
-    b = best_fit(p, rounded);
-  }
+  block* b = take_cached_fit_locked(p, rounded);
   // Growth is the one backend call allowed (capture-safe in the CUDA backends).
   if (!b) b = opts_.backend == backend_kind::expandable ? expandable_fit_locked(p, rounded) : new_segment_locked(p, rounded);
-  if (!b) {
-    ++stats_.num_ooms;
-    trace(trace_action::oom, 0, size, stream);
-    std::string msg = oom_message_locked(size, rounded, stream, target) + capture_note_locked();
-    slk.unlock();
-    dlk.unlock();
-    detail::log().error("{}", msg);
-    throw out_of_memory(msg);
-  }
+  if (!b) throw_out_of_memory_locked(dlk, &slk, size, rounded, stream, target, capture_note_locked());
   return finish_allocation(*target, b, rounded, size);
 }
 

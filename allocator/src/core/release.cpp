@@ -23,11 +23,7 @@
 
 namespace streamsafe {
 
-using detail::block;
-using stream_lock = detail::biased_lock;
-using detail::block_state;
 using detail::pending_event;
-using detail::segment;
 
 namespace {
 
@@ -96,25 +92,11 @@ caching_allocator::impl::release_batch caching_allocator::impl::collect_releasab
       if (hi <= lo) continue;
       seg->owner->mapped.erase(b);
       block* mid = b;
-      auto split_off = [&](block* x, std::size_t offset) {
-        block* rest = new_block(owner);
-        rest->addr = x->addr + offset;
-        rest->size = x->size - offset;
-        rest->seg = x->seg;
-        rest->prev = x;
-        rest->next = x->next;
-        rest->mapped = x->mapped;
-        rest->state = x->state;
-        if (x->next) x->next->prev = rest;
-        x->next = rest;
-        x->size = offset;
-        return rest;
-      };
       if (lo > b->addr) {
-        mid = split_off(b, lo - b->addr);
+        mid = split_off_locked(b, lo - b->addr);
         seg->owner->mapped.insert(b);
       }
-      if (hi < mid->addr + mid->size) seg->owner->mapped.insert(split_off(mid, hi - mid->addr));
+      if (hi < mid->addr + mid->size) seg->owner->mapped.insert(split_off_locked(mid, hi - mid->addr));
       mid->state = block_state::releasing;
       batch.blocks.push_back(mid);
       batch.bytes += mid->size;

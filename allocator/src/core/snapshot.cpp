@@ -5,6 +5,8 @@
 // torch.cuda.memory_snapshot() and torch.cuda.memory_stats() where PyTorch has the notion.
 #include <streamsafe/core/snapshot.hpp>
 
+#include "format.hpp"
+
 #include <cinttypes>
 #include <cstdio>
 #include <ostream>
@@ -12,6 +14,10 @@
 #include <stdexcept>
 
 namespace streamsafe {
+
+using detail::hex;
+using detail::human_bytes;
+
 namespace {
 
 // PyTorch's block state names where PyTorch has the state, streamsafe's otherwise.
@@ -24,27 +30,6 @@ const char* json_state(snapshot_block_state s) noexcept {
     case snapshot_block_state::releasing: return "releasing";
   }
   return "?";
-}
-
-std::string hex(std::uintptr_t v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, v);
-  return buf;
-}
-
-// "8.09 GiB", "512 B": two decimals above a KiB.
-std::string human_bytes(std::int64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = static_cast<double>(bytes < 0 ? -bytes : bytes);
-  int u = 0;
-  while (v >= 1024 && u < 5) {
-    v /= 1024;
-    ++u;
-  }
-  char buf[48];
-  if (u == 0) std::snprintf(buf, sizeof buf, "%s%" PRId64 " B", bytes < 0 ? "-" : "", bytes < 0 ? -bytes : bytes);
-  else std::snprintf(buf, sizeof buf, "%s%.2f %s", bytes < 0 ? "-" : "", v, units[u]);
-  return buf;
 }
 
 }  // namespace
