@@ -267,6 +267,22 @@ struct caching_allocator::impl {
   [[noreturn]] void throw_invalid_pointer_locked(const void* ptr, const char* what) const;
   void deallocate_impl(void* ptr, const stream_handle* stream);
 
+  // ---- invariants.cpp (mu_ and every stream lock held) -------------------------------------
+  // What the walk of the segments found, against what the other structures hold.
+  struct census {
+    std::int64_t reserved_bytes = 0, allocated_bytes = 0, active_bytes = 0;  // from the blocks
+    std::int64_t stat_allocated_bytes = 0, stat_active_bytes = 0;            // from the statistics
+    std::size_t free_blocks = 0, active_blocks = 0, pending_blocks = 0, quick_cached_blocks = 0, held_blocks = 0;
+    std::size_t free_list_blocks = 0, quick_cache_blocks = 0, pending_list_blocks = 0, active_map_blocks = 0;
+  };
+  void check_block_locked(const block* b, census& c) const;  // its state against where it is
+  void check_segment_locked(std::uintptr_t key, const segment* seg, census& c) const;  // tiling, mapping
+  void check_pool_locked(const pool& p, census& c) const;    // free lists, unmapped set, quick cache
+  void check_stream_locked(const stream_state& st, census& c) const;  // pools, active map, counters
+  void check_releasing_segments_locked(census& c) const;
+  void check_held_frees_locked(const census& c) const;
+  void check_census_locked(const census& c) const;  // the counts and statistics agree
+
   // ---- capture.cpp -------------------------------------------------------------------------
   bool capturing() const noexcept { return captures_underway_.load(std::memory_order_acquire) != 0; }
   const capture_record* capture_of_locked(stream_handle stream) const;  // mu_ held
