@@ -64,7 +64,7 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
 }
 
 void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small) {
-  std::unique_lock<std::mutex> dlk(mu_);
+  device_lock dlk(mu_);
   detect_captures_locked(dlk);
   if (capturing()) return allocate_during_capture_locked(dlk, size, rounded, small, st.handle);
   if (wants_collection_locked(rounded)) {
@@ -72,7 +72,7 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
     // (in defer mode only what is safe now, never waiting).
     release_cached(dlk, opts_.empty_cache);
   }
-  std::unique_lock<stream_lock> slk(st.mu);
+  detail::unique_lock<stream_lock> slk(st.mu);
   pool& p = pool_of(st, small);
   block* b = find_block_locked(st, p, rounded, false);
   if (!b && growth_raises_peak_with_refused_locked(p, rounded)) {
@@ -119,7 +119,7 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
                        ", stream " + hex(stream) + ": the size must be positive");
   }
   if (size_bytes > detail::k_max_request_bytes || size_bytes > m.limit_bytes_) {
-    std::unique_lock<std::mutex> dlk(m.mu_);
+    device_lock dlk(m.mu_);
     m.throw_out_of_memory_locked(dlk, nullptr, size_bytes, size_bytes, stream, nullptr,
                                  "; the request exceeds the device's memory limit");
   }
@@ -128,13 +128,13 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
                                   : detail::round_request(size_bytes);
   const bool small = detail::is_small(rounded);
   if (m.capturing()) {  // a CUDA graph capture is underway on the device (capture.cpp)
-    std::unique_lock<std::mutex> dlk(m.mu_);
+    device_lock dlk(m.mu_);
     m.detect_captures_locked(dlk);
     if (m.capturing()) return m.allocate_during_capture_locked(dlk, size_bytes, rounded, small, stream);
   }
   impl::stream_state& st = m.state_for(stream);
   {
-    std::lock_guard<stream_lock> slk(st.mu);
+    detail::lock_guard<stream_lock> slk(st.mu);
     // Blocks waiting for other streams are retired in batches (process_events_locked): when
     // k_pending_batch more have queued up, or when nothing else fits.
     if (st.pending.size() >= st.process_at) m.process_events_locked(st);

@@ -71,14 +71,14 @@ std::uint64_t caching_allocator::impl::begin_capture_locked(stream_handle stream
   // A fast path that read "no capture" may be inside an event query: wait for it (it holds
   // its stream's lock); every later one sees the capture.
   for (auto& [key, st] : streams_) {
-    std::lock_guard<stream_lock> barrier(st->mu);
+    detail::lock_guard<stream_lock> barrier(st->mu);
   }
   detail::log().debug("device {}: CUDA graph capture {} on stream {:#x} ({}); {} capture(s) underway",
                       backend_.device(), graph, stream, detected ? "detected" : "announced", captures_.size());
   return graph;
 }
 
-std::uint64_t caching_allocator::impl::end_capture_locked(std::unique_lock<std::mutex>& lk, stream_handle stream) {
+std::uint64_t caching_allocator::impl::end_capture_locked(device_lock& lk, stream_handle stream) {
   auto it = std::find_if(captures_.begin(), captures_.end(), [&](const capture_record& c) { return c.stream == stream; });
   if (it == captures_.end()) {
     throw std::invalid_argument("streamsafe: notify_capture_end(" + stream_name(stream) + ") on device " +
@@ -95,7 +95,7 @@ std::uint64_t caching_allocator::impl::end_capture_locked(std::unique_lock<std::
   return graph;
 }
 
-void caching_allocator::impl::detect_captures_locked(std::unique_lock<std::mutex>& lk) {
+void caching_allocator::impl::detect_captures_locked(device_lock& lk) {
   std::vector<stream_handle> began, ended;
   for (auto& [key, st] : streams_) {
     if (st->graph != 0 || st->handle == 0 || !st->alive.load(std::memory_order_acquire)) continue;
@@ -113,7 +113,7 @@ void caching_allocator::impl::detect_captures_locked(std::unique_lock<std::mutex
   for (stream_handle s : ended) end_capture_locked(lk, s);
 }
 
-void caching_allocator::impl::after_captures_locked(std::unique_lock<std::mutex>& lk) {
+void caching_allocator::impl::after_captures_locked(device_lock& lk) {
   // Frees held until the end of every capture; frees held for a graph stay until its release.
   std::exception_ptr error = complete_held_frees_locked(0, {});
   std::vector<std::uint64_t> releases;
@@ -140,7 +140,7 @@ std::exception_ptr caching_allocator::impl::complete_held_frees_locked(std::uint
       continue;
     }
     stream_state& owner = state_of(*h.b->seg->owner);
-    std::lock_guard<stream_lock> slk(owner.mu);
+    detail::lock_guard<stream_lock> slk(owner.mu);
     block* b = h.b;
     b->free_held = false;
     const std::vector<stream_handle> before = b->uses;
@@ -185,7 +185,7 @@ void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
     if (st->graph == 0 && st->alive.load(std::memory_order_acquire)) every.push_back(st->handle);
   }
   {
-    std::lock_guard<stream_lock> glk(g->mu);
+    detail::lock_guard<stream_lock> glk(g->mu);
     g->graph_released = true;
     for (auto& [base, seg] : segments_) {
       if (&state_of(*seg->owner) != g) continue;
@@ -216,7 +216,7 @@ bool caching_allocator::impl::free_during_capture_locked(stream_state& owner, bl
   return true;
 }
 
-void* caching_allocator::impl::allocate_during_capture_locked(std::unique_lock<std::mutex>& dlk, std::size_t size,
+void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, std::size_t size,
                                                               std::size_t rounded, bool small, stream_handle stream) {
   stream_state* target = nullptr;
   if (const capture_record* c = capture_of_locked(stream)) {
@@ -224,7 +224,7 @@ void* caching_allocator::impl::allocate_during_capture_locked(std::unique_lock<s
   } else {
     target = &get_or_create_stream_locked(stream);
   }
-  std::unique_lock<stream_lock> slk(target->mu);
+  detail::unique_lock<stream_lock> slk(target->mu);
   pool& p = pool_of(*target, small);
   block* b = take_cached_fit_locked(p, rounded);
   // Growth is the one backend call allowed (capture-safe in the CUDA backends).
@@ -245,27 +245,28 @@ std::string caching_allocator::impl::capture_note_locked() const {
 
 std::uint64_t caching_allocator::notify_capture_begin(stream_handle stream) {
   impl& m = *impl_;
-  std::unique_lock<std::mutex> lk(m.mu_);
+  device_lock lk(m.mu_);
   const std::uint64_t graph = m.begin_capture_locked(stream, false);
   // A fence wait or release that started before the capture counted ends first.
-  m.driver_calls_done_.wait(lk, [&] { return m.driver_calls_in_flight_ == 0; });
+  // (The predicate runs with mu_ held, which the analysis cannot see inside a lambda.)
+  m.driver_calls_done_.wait(lk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return m.driver_calls_in_flight_ == 0; });
   return graph;
 }
 
 std::uint64_t caching_allocator::notify_capture_end(stream_handle stream) {
-  std::unique_lock<std::mutex> lk(impl_->mu_);
+  device_lock lk(impl_->mu_);
   return impl_->end_capture_locked(lk, stream);
 }
 
 void caching_allocator::notify_graph_released(std::uint64_t graph) {
-  std::lock_guard<std::mutex> lk(impl_->mu_);
+  detail::lock_guard<detail::mutex> lk(impl_->mu_);
   impl_->release_graph_locked(graph);
 }
 
 bool caching_allocator::capture_underway() const noexcept { return impl_->capturing(); }
 
 std::size_t caching_allocator::held_free_count() const {
-  std::lock_guard<std::mutex> lk(impl_->mu_);
+  detail::lock_guard<detail::mutex> lk(impl_->mu_);
   return impl_->held_frees_.size();
 }
 

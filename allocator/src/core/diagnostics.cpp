@@ -88,10 +88,11 @@ std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::s
   return os.str();
 }
 
-void caching_allocator::impl::throw_out_of_memory_locked(std::unique_lock<std::mutex>& dlk,
-                                                         std::unique_lock<stream_lock>* slk, std::size_t size,
+void caching_allocator::impl::throw_out_of_memory_locked(device_lock& dlk,
+                                                         detail::unique_lock<stream_lock>* slk, std::size_t size,
                                                          std::size_t rounded, stream_handle stream,
-                                                         const stream_state* held, const std::string& note) {
+                                                         const stream_state* held, const std::string& note)
+    STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {  // drops the caller's locks, which the analysis cannot follow
   ++stats_.num_ooms;
   trace(trace_action::oom, 0, size, stream);
   std::string msg = oom_message_locked(size, rounded, stream, held) + note;

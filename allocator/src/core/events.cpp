@@ -16,7 +16,7 @@ namespace streamsafe {
 
 event_handle caching_allocator::impl::get_event() {
   {
-    std::lock_guard<std::mutex> lk(events_mu_);
+    detail::lock_guard<detail::mutex> lk(events_mu_);
     if (!free_events_.empty()) {
       event_handle e = free_events_.back();
       free_events_.pop_back();
@@ -27,7 +27,7 @@ event_handle caching_allocator::impl::get_event() {
 }
 
 void caching_allocator::impl::put_event(event_handle e) {
-  std::lock_guard<std::mutex> lk(events_mu_);
+  detail::lock_guard<detail::mutex> lk(events_mu_);
   free_events_.push_back(e);
 }
 

@@ -68,13 +68,15 @@ bool caching_allocator::impl::record_use_events_locked(block* b, const stream_ha
   stream_state& owner = state_of(*seg->owner);
   std::vector<detail::pending_event>& events = b->events;
   events.reserve(b->uses.size() + 1);
-  auto unwind = [&] {
+  // The lambdas run under b's owner lock (and mu_ when device_locked), which the analysis
+  // cannot see inside a lambda.
+  auto unwind = [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
     for (auto& e : events) {
       if (e.stream != detail::k_tombstone_stream) put_event(owner, e.event);
     }
     events.clear();
   };
-  auto record_on = [&](stream_handle s) {
+  auto record_on = [&](stream_handle s) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
     if (device_locked) {
       auto it = streams_.find(s);
       if (it != streams_.end() && !it->second->alive.load(std::memory_order_acquire)) {
@@ -147,7 +149,7 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   // of destroyed streams and the capture's rules (capture.cpp).
   if (const stream_cache_entry& last = t_cache.last_used; last.owner == id_ && !capturing()) {
     auto& st = *static_cast<stream_state*>(last.state);
-    std::lock_guard<stream_lock> slk(st.mu);
+    detail::lock_guard<stream_lock> slk(st.mu);
     if (block* b = st.active.find_active(addr)) {
       if (b->uses.empty() && (!stream || *stream == b->seg->stream) && !b->free_held) {
         free_same_stream_locked(st, b);
@@ -168,12 +170,13 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
       st.active.insert(b);  // a stream this thread does not know: the slow path below
     }
   }
-  std::lock_guard<std::mutex> dlk(mu_);
+  detail::lock_guard<detail::mutex> dlk(mu_);
+  const char* what = stream ? "deallocate(stream)" : "deallocate";
   stream_state* owner = owner_locked(ptr);
-  std::unique_lock<stream_lock> slk;
-  if (owner) slk = std::unique_lock<stream_lock>(owner->mu);
-  block* b = owner ? owner->active.find_active(addr) : nullptr;
-  if (!b || b->free_held) throw_invalid_pointer_locked(ptr, stream ? "deallocate(stream)" : "deallocate");
+  if (!owner) throw_invalid_pointer_locked(ptr, what);
+  detail::lock_guard<stream_lock> slk(owner->mu);
+  block* b = owner->active.find_active(addr);
+  if (!b || b->free_held) throw_invalid_pointer_locked(ptr, what);
   if (capturing() && free_during_capture_locked(*owner, b, stream)) return;
   free_found_locked(*owner, b, stream);
 }
@@ -189,24 +192,24 @@ void caching_allocator::record_stream(void* ptr, stream_handle stream) {
   // (which guards the block and its segment's used streams).
   if (const stream_cache_entry& last = t_cache.last_used; last.owner == m.id_) {
     auto& st = *static_cast<impl::stream_state*>(last.state);
-    std::lock_guard<stream_lock> slk(st.mu);
+    detail::lock_guard<stream_lock> slk(st.mu);
     if (block* b = st.active.find_active(reinterpret_cast<std::uintptr_t>(ptr)); b && !b->free_held) {
       m.add_use_locked(b, stream);
       return;
     }
   }
-  std::lock_guard<std::mutex> dlk(m.mu_);
+  detail::lock_guard<detail::mutex> dlk(m.mu_);
   impl::stream_state* owner = m.owner_locked(ptr);
-  std::unique_lock<stream_lock> slk;
-  if (owner) slk = std::unique_lock<stream_lock>(owner->mu);
-  block* b = owner ? owner->active.find_active(reinterpret_cast<std::uintptr_t>(ptr)) : nullptr;
+  if (!owner) m.throw_invalid_pointer_locked(ptr, "record_stream");
+  detail::lock_guard<stream_lock> slk(owner->mu);
+  block* b = owner->active.find_active(reinterpret_cast<std::uintptr_t>(ptr));
   if (!b || b->free_held) m.throw_invalid_pointer_locked(ptr, "record_stream");
   m.add_use_locked(b, stream);
 }
 
 void caching_allocator::notify_stream_destroyed(stream_handle stream) {
   impl& m = *impl_;
-  std::lock_guard<std::mutex> lk(m.mu_);
+  detail::lock_guard<detail::mutex> lk(m.mu_);
   auto it = m.streams_.find(stream);
   if (it == m.streams_.end() || !it->second->alive.load()) return;
   event_handle e = m.get_event();

@@ -141,7 +141,7 @@ block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounde
       if (seg->expandable || seg->owner == &p || seg->small != p.small) continue;
       stream_state& other = state_of(*seg->owner);
       if (other.graph != 0 && !other.graph_released) continue;  // a graph's private pool
-      std::lock_guard<stream_lock> lk(other.mu);
+      detail::lock_guard<stream_lock> lk(other.mu);
       if (!whole_free(seg)) continue;
       if (!best || seg->size < best->size) best = seg;
     }

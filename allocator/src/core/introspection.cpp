@@ -13,11 +13,11 @@ namespace streamsafe {
 
 statistics caching_allocator::stats() const {
   const impl& m = *impl_;
-  std::lock_guard<std::mutex> dlk(m.mu_);
+  detail::lock_guard<detail::mutex> dlk(m.mu_);
   statistics s = m.stats_;
   std::int64_t inactive_split = 0;
   for (auto& [h, st] : m.streams_) {
-    std::lock_guard<stream_lock> slk(st->mu);
+    detail::lock_guard<stream_lock> slk(st->mu);
     auto add = [](stat& to, const stat& from) {
       to.current += from.current;
       to.allocated += from.allocated;
@@ -37,7 +37,7 @@ statistics caching_allocator::stats() const {
     s.stream_waits += st->stats.stream_waits;
   }
   for (auto& [base, seg] : m.segments_) {
-    std::lock_guard<stream_lock> slk(impl::state_of(*seg->owner).mu);
+    detail::lock_guard<stream_lock> slk(impl::state_of(*seg->owner).mu);
     for (const block* b = seg->first; b; b = b->next) {
       if ((b->state == block_state::free || b->state == block_state::quick_cached) && b->mapped && (b->prev || b->next)) {
         inactive_split += static_cast<std::int64_t>(b->size);
@@ -55,10 +55,10 @@ statistics caching_allocator::stats() const {
 
 void caching_allocator::reset_peak_stats() {
   impl& m = *impl_;
-  std::lock_guard<std::mutex> dlk(m.mu_);
+  detail::lock_guard<detail::mutex> dlk(m.mu_);
   std::int64_t allocated = 0, active = 0, requested = 0;
   for (auto& [h, st] : m.streams_) {
-    std::lock_guard<stream_lock> slk(st->mu);
+    detail::lock_guard<stream_lock> slk(st->mu);
     auto& x = st->stats;
     for (impl::fast_stat* f : {&x.allocated_bytes, &x.requested_bytes, &x.allocation, &x.pending_bytes, &x.pending}) {
       f->peak = f->current;
@@ -77,7 +77,7 @@ void caching_allocator::reset_peak_stats() {
 }
 
 std::size_t caching_allocator::largest_free_block_bytes() const {
-  std::lock_guard<std::mutex> dlk(impl_->mu_);
+  detail::lock_guard<detail::mutex> dlk(impl_->mu_);
   return impl_->largest_free_locked(nullptr);
 }
 
@@ -87,10 +87,10 @@ const options& caching_allocator::config() const noexcept { return impl_->opts_;
 
 caching_allocator::block_info caching_allocator::find_block(const void* ptr) const {
   impl& m = *impl_;
-  std::lock_guard<std::mutex> dlk(m.mu_);
+  detail::lock_guard<detail::mutex> dlk(m.mu_);
   impl::stream_state* owner = m.owner_locked(ptr);
   if (!owner) return {};
-  std::lock_guard<stream_lock> slk(owner->mu);
+  detail::lock_guard<stream_lock> slk(owner->mu);
   const block* b = owner->active.find_active(reinterpret_cast<std::uintptr_t>(ptr));
   if (!b) return {};
   return {b->addr, b->size, b->seg->stream};
@@ -110,7 +110,7 @@ memory_snapshot caching_allocator::snapshot() const {
   snap.stats = stats();  // then the walk, under all locks (the two may differ by concurrent calls)
   snap.device = m.backend_.device();
   snap.time_us = trace_recorder::now_us();
-  std::lock_guard<std::mutex> dlk(m.mu_);
+  detail::lock_guard<detail::mutex> dlk(m.mu_);
   std::vector<std::unique_lock<stream_lock>> locks;
   for (auto& [h, st] : m.streams_) locks.emplace_back(st->mu);
   for (auto& [base, seg] : m.segments_) {

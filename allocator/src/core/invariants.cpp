@@ -140,12 +140,15 @@ void caching_allocator::impl::check_census_locked(const census& c) const {
 
 void caching_allocator::check_invariants() const {
   const impl& m = *impl_;
-  std::lock_guard<std::mutex> dlk(m.mu_);
+  detail::lock_guard<detail::mutex> dlk(m.mu_);
   std::vector<std::unique_lock<stream_lock>> locks;
   for (auto& [h, st] : m.streams_) locks.emplace_back(st->mu);
   impl::census c;
   for (auto& [base, seg] : m.segments_) m.check_segment_locked(base, seg, c);
-  for (auto& [h, st] : m.streams_) m.check_stream_locked(*st, c);
+  for (auto& [h, st] : m.streams_) {
+    detail::assume_held(st->mu);  // locked above, in `locks`
+    m.check_stream_locked(*st, c);
+  }
   m.check_releasing_segments_locked(c);
   m.check_held_frees_locked(c);
   m.check_census_locked(c);

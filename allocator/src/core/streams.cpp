@@ -71,7 +71,7 @@ caching_allocator::impl::stream_state& caching_allocator::impl::state_for(stream
       break;
     }
   }
-  std::lock_guard<std::mutex> dlk(mu_);
+  detail::lock_guard<detail::mutex> dlk(mu_);
   stream_state& st = get_or_create_stream_locked(stream);
   tc.streams[tc.next++ % thread_cache::k_streams] = {id_, stream, &st};
   return st;
