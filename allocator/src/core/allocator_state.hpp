@@ -18,6 +18,11 @@
 // (free_segment, unmap), whose blocks are detached (state releasing) meanwhile.
 // Graph capture (capture.cpp): captures_, graphs_, held_frees_ and the after-capture requests
 // are guarded by mu_; captures_underway_ mirrors captures_.size() for lock-free reads.
+// clang checks these rules (-Wthread-safety, thread_annotations.hpp): the members mu_ guards are
+// GUARDED_BY(mu_), a _locked function that needs mu_ REQUIRES(mu_), and one that takes a
+// stream_state REQUIRES(st.mu). Functions that take a pool or a block need the lock of its
+// owner stream (state_of(pool).mu), which the analysis cannot match to the caller's stream
+// state: that rule stays a convention, stated at each function.
 #pragma once
 
 #include "active_map.hpp"
