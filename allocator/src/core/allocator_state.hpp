@@ -22,7 +22,7 @@
 // GUARDED_BY(mu_), a _locked function that needs mu_ REQUIRES(mu_), and one that takes a
 // stream_state REQUIRES(st.mu). Functions that take a pool or a block need the lock of its
 // owner stream (state_of(pool).mu), which the analysis cannot match to the caller's stream
-// state: that rule stays a convention, stated at each function.
+// state: that rule stays a convention, stated above their declarations.
 #pragma once
 
 #include "active_map.hpp"
@@ -213,7 +213,9 @@ struct caching_allocator::impl {
   static stream_state& state_of(const pool& p) { return *static_cast<stream_state*>(p.state); }
   static pool& pool_of(stream_state& st, bool small) { return small ? st.small_pool : st.large_pool; }
 
-  // ---- caching_allocator.cpp -----------------------------------------------------------------
+  // ---- streams, events, blocks, growth, allocate, free, diagnostics (*.cpp) -----------------
+  // A function that takes a pool or a block (and no stream_state) runs under the lock of the
+  // stream owning that pool or block's segment; clang cannot check that one (see the top).
   stream_state& state_for(stream_handle stream);     // no lock held; may take mu_
   stream_state& get_or_create_stream_locked(stream_handle stream) STREAMSAFE_REQUIRES(mu_);  // mu_ held
   stream_state& new_state_locked(stream_handle key, stream_handle handle) STREAMSAFE_REQUIRES(mu_);  // mu_ held
