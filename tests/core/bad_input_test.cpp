@@ -481,7 +481,7 @@ TEST_CASE("An allocator with static storage duration is destroyed cleanly at pro
 TEST_CASE("K6: a recycled stream handle does not inherit a block behind an unrecorded use on a stream that is "
           "gone too",
           "[core][bad-input][cases][K6]") {
-  // Was a bug (fixed in stream_locked): when a recycled handle revived, the new stream waited on its own old
+  // Was a bug (fixed in get_or_create_stream_locked): when a recycled handle revived, the new stream waited on its own old
   // tombstone and on an event of every *live* stream, but not on the tombstones of other
   // destroyed streams. If the stream t that used a block of s without a record (FSDP2, legal
   // under all_streams) is destroyed too, before s's handle is recycled, the new stream takes the

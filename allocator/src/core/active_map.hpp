@@ -1,6 +1,6 @@
 // streamsafe core: the table of a stream's active blocks, address -> block (internal).
 //
-// It also holds the blocks parked in the stream's quick caches (state cached, pool.hpp): a
+// It also holds the blocks parked in the stream's quick caches (state quick_cached, pool.hpp): a
 // same-stream free followed by an allocation of the same size then costs one lookup and no
 // insertion or removal. find_active() answers only for active blocks.
 //

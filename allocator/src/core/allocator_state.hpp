@@ -4,7 +4,7 @@
 // Locks, in order:
 //   mu_ (the device lock)  guards streams_, segments_, the deferred queue, tombstones_ and the
 //                          device-level statistics (stats_). Taken only on slow paths.
-//   stream_state::mu       (a biased_lock) guards that stream's pools, the blocks of its segments, its active
+//   stream_state::mu       (a stream_lock, stream_lock.hpp) guards that stream's pools, the blocks of its segments, its active
 //                          map, its pending list and its statistics. The same-stream fast path
 //                          (allocate and free on one stream) takes only this lock.
 //   events_mu_             guards the event pool; a leaf (nothing is taken while holding it).
@@ -18,13 +18,19 @@
 // (free_segment, unmap), whose blocks are detached (state releasing) meanwhile.
 // Graph capture (capture.cpp): captures_, graphs_, held_frees_ and the after-capture requests
 // are guarded by mu_; captures_underway_ mirrors captures_.size() for lock-free reads.
+// clang checks these rules (-Wthread-safety, thread_annotations.hpp): the members mu_ guards are
+// GUARDED_BY(mu_), a _locked function that needs mu_ REQUIRES(mu_), and one that takes a
+// stream_state REQUIRES(st.mu). Functions that take a pool or a block need the lock of its
+// owner stream (state_of(pool).mu), which the analysis cannot match to the caller's stream
+// state: that rule stays a convention, stated above their declarations.
 #pragma once
 
 #include "active_map.hpp"
 #include "block.hpp"
 #include "pending_list.hpp"
 #include "pool.hpp"
-#include "biased_lock.hpp"
+#include "stream_lock.hpp"
+#include "thread_annotations.hpp"
 
 #include <streamsafe/core/caching_allocator.hpp>
 
@@ -32,6 +38,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -73,9 +80,10 @@ struct caching_allocator::impl {
   static constexpr std::size_t k_pending_batch = 32;
   static constexpr std::size_t k_event_cache = 16;
 
-  // A stream the allocator has seen, with its two pools. Its lock is biased toward the thread
-  // that uses the stream (biased_lock.hpp): that thread's acquires make no atomic read-modify-write.
-  using stream_lock = detail::biased_lock;
+  // A stream the allocator has seen, with its two pools. Its lock (stream_lock.hpp) is by
+  // default biased toward the thread that uses the stream (biased_lock.hpp): that thread's
+  // acquires make no atomic read-modify-write.
+  using stream_lock = detail::stream_lock;
   // Cache-line aligned: threads on different streams write only their own stream_state, and no
   // two of them share a line (no false sharing on the fast path).
   struct alignas(64) stream_state {
@@ -85,7 +93,7 @@ struct caching_allocator::impl {
     pool large_pool;
     detail::active_map active;    // active blocks of this stream's segments
     detail::pending_list pending;  // pending_free blocks of this stream's segments, in free order
-    stream_stats st;
+    stream_stats stats;  // this stream's counters (summed by caching_allocator::stats)
     block* spare = nullptr;       // recycled block objects (linked through next)
     // Pooled events of this stream's pending blocks, reused under this lock alone (no trip to
     // the shared pool and events_mu_); at most k_event_cache, capacity reserved at creation.
@@ -93,7 +101,7 @@ struct caching_allocator::impl {
     // The fast path runs process_events_locked once pending holds this many blocks (or when
     // nothing else fits); each run sets it k_pending_batch above what stays pending.
     std::size_t process_at = k_pending_batch;
-    // Mirrors of st's current values, read without the lock to sample device-wide peaks.
+    // Mirrors of stats' current values, read without the lock to sample device-wide peaks.
     std::atomic<std::int64_t> cur_allocated{0}, cur_pending{0}, cur_requested{0};
     std::atomic<bool> alive{true};
     // Non-zero: this is not a stream but the private pool of CUDA graph `graph` (capture.cpp),
@@ -144,39 +152,40 @@ struct caching_allocator::impl {
   std::size_t large_chunk_bytes_ = 0;  // expandable large pools: options::expandable_chunk_bytes
   std::size_t chunk_bytes(const segment* seg) const { return seg->small ? small_chunk_bytes_ : large_chunk_bytes_; }
 
-  mutable std::mutex mu_;
-  std::unordered_map<stream_handle, std::unique_ptr<stream_state>> streams_;
-  std::map<std::uintptr_t, segment*> segments_;  // by base address
+  mutable detail::mutex mu_;
+  using device_lock = detail::unique_lock<detail::mutex>;  // mu_, dropped around driver calls
+  std::unordered_map<stream_handle, std::unique_ptr<stream_state>> streams_ STREAMSAFE_GUARDED_BY(mu_);
+  std::map<std::uintptr_t, segment*> segments_ STREAMSAFE_GUARDED_BY(mu_);  // by base address
   // cudaMalloc segments out of segments_ while free_segment runs without mu_ (release.cpp):
   // their one block is detached (releasing) and their bytes still count as reserved.
-  std::vector<segment*> releasing_segments_;
-  std::deque<release_batch> deferred_;
-  std::size_t deferred_bytes_ = 0;
-  std::uint64_t next_batch_id_ = 1;
+  std::vector<segment*> releasing_segments_ STREAMSAFE_GUARDED_BY(mu_);
+  std::deque<release_batch> deferred_ STREAMSAFE_GUARDED_BY(mu_);
+  std::size_t deferred_bytes_ STREAMSAFE_GUARDED_BY(mu_) = 0;
+  std::uint64_t next_batch_id_ STREAMSAFE_GUARDED_BY(mu_) = 1;
   // Events recorded on streams just before they were destroyed: part of every fence.
-  std::vector<detail::pending_event> tombstones_;
-  statistics stats_;  // device-level parts; per-stream parts live in stream_state::st
+  std::vector<detail::pending_event> tombstones_ STREAMSAFE_GUARDED_BY(mu_);
+  statistics stats_ STREAMSAFE_GUARDED_BY(mu_);  // device-level parts; per-stream parts live in stream_state::stats
 
   // CUDA graph capture (capture.cpp), guarded by mu_.
-  std::vector<capture_record> captures_;
+  std::vector<capture_record> captures_ STREAMSAFE_GUARDED_BY(mu_);
   std::atomic<int> captures_underway_{0};
-  std::vector<held_free> held_frees_;
-  std::vector<std::uint64_t> releases_after_capture_;  // notify_graph_released during a capture
-  bool empty_cache_after_capture_ = false;              // empty_cache asked for during a capture
-  std::uint64_t next_graph_id_ = 1;
-  std::uint64_t capture_deferrals_ = 0;  // releases/queries skipped because of a capture
+  std::vector<held_free> held_frees_ STREAMSAFE_GUARDED_BY(mu_);
+  std::vector<std::uint64_t> releases_after_capture_ STREAMSAFE_GUARDED_BY(mu_);  // notify_graph_released during a capture
+  bool empty_cache_after_capture_ STREAMSAFE_GUARDED_BY(mu_) = false;              // empty_cache asked for during a capture
+  std::uint64_t next_graph_id_ STREAMSAFE_GUARDED_BY(mu_) = 1;
+  std::uint64_t capture_deferrals_ STREAMSAFE_GUARDED_BY(mu_) = 0;  // releases/queries skipped because of a capture
   // Fence waits and releases running with mu_ dropped; notify_capture_begin waits for none.
-  int driver_calls_in_flight_ = 0;
-  std::condition_variable driver_calls_done_;
+  int driver_calls_in_flight_ STREAMSAFE_GUARDED_BY(mu_) = 0;
+  std::condition_variable_any driver_calls_done_;  // waits on a device_lock
   // Drops mu_ around a host-blocking or releasing driver call and counts it in flight; relock()
   // (or the destructor, on an exception) takes mu_ back.
   class driver_call_scope {
    public:
-    driver_call_scope(impl& m, std::unique_lock<std::mutex>& lk) : m_(m), lk_(lk) {
+    driver_call_scope(impl& m, device_lock& lk) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS : m_(m), lk_(lk) {
       ++m_.driver_calls_in_flight_;
       lk_.unlock();
     }
-    void relock() {
+    void relock() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
       if (done_) return;
       lk_.lock();
       done_ = true;
@@ -188,7 +197,7 @@ struct caching_allocator::impl {
 
    private:
     impl& m_;
-    std::unique_lock<std::mutex>& lk_;
+    device_lock& lk_;
     bool done_ = false;
   };
 
@@ -198,101 +207,147 @@ struct caching_allocator::impl {
   std::atomic<std::size_t> stream_count_{0};
   std::atomic<std::int64_t> peak_allocated_{0}, peak_active_{0}, peak_requested_{0};
 
-  mutable std::mutex events_mu_;
-  std::vector<event_handle> free_events_;
+  mutable detail::mutex events_mu_;
+  std::vector<event_handle> free_events_ STREAMSAFE_GUARDED_BY(events_mu_);
 
   static stream_state& state_of(const pool& p) { return *static_cast<stream_state*>(p.state); }
   static pool& pool_of(stream_state& st, bool small) { return small ? st.small_pool : st.large_pool; }
 
-  // ---- caching_allocator.cpp -----------------------------------------------------------------
+  // ---- streams, events, blocks, growth, allocate, free, diagnostics (*.cpp) -----------------
+  // A function that takes a pool or a block (and no stream_state) runs under the lock of the
+  // stream owning that pool or block's segment; clang cannot check that one (see the top).
   stream_state& state_for(stream_handle stream);     // no lock held; may take mu_
-  stream_state& stream_locked(stream_handle stream);  // mu_ held
-  stream_state& new_state_locked(stream_handle key, stream_handle handle);  // mu_ held
-  stream_state* owner_locked(const void* ptr);        // mu_ held: owner of the segment, or null
+  stream_state& get_or_create_stream_locked(stream_handle stream) STREAMSAFE_REQUIRES(mu_);  // mu_ held
+  stream_state& new_state_locked(stream_handle key, stream_handle handle) STREAMSAFE_REQUIRES(mu_);  // mu_ held
+  stream_state* owner_locked(const void* ptr) STREAMSAFE_REQUIRES(mu_);        // mu_ held: owner of the segment, or null
   block* new_block(stream_state& st);
   void recycle_block(stream_state& st, block* b);
   block* best_fit(pool& p, std::size_t rounded) const;
   bool split_limit_refuses(const pool& p, const block* b, std::size_t rounded) const noexcept;  // max_split_size
   bool keeps_whole(const block* b, std::size_t rounded) const noexcept;  // segment_fit.hpp's rule
   block* fit_ignoring_whole_rule(pool& p, std::size_t rounded) const;  // at the memory limit
-  block* take_pending_locked(stream_state& st, pool& p, std::size_t rounded);
-  block* new_segment_locked(pool& p, std::size_t rounded);
-  std::size_t map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk);  // bytes mapped
-  block* expandable_fit_locked(pool& p, std::size_t rounded);
-  block* steal_segment_locked(pool& p, std::size_t rounded);
-  block* find_block_locked(stream_state& st, pool& p, std::size_t rounded, bool grow = true);
-  block* grow_locked(pool& p, std::size_t rounded);  // step 3 of the allocation order
-  bool growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const;
-  void* finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size);
-  void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small);
-  bool wants_collection_locked(std::size_t rounded) const;  // mu_ held
-  void split_locked(block* b, std::size_t rounded);
+  block* take_pending_locked(stream_state& st, pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(st.mu);
+  block* new_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  // A new segment of p at `base` as one free block: mapped (cuda_malloc) or not (expandable).
+  block* add_segment_locked(pool& p, std::uintptr_t base, std::size_t size, bool mapped) STREAMSAFE_REQUIRES(mu_);
+  // The unmapped block of p to grow into for `rounded` bytes and how many bytes to map there.
+  block* choose_unmapped_locked(pool& p, std::size_t rounded, std::size_t& map_bytes) const STREAMSAFE_REQUIRES(mu_);
+  std::size_t map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk) STREAMSAFE_REQUIRES(mu_);  // bytes mapped
+  block* expandable_fit_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  block* steal_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  block* find_block_locked(stream_state& st, pool& p, std::size_t rounded, bool grow = true) STREAMSAFE_REQUIRES(mu_, st.mu);
+  block* grow_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);  // step 3 of the allocation order
+  bool growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
+  void* finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size) STREAMSAFE_REQUIRES(st.mu);
+  void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small) STREAMSAFE_EXCLUDES(mu_, st.mu);
+  bool wants_collection_locked(std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);  // mu_ held
+  void split_locked(block* b, std::size_t rounded);  // b's remainder beyond `rounded`, if worth a block
+  // Cuts b at `offset`: the part beyond becomes a new block after b, of b's state and mapping.
+  block* split_off_locked(block* b, std::size_t offset);
+  block* take_cached_fit_locked(pool& p, std::size_t rounded);  // quick cache, else flush and best fit
   block* free_block_locked(block* b);          // to its pool, merging free neighbours
   block* merge_locked(block* lo, block* hi);   // address-adjacent; returns the survivor
-  void process_events_locked(stream_state& st);
+  void process_events_locked(stream_state& st) STREAMSAFE_REQUIRES(st.mu);
   void flush_quick_locked(pool& p);
-  void retire_pending_locked(stream_state& st, block* b);
-  void free_found_locked(stream_state& st, block* b, const stream_handle* stream);  // mu_ held
+  void retire_pending_locked(stream_state& st, block* b) STREAMSAFE_REQUIRES(st.mu);
+  void free_found_locked(stream_state& st, block* b, const stream_handle* stream) STREAMSAFE_REQUIRES(mu_, st.mu);  // mu_ held
   // b's owner stream lock held (and mu_ when device_locked); see caching_allocator.cpp.
   bool record_use_events_locked(block* b, const stream_handle* stream, bool device_locked);
-  void commit_free_locked(stream_state& st, block* b, const stream_handle* stream);
+  void commit_free_locked(stream_state& st, block* b, const stream_handle* stream) STREAMSAFE_REQUIRES(st.mu);
   stream_state* cached_live_state(stream_handle stream) const;  // this thread's stream cache
-  void free_same_stream_locked(stream_state& st, block* b);  // b in st.active (it stays there if parked)
-  event_handle get_event();
-  void put_event(event_handle e);
-  event_handle get_event(stream_state& st);      // st's lock held: st's event cache first
-  void put_event(stream_state& st, event_handle e);
+  void count_free_locked(stream_state& st, const block* b) STREAMSAFE_REQUIRES(st.mu);  // the host free's counters (st's lock held)
+  void free_same_stream_locked(stream_state& st, block* b) STREAMSAFE_REQUIRES(st.mu);  // b in st.active (it stays there if parked)
+  event_handle get_event() STREAMSAFE_EXCLUDES(events_mu_);
+  void put_event(event_handle e) STREAMSAFE_EXCLUDES(events_mu_);
+  event_handle get_event(stream_state& st) STREAMSAFE_REQUIRES(st.mu);      // st's lock held: st's event cache first
+  void put_event(stream_state& st, event_handle e) STREAMSAFE_REQUIRES(st.mu);
   void note_use_locked(segment* seg, stream_handle stream);
   void add_use_locked(block* b, stream_handle stream);  // record_stream: b's owner lock held
-  void order_after_locked(stream_handle waiter, stream_handle on);  // mu_ held
+  void order_after_locked(stream_handle waiter, stream_handle on) STREAMSAFE_REQUIRES(mu_);  // mu_ held
   void sample_peaks();
   std::string oom_message_locked(std::size_t size, std::size_t rounded, stream_handle stream,
-                                 const stream_state* held);
-  std::size_t largest_free_locked(const stream_state* held) const;
-  [[noreturn]] void throw_invalid_pointer_locked(const void* ptr, const char* what) const;
+                                 const stream_state* held) STREAMSAFE_REQUIRES(mu_);
+  std::size_t largest_free_locked(const stream_state* held) const STREAMSAFE_REQUIRES(mu_);
+  // Counts the out-of-memory, drops both locks (slk may be null), logs and throws; `note` ends
+  // the message. `held`: the stream state whose lock the caller holds, as for oom_message_locked.
+  [[noreturn]] void throw_out_of_memory_locked(device_lock& dlk, detail::unique_lock<stream_lock>* slk,
+                                               std::size_t size, std::size_t rounded, stream_handle stream,
+                                               const stream_state* held, const std::string& note) STREAMSAFE_REQUIRES(mu_);
+  [[noreturn]] void throw_invalid_pointer_locked(const void* ptr, const char* what) const STREAMSAFE_REQUIRES(mu_);
   void deallocate_impl(void* ptr, const stream_handle* stream);
+
+  // ---- invariants.cpp (mu_ and every stream lock held) -------------------------------------
+  // What the walk of the segments found, against what the other structures hold.
+  struct census {
+    std::int64_t reserved_bytes = 0, allocated_bytes = 0, active_bytes = 0;  // from the blocks
+    std::int64_t stat_allocated_bytes = 0, stat_active_bytes = 0;            // from the statistics
+    std::size_t free_blocks = 0, active_blocks = 0, pending_blocks = 0, quick_cached_blocks = 0, held_blocks = 0;
+    std::size_t free_list_blocks = 0, quick_cache_blocks = 0, pending_list_blocks = 0, active_map_blocks = 0;
+  };
+  void check_block_locked(const block* b, census& c) const STREAMSAFE_REQUIRES(mu_);  // its state against where it is
+  void check_segment_locked(std::uintptr_t key, const segment* seg, census& c) const STREAMSAFE_REQUIRES(mu_);  // tiling, mapping
+  void check_pool_locked(const pool& p, census& c) const STREAMSAFE_REQUIRES(mu_);    // free lists, unmapped set, quick cache
+  void check_stream_locked(const stream_state& st, census& c) const STREAMSAFE_REQUIRES(mu_, st.mu);  // pools, active map, counters
+  void check_releasing_segments_locked(census& c) const STREAMSAFE_REQUIRES(mu_);
+  void check_held_frees_locked(const census& c) const STREAMSAFE_REQUIRES(mu_);
+  void check_census_locked(const census& c) const STREAMSAFE_REQUIRES(mu_);  // the counts and statistics agree
 
   // ---- capture.cpp -------------------------------------------------------------------------
   bool capturing() const noexcept { return captures_underway_.load(std::memory_order_acquire) != 0; }
-  const capture_record* capture_of_locked(stream_handle stream) const;  // mu_ held
-  stream_state* graph_state_locked(std::uint64_t graph);                 // mu_ held
-  std::uint64_t begin_capture_locked(stream_handle stream, bool detected);
-  std::uint64_t end_capture_locked(std::unique_lock<std::mutex>& lk, stream_handle stream);
-  void detect_captures_locked(std::unique_lock<std::mutex>& lk);  // asks the backend about each known stream
-  void after_captures_locked(std::unique_lock<std::mutex>& lk);  // the last capture ended
-  void release_graph_locked(std::uint64_t graph);
+  const capture_record* capture_of_locked(stream_handle stream) const STREAMSAFE_REQUIRES(mu_);  // mu_ held
+  stream_state* graph_state_locked(std::uint64_t graph) STREAMSAFE_REQUIRES(mu_);                 // mu_ held
+  std::uint64_t begin_capture_locked(stream_handle stream, bool detected) STREAMSAFE_REQUIRES(mu_);
+  std::uint64_t end_capture_locked(device_lock& lk, stream_handle stream) STREAMSAFE_REQUIRES(mu_);
+  void detect_captures_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // asks the backend about each known stream
+  void after_captures_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // the last capture ended
+  void release_graph_locked(std::uint64_t graph) STREAMSAFE_REQUIRES(mu_);
+  std::exception_ptr complete_held_frees_locked(std::uint64_t graph, const std::vector<stream_handle>& uses) STREAMSAFE_REQUIRES(mu_);
   // A free while a capture is underway; true when it was handled (held or done).
-  bool free_during_capture_locked(stream_state& owner, block* b, const stream_handle* stream);
-  void* allocate_during_capture_locked(std::unique_lock<std::mutex>& dlk, std::size_t size, std::size_t rounded,
-                                       bool small, stream_handle stream);
-  std::string capture_note_locked() const;  // for out-of-memory messages
+  bool free_during_capture_locked(stream_state& owner, block* b, const stream_handle* stream) STREAMSAFE_REQUIRES(mu_, owner.mu);
+  void* allocate_during_capture_locked(device_lock& dlk, std::size_t size, std::size_t rounded,
+                                       bool small, stream_handle stream) STREAMSAFE_REQUIRES(mu_);
+  std::string capture_note_locked() const STREAMSAFE_REQUIRES(mu_);  // for out-of-memory messages
 
   // ---- release.cpp -------------------------------------------------------------------------
   // mu_ and the segment owner's stream lock held.
-  std::vector<stream_handle> fence_streams_locked(const segment* seg) const;
-  void add_fence_streams_locked(release_batch& batch, const segment* seg) const;
-  void detach_whole_segment_locked(release_batch& batch, segment* seg);  // a free cuda_malloc segment
-  release_batch collect_releasable_locked();
-  void record_fence_locked(release_batch& batch);
-  bool fence_done_locked(const release_batch& batch);
+  std::vector<stream_handle> fence_streams_locked(const segment* seg) const STREAMSAFE_REQUIRES(mu_);
+  void add_fence_streams_locked(release_batch& batch, const segment* seg) const STREAMSAFE_REQUIRES(mu_);
+  void detach_whole_segment_locked(release_batch& batch, segment* seg) STREAMSAFE_REQUIRES(mu_);  // a free cuda_malloc segment
+  release_batch collect_releasable_locked() STREAMSAFE_REQUIRES(mu_);
+  void record_fence_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
+  bool fence_done_locked(const release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   // Moves out of `batch` the blocks whose fence streams are idle now (polled, never waited on),
   // and whose release would not block (free_segment_would_block_locked).
-  release_batch take_safe_locked(release_batch& batch);
+  release_batch take_safe_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   // True when free_segment waits for the whole device (cudaFree) and some known stream is busy
   // now (query_stream on each live stream, and the tombstones); never blocks.
-  bool free_segment_would_block_locked();
+  bool free_segment_would_block_locked() STREAMSAFE_REQUIRES(mu_);
   void wait_fence_unlocked(release_batch& batch);
-  void restore_batch_locked(release_batch& batch);
-  std::size_t release_batch_memory(std::unique_lock<std::mutex>& lk, release_batch& batch);
-  std::size_t finish_deferred(std::unique_lock<std::mutex>& lk, bool wait);
-  std::size_t release_cached(std::unique_lock<std::mutex>& lk, empty_cache_mode mode);
-  void queue_batch_locked(release_batch& batch);  // to the deferred queue (fence recorded)
+  void restore_batch_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
+  std::size_t release_batch_memory(device_lock& lk, release_batch& batch) STREAMSAFE_REQUIRES(mu_);
+  std::size_t finish_deferred(device_lock& lk, bool wait) STREAMSAFE_REQUIRES(mu_);
+  std::size_t release_cached(device_lock& lk, empty_cache_mode mode) STREAMSAFE_REQUIRES(mu_);
+  void queue_batch_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);  // to the deferred queue (fence recorded)
   // Fences and releases a collected batch (queued in defer mode when its fence is pending).
-  std::size_t release_collected(std::unique_lock<std::mutex>& lk, release_batch& batch, empty_cache_mode mode);
+  std::size_t release_collected(device_lock& lk, release_batch& batch, empty_cache_mode mode) STREAMSAFE_REQUIRES(mu_);
   // mu_ held, st's lock not: gives back st's whole free large segments that the whole-segment
   // rule refuses to a request of `rounded` bytes (before a growth that would raise the peak).
-  std::size_t release_refused_segments(std::unique_lock<std::mutex>& lk, stream_state& st, std::size_t rounded);
-  void destroy_all();
+  std::size_t release_refused_segments(device_lock& lk, stream_state& st, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  // After the driver call for b (released or not): its bookkeeping, under b's owner lock.
+  std::size_t account_release_locked(block* b, bool released) STREAMSAFE_REQUIRES(mu_);
+  void retire_all_pending_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // waits with mu_ dropped
+  void destroy_events_locked() STREAMSAFE_REQUIRES(mu_);
+  // The allocator is being destroyed (no other thread may use it): no lock.
+  void delete_host_bookkeeping() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
+  void destroy_all() STREAMSAFE_EXCLUDES(mu_);
 };
+
+// Short names for the core's source files, the only ones that include this header.
+using detail::block;
+using detail::block_state;
+using detail::pool;
+using detail::segment;
+using detail::stream_lock;
+using device_lock = detail::unique_lock<detail::mutex>;
 
 }  // namespace streamsafe

@@ -4,7 +4,7 @@
 //
 // Why: the same-stream fast path (allocate and free on one stream, nearly always from one thread)
 // takes its stream's lock twice per pair. A spin lock pays an atomic exchange (a locked
-// read-modify-write, about 3-4 ns here) on every acquire even when no other thread ever comes. A
+// read-modify-write) on every acquire even when no other thread ever comes. A
 // biased lock lets one thread, its bias owner, acquire and release with plain loads and stores;
 // any other thread first revokes the bias, paying a heavy fence. This is biased locking in the
 // sense of Dice, Moir and Scherer, "Quickly reacquirable locks" (2003), with the heavy side of
@@ -105,7 +105,9 @@ inline thread_local biased_lock_thread* t_biased_lock_thread = nullptr;
 // This thread's record, registered on first use; null while its thread_local destructors run.
 biased_lock_thread* this_biased_lock_thread() noexcept;  // biased_lock.cpp
 
-class biased_lock {
+// The lock functions are opaque to the thread-safety analysis (they take locked_ on some paths
+// only); to their callers they acquire and release this lock.
+class STREAMSAFE_CAPABILITY("mutex") biased_lock {
  public:
   static constexpr std::uint32_t k_first_bias_after = 256;  // K at first
   static constexpr std::uint32_t k_max_bias_after = 65536;  // K's cap as revocations double it
@@ -118,7 +120,7 @@ class biased_lock {
   biased_lock(const biased_lock&) = delete;
   biased_lock& operator=(const biased_lock&) = delete;
 
-  void lock() noexcept {
+  void lock() noexcept STREAMSAFE_ACQUIRE() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
     biased_lock_thread* me = t_biased_lock_thread;
     if (me != nullptr) {
       if (owner_.load(std::memory_order_relaxed) == me && fast_lock(me)) return;
@@ -130,7 +132,7 @@ class biased_lock {
     after_normal_acquire(me, waited);
   }
 
-  bool try_lock() noexcept {
+  bool try_lock() noexcept STREAMSAFE_TRY_ACQUIRE(true) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
     biased_lock_thread* me = t_biased_lock_thread;
     if (me != nullptr) {
       if (owner_.load(std::memory_order_relaxed) == me && fast_lock(me)) return true;
@@ -147,7 +149,7 @@ class biased_lock {
     return true;
   }
 
-  void unlock() noexcept {
+  void unlock() noexcept STREAMSAFE_RELEASE() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
     if (biased_lock_thread* me = t_biased_lock_thread) {
       for (auto& slot : me->inside) {
         if (slot.load(std::memory_order_relaxed) == this) {
@@ -172,7 +174,7 @@ class biased_lock {
 
  private:
   // The owner's attempt; false: not acquired (its slot is clear again), take the normal path.
-  bool fast_lock(biased_lock_thread* me) noexcept {
+  bool fast_lock(biased_lock_thread* me) noexcept STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
     for (auto& slot : me->inside) {
       if (slot.load(std::memory_order_relaxed) != nullptr) continue;
       slot.store(this, std::memory_order_relaxed);

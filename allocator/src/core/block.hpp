@@ -7,11 +7,11 @@
 //   active        handed out, in the allocator's active map
 //   pending_free  freed by the host, waiting for events of other streams (pending list)
 //   releasing     detached, behind a release fence, about to go back to the driver
-//   cached        freed on its own stream and parked, unmerged, in its pool's quick cache for
+//   quick_cached  freed on its own stream and parked, unmerged, in its pool's quick cache for
 //                 reuse at the same size; merged back (flushed) on any pool miss and before a
 //                 release
 // Invariants (checked by caching_allocator::check_invariants): blocks tile their segment; two
-// free neighbours with the same mapped state never coexist (they are merged; cached blocks are
+// free neighbours with the same mapped state never coexist (they are merged; quick_cached blocks are
 // not free in this sense); a block is in exactly one place (free lists, quick cache, active
 // map, pending list or a release batch).
 // Guarded by the lock of the stream that owns the block's segment (allocator_state.hpp).
@@ -29,7 +29,7 @@ namespace streamsafe::detail {
 struct segment;
 struct pool;
 
-enum class block_state : std::uint8_t { free, active, pending_free, releasing, cached };
+enum class block_state : std::uint8_t { free, active, pending_free, releasing, quick_cached };
 
 struct pending_event {
   event_handle event = 0;

@@ -33,9 +33,6 @@
 
 namespace streamsafe {
 
-using detail::block;
-using stream_lock = detail::biased_lock;
-
 namespace {
 
 std::string stream_name(stream_handle s) { return "stream " + std::to_string(s); }
@@ -65,7 +62,7 @@ std::uint64_t caching_allocator::impl::begin_capture_locked(stream_handle stream
                                 std::to_string(backend_.device()) + ": the stream is already capturing (graph " +
                                 std::to_string(c->graph) + "); call notify_capture_end first");
   }
-  stream_locked(stream);  // the capturing stream is known, for fences (before the capture counts)
+  get_or_create_stream_locked(stream);  // the capturing stream is known, for fences (before the capture counts)
   const std::uint64_t graph = next_graph_id_++;
   stream_state& g = new_state_locked(graph_key(graph), stream);
   g.graph = graph;
@@ -74,14 +71,14 @@ std::uint64_t caching_allocator::impl::begin_capture_locked(stream_handle stream
   // A fast path that read "no capture" may be inside an event query: wait for it (it holds
   // its stream's lock); every later one sees the capture.
   for (auto& [key, st] : streams_) {
-    std::lock_guard<stream_lock> barrier(st->mu);
+    detail::lock_guard<stream_lock> barrier(st->mu);
   }
   detail::log().debug("device {}: CUDA graph capture {} on stream {:#x} ({}); {} capture(s) underway",
                       backend_.device(), graph, stream, detected ? "detected" : "announced", captures_.size());
   return graph;
 }
 
-std::uint64_t caching_allocator::impl::end_capture_locked(std::unique_lock<std::mutex>& lk, stream_handle stream) {
+std::uint64_t caching_allocator::impl::end_capture_locked(device_lock& lk, stream_handle stream) {
   auto it = std::find_if(captures_.begin(), captures_.end(), [&](const capture_record& c) { return c.stream == stream; });
   if (it == captures_.end()) {
     throw std::invalid_argument("streamsafe: notify_capture_end(" + stream_name(stream) + ") on device " +
@@ -98,7 +95,7 @@ std::uint64_t caching_allocator::impl::end_capture_locked(std::unique_lock<std::
   return graph;
 }
 
-void caching_allocator::impl::detect_captures_locked(std::unique_lock<std::mutex>& lk) {
+void caching_allocator::impl::detect_captures_locked(device_lock& lk) {
   std::vector<stream_handle> began, ended;
   for (auto& [key, st] : streams_) {
     if (st->graph != 0 || st->handle == 0 || !st->alive.load(std::memory_order_acquire)) continue;
@@ -116,28 +113,9 @@ void caching_allocator::impl::detect_captures_locked(std::unique_lock<std::mutex
   for (stream_handle s : ended) end_capture_locked(lk, s);
 }
 
-void caching_allocator::impl::after_captures_locked(std::unique_lock<std::mutex>& lk) {
+void caching_allocator::impl::after_captures_locked(device_lock& lk) {
   // Frees held until the end of every capture; frees held for a graph stay until its release.
-  std::vector<held_free> held;
-  held.swap(held_frees_);
-  std::exception_ptr error;
-  for (std::size_t i = 0; i < held.size(); ++i) {
-    held_free& h = held[i];
-    if (h.graph != 0 || error) {
-      held_frees_.push_back(h);
-      continue;
-    }
-    stream_state& owner = state_of(*h.b->seg->owner);
-    std::lock_guard<stream_lock> slk(owner.mu);
-    h.b->free_held = false;
-    try {
-      free_found_locked(owner, h.b, h.has_stream ? &h.stream : nullptr);
-    } catch (...) {
-      h.b->free_held = true;  // still held: the next end of a capture retries
-      held_frees_.push_back(h);
-      error = std::current_exception();
-    }
-  }
+  std::exception_ptr error = complete_held_frees_locked(0, {});
   std::vector<std::uint64_t> releases;
   releases.swap(releases_after_capture_);
   for (std::uint64_t graph : releases) release_graph_locked(graph);
@@ -146,6 +124,39 @@ void caching_allocator::impl::after_captures_locked(std::unique_lock<std::mutex>
     release_cached(lk, empty_cache_mode::defer);
   }
   if (error) std::rethrow_exception(error);
+}
+
+std::exception_ptr caching_allocator::impl::complete_held_frees_locked(std::uint64_t graph,
+                                                                        const std::vector<stream_handle>& uses) {
+  // Each held free of `graph` (0: of no graph) completes with `uses` added to its block's
+  // uses; the first failure stops the rest, which stay held, and is returned for the caller to
+  // rethrow once its own bookkeeping is done.
+  std::vector<held_free> held;
+  held.swap(held_frees_);
+  std::exception_ptr error;
+  for (held_free& h : held) {
+    if (h.graph != graph || error) {
+      held_frees_.push_back(h);
+      continue;
+    }
+    stream_state& owner = state_of(*h.b->seg->owner);
+    detail::lock_guard<stream_lock> slk(owner.mu);
+    block* b = h.b;
+    b->free_held = false;
+    const std::vector<stream_handle> before = b->uses;
+    for (stream_handle s : uses) {
+      if (s != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), s) == b->uses.end()) b->uses.push_back(s);
+    }
+    try {
+      free_found_locked(owner, b, h.has_stream ? &h.stream : nullptr);
+    } catch (...) {
+      b->uses = before;
+      b->free_held = true;  // still held: the next end of a capture (or release) retries
+      held_frees_.push_back(h);
+      error = std::current_exception();
+    }
+  }
+  return error;
 }
 
 void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
@@ -174,38 +185,14 @@ void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
     if (st->graph == 0 && st->alive.load(std::memory_order_acquire)) every.push_back(st->handle);
   }
   {
-    std::lock_guard<stream_lock> glk(g->mu);
+    detail::lock_guard<stream_lock> glk(g->mu);
     g->graph_released = true;
     for (auto& [base, seg] : segments_) {
       if (&state_of(*seg->owner) != g) continue;
       for (stream_handle s : every) note_use_locked(seg, s);
     }
   }
-  std::vector<held_free> held;
-  held.swap(held_frees_);
-  std::exception_ptr error;
-  for (held_free& h : held) {
-    if (h.graph != graph || error) {
-      held_frees_.push_back(h);
-      continue;
-    }
-    stream_state& owner = state_of(*h.b->seg->owner);
-    std::lock_guard<stream_lock> slk(owner.mu);
-    block* b = h.b;
-    b->free_held = false;
-    const std::vector<stream_handle> uses = b->uses;
-    for (stream_handle s : every) {
-      if (s != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), s) == b->uses.end()) b->uses.push_back(s);
-    }
-    try {
-      free_found_locked(owner, b, h.has_stream ? &h.stream : nullptr);
-    } catch (...) {
-      b->uses = uses;
-      b->free_held = true;
-      held_frees_.push_back(h);
-      error = std::current_exception();
-    }
-  }
+  std::exception_ptr error = complete_held_frees_locked(graph, every);
   detail::log().debug("device {}: graph {} released: its private pool is returned by empty_cache", backend_.device(),
                       graph);
   if (error) std::rethrow_exception(error);
@@ -229,32 +216,20 @@ bool caching_allocator::impl::free_during_capture_locked(stream_state& owner, bl
   return true;
 }
 
-void* caching_allocator::impl::allocate_during_capture_locked(std::unique_lock<std::mutex>& dlk, std::size_t size,
+void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, std::size_t size,
                                                               std::size_t rounded, bool small, stream_handle stream) {
   stream_state* target = nullptr;
   if (const capture_record* c = capture_of_locked(stream)) {
     target = graph_state_locked(c->graph);
   } else {
-    target = &stream_locked(stream);
+    target = &get_or_create_stream_locked(stream);
   }
-  std::unique_lock<stream_lock> slk(target->mu);
+  detail::unique_lock<stream_lock> slk(target->mu);
   pool& p = pool_of(*target, small);
-  block* b = p.quick.pop(rounded);
-  if (!b) {
-    if (p.quick.count) flush_quick_locked(p);
-    b = best_fit(p, rounded);
-  }
+  block* b = take_cached_fit_locked(p, rounded);
   // Growth is the one backend call allowed (capture-safe in the CUDA backends).
   if (!b) b = opts_.backend == backend_kind::expandable ? expandable_fit_locked(p, rounded) : new_segment_locked(p, rounded);
-  if (!b) {
-    ++stats_.num_ooms;
-    trace(trace_action::oom, 0, size, stream);
-    std::string msg = oom_message_locked(size, rounded, stream, target) + capture_note_locked();
-    slk.unlock();
-    dlk.unlock();
-    detail::log().error("{}", msg);
-    throw out_of_memory(msg);
-  }
+  if (!b) throw_out_of_memory_locked(dlk, &slk, size, rounded, stream, target, capture_note_locked());
   return finish_allocation(*target, b, rounded, size);
 }
 
@@ -270,27 +245,28 @@ std::string caching_allocator::impl::capture_note_locked() const {
 
 std::uint64_t caching_allocator::notify_capture_begin(stream_handle stream) {
   impl& m = *impl_;
-  std::unique_lock<std::mutex> lk(m.mu_);
+  device_lock lk(m.mu_);
   const std::uint64_t graph = m.begin_capture_locked(stream, false);
   // A fence wait or release that started before the capture counted ends first.
-  m.driver_calls_done_.wait(lk, [&] { return m.driver_calls_in_flight_ == 0; });
+  // (The predicate runs with mu_ held, which the analysis cannot see inside a lambda.)
+  m.driver_calls_done_.wait(lk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return m.driver_calls_in_flight_ == 0; });
   return graph;
 }
 
 std::uint64_t caching_allocator::notify_capture_end(stream_handle stream) {
-  std::unique_lock<std::mutex> lk(impl_->mu_);
+  device_lock lk(impl_->mu_);
   return impl_->end_capture_locked(lk, stream);
 }
 
 void caching_allocator::notify_graph_released(std::uint64_t graph) {
-  std::lock_guard<std::mutex> lk(impl_->mu_);
+  detail::lock_guard<detail::mutex> lk(impl_->mu_);
   impl_->release_graph_locked(graph);
 }
 
 bool caching_allocator::capture_underway() const noexcept { return impl_->capturing(); }
 
 std::size_t caching_allocator::held_free_count() const {
-  std::lock_guard<std::mutex> lk(impl_->mu_);
+  detail::lock_guard<detail::mutex> lk(impl_->mu_);
   return impl_->held_frees_.size();
 }
 

@@ -1,3 +1,5 @@
+// streamsafe core: creates the "streamsafe" logger once (a function-local static, so creation
+// is thread-safe); spdlog's logger is itself thread-safe. Configuration: logging.hpp.
 #include "logging.hpp"
 
 #include <spdlog/sinks/basic_file_sink.h>

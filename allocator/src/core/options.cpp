@@ -1,4 +1,5 @@
-// streamsafe core: parsing of "key:value,key:value" configuration strings.
+// streamsafe core: parsing of "key:value,key:value" configuration strings, driven by one table
+// of the known keys (k_options). Pure functions: no state, no lock.
 #include <streamsafe/core/errors.hpp>
 #include <streamsafe/core/options.hpp>
 
@@ -35,9 +36,11 @@ double parse_number(std::string_view key, std::string_view value, std::string_vi
 }
 
 // "123", "64MB", "2GiB", "512KB": bytes. Suffixes are powers of 1024.
+constexpr std::string_view k_bytes_accepted =
+    "a byte count with an optional suffix K, KB, KiB, M, MB, MiB, G, GB, GiB (powers of 1024)";
+
 std::size_t parse_bytes(std::string_view key, std::string_view value) {
-  static constexpr std::string_view accepted =
-      "a byte count with an optional suffix K, KB, KiB, M, MB, MiB, G, GB, GiB (powers of 1024)";
+  constexpr std::string_view accepted = k_bytes_accepted;
   std::size_t digits = 0;
   while (digits < value.size() && ((value[digits] >= '0' && value[digits] <= '9') || value[digits] == '.')) ++digits;
   double number = parse_number(key, value.substr(0, digits), accepted);
@@ -52,16 +55,153 @@ std::size_t parse_bytes(std::string_view key, std::string_view value) {
   return static_cast<std::size_t>(number * scale);
 }
 
-template <class Enum>
-Enum parse_enum(std::string_view key, std::string_view value,
-                std::initializer_list<std::pair<std::string_view, Enum>> choices) {
-  std::string accepted;
-  for (auto& [name, e] : choices) {
-    if (name == value) return e;
-    accepted += accepted.empty() ? "" : ", ";
-    accepted += name;
+// ---- the option table -------------------------------------------------------------------------
+// One row per key: its name, what kind of value it takes, the accepted values (the error
+// message's text, and for a choice the names themselves, in enum order), a line of help, how to
+// set it and how to show it (null for an alias, which options::to_string skips). The parser, its
+// error messages, the list of known keys and to_string all read this table.
+
+struct option_spec;
+using setter = void (*)(options& o, const option_spec& spec, std::string_view value);
+
+struct option_spec {
+  std::string_view key;
+  std::string_view type;      // "choice", "bytes", "number"
+  std::string_view accepted;  // a choice's names, separated by ", "
+  std::string_view help;
+  setter set;
+  std::string (*show)(const options& o);
+};
+
+[[noreturn]] void bad_value(const option_spec& spec, std::string_view value) { bad_value(spec.key, value, spec.accepted); }
+
+double number(const option_spec& spec, std::string_view value) { return parse_number(spec.key, value, spec.accepted); }
+
+// The position of `value` among the spec's accepted names.
+int choice(const option_spec& spec, std::string_view value) {
+  std::string_view rest = spec.accepted;
+  for (int i = 0; !rest.empty(); ++i) {
+    const auto sep = rest.find(", ");
+    if (rest.substr(0, sep) == value) return i;
+    rest = sep == std::string_view::npos ? std::string_view{} : rest.substr(sep + 2);
   }
-  bad_value(key, value, accepted);
+  bad_value(spec, value);
+}
+
+std::size_t mib(const option_spec& spec, std::string_view value) {
+  return static_cast<std::size_t>(number(spec, value) * 1024 * 1024);
+}
+
+template <class T>
+std::string show_number(T v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
+constexpr std::size_t k_mib = 1024 * 1024;
+
+void set_memory_fraction(options& o, const option_spec& s, std::string_view v) {
+  const double f = number(s, v);
+  if (f <= 0 || f > 1) bad_value(s, v);
+  o.memory_fraction = f;
+}
+
+const option_spec k_options[] = {
+    {"backend", "choice", "cuda_malloc, expandable", "how pools grow: one cudaMalloc per segment, or mapped chunks",
+     [](options& o, const option_spec& s, std::string_view v) { o.backend = static_cast<backend_kind>(choice(s, v)); },
+     [](const options& o) { return std::string(to_string(o.backend)); }},
+    {"expandable_segments", "choice", "True, true, False, false", "PyTorch's name: True means backend:expandable",
+     [](options& o, const option_spec& s, std::string_view v) {
+       o.backend = choice(s, v) < 2 ? backend_kind::expandable : backend_kind::cuda_malloc;
+     },
+     nullptr},
+    {"release_fence", "choice", "used_streams, all_streams, device, allocation_stream",
+     "which streams a release waits for",
+     [](options& o, const option_spec& s, std::string_view v) { o.release_fence = static_cast<fence_scope>(choice(s, v)); },
+     [](const options& o) { return std::string(to_string(o.release_fence)); }},
+    {"empty_cache", "choice", "wait, defer", "whether a release waits on its fence or queues what is not safe yet",
+     [](options& o, const option_spec& s, std::string_view v) { o.empty_cache = static_cast<empty_cache_mode>(choice(s, v)); },
+     [](const options& o) { return std::string(to_string(o.empty_cache)); }},
+    {"max_split_size_mb", "number", "a size in MiB, at least 20 (0 = no limit)", "blocks larger than this are never split",
+     [](options& o, const option_spec& s, std::string_view v) {
+       const double mb = number(s, v);
+       if (mb != 0 && mb < 20) bad_value(s, v);
+       o.max_split_size_bytes = static_cast<std::size_t>(mb * 1024 * 1024);
+     },
+     [](const options& o) { return show_number(o.max_split_size_bytes / k_mib); }},
+    {"whole_segment_split_ratio", "number", "0 (off) or a whole number from 1 to 1024",
+     "a whole free segment this many times a large request stays whole",
+     [](options& o, const option_spec& s, std::string_view v) {
+       const double r = number(s, v);
+       if (r > static_cast<double>(detail::k_max_whole_segment_ratio) ||
+           r != static_cast<double>(static_cast<std::size_t>(r))) {
+         bad_value(s, v);
+       }
+       o.whole_segment_split_ratio = static_cast<std::size_t>(r);
+     },
+     [](const options& o) { return show_number(o.whole_segment_split_ratio); }},
+    {"memory_limit", "bytes", k_bytes_accepted, "cap on reserved bytes (0 = the device's memory)",
+     [](options& o, const option_spec& s, std::string_view v) { o.memory_limit_bytes = parse_bytes(s.key, v); },
+     [](const options& o) { return show_number(o.memory_limit_bytes); }},
+    {"memory_fraction", "number", "a fraction in (0, 1]", "cap on reserved bytes as a fraction of the device's memory",
+     set_memory_fraction,
+     [](const options& o) { return show_number(o.memory_fraction); }},
+    {"per_process_memory_fraction", "number", "a fraction in (0, 1]", "PyTorch's name for memory_fraction",
+     set_memory_fraction,
+     nullptr},
+    {"expandable_chunk_mb", "number", "a positive multiple of 2 (MiB)", "chunk mapped at a time in expandable large pools",
+     [](options& o, const option_spec& s, std::string_view v) {
+       const std::size_t bytes = mib(s, v);
+       if (bytes == 0 || bytes % (std::size_t{2} << 20) != 0) bad_value(s, v);
+       o.expandable_chunk_bytes = bytes;
+     },
+     [](const options& o) { return show_number(o.expandable_chunk_bytes / k_mib); }},
+    {"roundup_power2_divisions", "number", "a power of two from 1 to 64 (0 = off)",
+     "round requests to this many steps per power of two",
+     [](options& o, const option_spec& s, std::string_view v) {
+       const double d = number(s, v);
+       const auto n = static_cast<std::size_t>(d);
+       if (static_cast<double>(n) != d || n > 64 || (n & (n - 1)) != 0) bad_value(s, v);
+       o.roundup_power2_divisions = n;
+     },
+     [](const options& o) { return show_number(o.roundup_power2_divisions); }},
+    {"garbage_collection_threshold", "number", "a fraction in (0, 1)",
+     "release free cached segments before growing past this fraction of the limit",
+     [](options& o, const option_spec& s, std::string_view v) {
+       const double f = number(s, v);
+       if (f <= 0 || f >= 1) bad_value(s, v);
+       o.garbage_collection_threshold = f;
+     },
+     [](const options& o) { return show_number(o.garbage_collection_threshold); }},
+    {"max_cached_bytes", "bytes", k_bytes_accepted, "release free cached segments before growing past this many cached bytes",
+     [](options& o, const option_spec& s, std::string_view v) { o.max_cached_bytes = parse_bytes(s.key, v); },
+     [](const options& o) { return show_number(o.max_cached_bytes); }},
+    {"trace_capacity", "number", "a count of trace events (0 = off)", "events kept in the allocator's trace ring",
+     [](options& o, const option_spec& s, std::string_view v) { o.trace_capacity = static_cast<std::size_t>(number(s, v)); },
+     [](const options& o) { return show_number(o.trace_capacity); }},
+};
+
+const option_spec* find_option(std::string_view key) {
+  for (const option_spec& spec : k_options) {
+    if (spec.key == key) return &spec;
+  }
+  return nullptr;
+}
+
+std::string known_keys() {
+  std::string keys;
+  for (const option_spec& spec : k_options) keys += (keys.empty() ? "" : ", ") + std::string(spec.key);
+  return keys;
+}
+
+// Splits "key:value" (trimmed); throws when there is no ':'.
+std::pair<std::string_view, std::string_view> split_item(std::string_view item) {
+  const auto colon = item.find(':');
+  if (colon == std::string_view::npos) {
+    throw config_error("streamsafe: STREAMSAFE_ALLOC_CONF item '" + std::string(item) + "' has no ':'; expected key:value");
+  }
+  return {trim(item.substr(0, colon)), trim(item.substr(colon + 1))};
 }
 
 }  // namespace
@@ -88,80 +228,22 @@ options options::parse(std::string_view conf, std::vector<std::string>* warnings
   options o;
   std::map<std::string, std::string, std::less<>> seen;
   while (!conf.empty()) {
-    auto comma = conf.find(',');
-    std::string_view item = trim(conf.substr(0, comma));
+    const auto comma = conf.find(',');
+    const std::string_view item = trim(conf.substr(0, comma));
     conf = comma == std::string_view::npos ? std::string_view{} : conf.substr(comma + 1);
     if (item.empty()) continue;
-    auto colon = item.find(':');
-    if (colon == std::string_view::npos) {
-      throw config_error("streamsafe: STREAMSAFE_ALLOC_CONF item '" + std::string(item) +
-                         "' has no ':'; expected key:value");
-    }
-    std::string_view key = trim(item.substr(0, colon));
-    std::string_view value = trim(item.substr(colon + 1));
+    const auto [key, value] = split_item(item);
     if (auto it = seen.find(key); it != seen.end() && warnings) {
-      warnings->push_back("streamsafe: key '" + std::string(key) + "' given twice ('" + it->second +
-                          "' then '" + std::string(value) + "'); the last one, '" +
-                          std::string(value) + "', wins");
+      warnings->push_back("streamsafe: key '" + std::string(key) + "' given twice ('" + it->second + "' then '" +
+                          std::string(value) + "'); the last one, '" + std::string(value) + "', wins");
     }
     seen[std::string(key)] = std::string(value);
-
-    if (key == "backend") {
-      o.backend = parse_enum<backend_kind>(key, value, {{"cuda_malloc", backend_kind::cuda_malloc},
-                                                        {"expandable", backend_kind::expandable}});
-    } else if (key == "expandable_segments") {
-      bool on = parse_enum<bool>(key, value, {{"True", true}, {"true", true}, {"False", false}, {"false", false}});
-      o.backend = on ? backend_kind::expandable : backend_kind::cuda_malloc;
-    } else if (key == "release_fence") {
-      o.release_fence = parse_enum<fence_scope>(
-          key, value, {{"used_streams", fence_scope::used_streams}, {"all_streams", fence_scope::all_streams},
-                       {"device", fence_scope::device}, {"allocation_stream", fence_scope::allocation_stream}});
-    } else if (key == "empty_cache") {
-      o.empty_cache = parse_enum<empty_cache_mode>(
-          key, value, {{"wait", empty_cache_mode::wait}, {"defer", empty_cache_mode::defer}});
-    } else if (key == "max_split_size_mb") {
-      double mb = parse_number(key, value, "a size in MiB, at least 20 (0 = no limit)");
-      if (mb != 0 && mb < 20) bad_value(key, value, "a size in MiB, at least 20 (0 = no limit)");
-      o.max_split_size_bytes = static_cast<std::size_t>(mb * 1024 * 1024);
-    } else if (key == "whole_segment_split_ratio") {
-      static constexpr std::string_view accepted = "0 (off) or a whole number from 1 to 1024";
-      const double r = parse_number(key, value, accepted);
-      if (r > static_cast<double>(detail::k_max_whole_segment_ratio) || r != static_cast<double>(static_cast<std::size_t>(r))) {
-        bad_value(key, value, accepted);
-      }
-      o.whole_segment_split_ratio = static_cast<std::size_t>(r);
-    } else if (key == "memory_limit") {
-      o.memory_limit_bytes = parse_bytes(key, value);
-    } else if (key == "memory_fraction" || key == "per_process_memory_fraction") {
-      double f = parse_number(key, value, "a fraction in (0, 1]");
-      if (f <= 0 || f > 1) bad_value(key, value, "a fraction in (0, 1]");
-      o.memory_fraction = f;
-    } else if (key == "expandable_chunk_mb") {
-      double mb = parse_number(key, value, "a positive multiple of 2 (MiB)");
-      auto bytes = static_cast<std::size_t>(mb * 1024 * 1024);
-      if (bytes == 0 || bytes % (std::size_t{2} << 20) != 0) bad_value(key, value, "a positive multiple of 2 (MiB)");
-      o.expandable_chunk_bytes = bytes;
-    } else if (key == "roundup_power2_divisions") {
-      double d = parse_number(key, value, "a power of two from 1 to 64 (0 = off)");
-      const auto n = static_cast<std::size_t>(d);
-      if (static_cast<double>(n) != d || n > 64 || (n & (n - 1)) != 0) {
-        bad_value(key, value, "a power of two from 1 to 64 (0 = off)");
-      }
-      o.roundup_power2_divisions = n;
-    } else if (key == "garbage_collection_threshold") {
-      double f = parse_number(key, value, "a fraction in (0, 1)");
-      if (f <= 0 || f >= 1) bad_value(key, value, "a fraction in (0, 1)");
-      o.garbage_collection_threshold = f;
-    } else if (key == "max_cached_bytes") {
-      o.max_cached_bytes = parse_bytes(key, value);
-    } else if (key == "trace_capacity") {
-      o.trace_capacity = static_cast<std::size_t>(parse_number(key, value, "a count of trace events (0 = off)"));
-    } else {
+    const option_spec* spec = find_option(key);
+    if (!spec) {
       throw config_error("streamsafe: unknown STREAMSAFE_ALLOC_CONF key '" + std::string(key) +
-                         "'; known keys: backend, expandable_segments, release_fence, empty_cache, "
-                         "max_split_size_mb, whole_segment_split_ratio, memory_limit, memory_fraction, expandable_chunk_mb, roundup_power2_divisions, "
-                         "garbage_collection_threshold, max_cached_bytes, trace_capacity");
+                         "'; known keys: " + known_keys());
     }
+    spec->set(o, *spec, value);
   }
   return o;
 }
@@ -172,16 +254,11 @@ options options::from_environment(std::vector<std::string>* warnings) {
 }
 
 std::string options::to_string() const {
-  std::ostringstream os;
-  os << "backend:" << streamsafe::to_string(backend) << ",release_fence:" << streamsafe::to_string(release_fence)
-     << ",empty_cache:" << streamsafe::to_string(empty_cache)
-     << ",max_split_size_mb:" << max_split_size_bytes / (1024 * 1024)
-     << ",whole_segment_split_ratio:" << whole_segment_split_ratio
-     << ",memory_limit:" << memory_limit_bytes << ",memory_fraction:" << memory_fraction
-     << ",expandable_chunk_mb:" << expandable_chunk_bytes / (1024 * 1024) << ",roundup_power2_divisions:" << roundup_power2_divisions
-     << ",garbage_collection_threshold:" << garbage_collection_threshold << ",max_cached_bytes:" << max_cached_bytes
-     << ",trace_capacity:" << trace_capacity;
-  return os.str();
+  std::string out;
+  for (const option_spec& spec : k_options) {
+    if (spec.show) out += (out.empty() ? "" : ",") + std::string(spec.key) + ":" + spec.show(*this);
+  }
+  return out;
 }
 
 }  // namespace streamsafe

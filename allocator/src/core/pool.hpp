@@ -61,7 +61,7 @@ struct pool {
   stream_handle stream = 0;
   bool small = false;
   free_lists mapped;          // free blocks backed by memory
-  quick_cache quick;          // freed blocks parked for same-size reuse (state cached)
+  quick_cache quick;          // freed blocks parked for same-size reuse (state quick_cached)
   free_set unmapped;          // free address space of expandable segments (slow path only)
   segment* expandable = nullptr;  // this pool's expandable segment, if any
   void* state = nullptr;          // the stream_state owning this pool (allocator_state.hpp)

@@ -23,11 +23,7 @@
 
 namespace streamsafe {
 
-using detail::block;
-using stream_lock = detail::biased_lock;
-using detail::block_state;
 using detail::pending_event;
-using detail::segment;
 
 namespace {
 
@@ -37,7 +33,7 @@ constexpr stream_handle k_tombstone = detail::k_tombstone_stream;  // marks tomb
 
 std::vector<stream_handle> caching_allocator::impl::fence_streams_locked(const segment* seg) const {
   std::vector<stream_handle> out;
-  auto alive = [&](stream_handle s) {
+  auto alive = [&](stream_handle s) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {  // under mu_, as its caller
     auto it = streams_.find(s);
     return it != streams_.end() && it->second->alive.load(std::memory_order_acquire);
   };
@@ -82,7 +78,7 @@ caching_allocator::impl::release_batch caching_allocator::impl::collect_releasab
   for (auto& [base, seg] : segments_) {
     stream_state& owner = state_of(*seg->owner);
     if (owner.graph != 0 && !owner.graph_released) continue;  // a graph that may still replay
-    std::lock_guard<stream_lock> slk(owner.mu);
+    detail::lock_guard<stream_lock> slk(owner.mu);
     if (!seg->expandable) {
       if (!seg->first->next && seg->first->state == block_state::free) detach_whole_segment_locked(batch, seg);
       continue;
@@ -96,25 +92,11 @@ caching_allocator::impl::release_batch caching_allocator::impl::collect_releasab
       if (hi <= lo) continue;
       seg->owner->mapped.erase(b);
       block* mid = b;
-      auto split_off = [&](block* x, std::size_t offset) {
-        block* rest = new_block(owner);
-        rest->addr = x->addr + offset;
-        rest->size = x->size - offset;
-        rest->seg = x->seg;
-        rest->prev = x;
-        rest->next = x->next;
-        rest->mapped = x->mapped;
-        rest->state = x->state;
-        if (x->next) x->next->prev = rest;
-        x->next = rest;
-        x->size = offset;
-        return rest;
-      };
       if (lo > b->addr) {
-        mid = split_off(b, lo - b->addr);
+        mid = split_off_locked(b, lo - b->addr);
         seg->owner->mapped.insert(b);
       }
-      if (hi < mid->addr + mid->size) seg->owner->mapped.insert(split_off(mid, hi - mid->addr));
+      if (hi < mid->addr + mid->size) seg->owner->mapped.insert(split_off_locked(mid, hi - mid->addr));
       mid->state = block_state::releasing;
       batch.blocks.push_back(mid);
       batch.bytes += mid->size;
@@ -132,7 +114,7 @@ void caching_allocator::impl::restore_batch_locked(release_batch& batch) {
   }
   batch.fence.clear();
   for (block* b : batch.blocks) {
-    std::lock_guard<stream_lock> slk(state_of(*b->seg->owner).mu);
+    detail::lock_guard<stream_lock> slk(state_of(*b->seg->owner).mu);
     free_block_locked(b);
   }
   batch.blocks.clear();
@@ -176,13 +158,13 @@ void caching_allocator::impl::wait_fence_unlocked(release_batch& batch) {
     for (const auto& e : batch.fence) backend_.synchronize_event(e.event);
   }
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
-  std::lock_guard<std::mutex> lk(mu_);
+  detail::lock_guard<detail::mutex> lk(mu_);
   if (batch.device_sync) ++stats_.num_sync_all_streams;
   stats_.fence_waits += batch.device_sync ? 1 : batch.fence.size();
   stats_.fence_wait_ns += static_cast<std::uint64_t>(ns.count());
 }
 
-std::size_t caching_allocator::impl::release_batch_memory(std::unique_lock<std::mutex>& lk, release_batch& batch) {
+std::size_t caching_allocator::impl::release_batch_memory(device_lock& lk, release_batch& batch) {
   std::vector<char> done(batch.blocks.size(), 0);
   std::exception_ptr error;
   // A cudaFree'd segment leaves segments_ before the call: once cudaFree returns, cudaMalloc
@@ -214,44 +196,46 @@ std::size_t caching_allocator::impl::release_batch_memory(std::unique_lock<std::
   }
   batch.fence.clear();
   std::size_t released = 0;
-  for (std::size_t i = 0; i < batch.blocks.size(); ++i) {
-    block* b = batch.blocks[i];
-    segment* seg = b->seg;
-    if (!seg->expandable) {
-      releasing_segments_.erase(std::find(releasing_segments_.begin(), releasing_segments_.end(), seg));
-      if (!done[i]) segments_.emplace(seg->base, seg);  // still ours: nobody got its address
-    }
-    stream_state& owner = state_of(*seg->owner);
-    std::lock_guard<stream_lock> slk(owner.mu);
-    if (!done[i]) {
-      free_block_locked(b);  // still mapped: back to the pool
-      continue;
-    }
-    released += b->size;
-    stats_.reserved_bytes.decrease(static_cast<std::int64_t>(b->size));
-    stats_.bytes_released += b->size;
-    if (seg->expandable) {
-      stats_.num_device_free += b->size / chunk_bytes(seg);
-      seg->mapped_bytes -= b->size;
-      b->mapped = false;
-      trace(trace_action::segment_unmap, b->addr, b->size, seg->stream);
-      detail::log().debug("device {}: segment_unmap {} bytes at {:#x}", backend_.device(), b->size, b->addr);
-      free_block_locked(b);
-    } else {
-      ++stats_.num_device_free;
-      trace(trace_action::segment_free, b->addr, b->size, seg->stream);
-      detail::log().debug("device {}: segment_free {} bytes at {:#x}", backend_.device(), b->size, b->addr);
-      stats_.segment.decrease(1);
-      recycle_block(owner, b);
-      delete seg;
-    }
-  }
+  for (std::size_t i = 0; i < batch.blocks.size(); ++i) released += account_release_locked(batch.blocks[i], done[i] != 0);
   batch.blocks.clear();
   if (error) std::rethrow_exception(error);
   return released;
 }
 
-std::size_t caching_allocator::impl::finish_deferred(std::unique_lock<std::mutex>& lk, bool wait) {
+std::size_t caching_allocator::impl::account_release_locked(block* b, bool released) {
+  segment* seg = b->seg;
+  if (!seg->expandable) {
+    releasing_segments_.erase(std::find(releasing_segments_.begin(), releasing_segments_.end(), seg));
+    if (!released) segments_.emplace(seg->base, seg);  // still ours: nobody got its address
+  }
+  stream_state& owner = state_of(*seg->owner);
+  detail::lock_guard<stream_lock> slk(owner.mu);
+  if (!released) {
+    free_block_locked(b);  // still mapped: back to the pool
+    return 0;
+  }
+  const std::size_t bytes = b->size;
+  stats_.reserved_bytes.decrease(static_cast<std::int64_t>(bytes));
+  stats_.bytes_released += bytes;
+  if (seg->expandable) {
+    stats_.num_device_free += bytes / chunk_bytes(seg);
+    seg->mapped_bytes -= bytes;
+    b->mapped = false;
+    trace(trace_action::segment_unmap, b->addr, bytes, seg->stream);
+    detail::log().debug("device {}: segment_unmap {} bytes at {:#x}", backend_.device(), bytes, b->addr);
+    free_block_locked(b);
+  } else {
+    ++stats_.num_device_free;
+    trace(trace_action::segment_free, b->addr, bytes, seg->stream);
+    detail::log().debug("device {}: segment_free {} bytes at {:#x}", backend_.device(), bytes, b->addr);
+    stats_.segment.decrease(1);
+    recycle_block(owner, b);
+    delete seg;
+  }
+  return bytes;
+}
+
+std::size_t caching_allocator::impl::finish_deferred(device_lock& lk, bool wait) {
   // A failing backend call (query, synchronize) leaves the batch queued: nothing is lost.
   std::size_t released = 0;
   while (!deferred_.empty() && !capturing()) {
@@ -339,7 +323,7 @@ caching_allocator::impl::release_batch caching_allocator::impl::take_safe_locked
   return safe;
 }
 
-std::size_t caching_allocator::impl::release_cached(std::unique_lock<std::mutex>& lk, empty_cache_mode mode) {
+std::size_t caching_allocator::impl::release_cached(device_lock& lk, empty_cache_mode mode) {
   detect_captures_locked(lk);
   if (capturing()) {  // runs, in defer mode, when the last capture ends (capture.cpp)
     empty_cache_after_capture_ = true;
@@ -349,7 +333,7 @@ std::size_t caching_allocator::impl::release_cached(std::unique_lock<std::mutex>
     return 0;
   }
   for (auto& [s, st] : streams_) {
-    std::lock_guard<stream_lock> slk(st->mu);
+    detail::lock_guard<stream_lock> slk(st->mu);
     if (!st->pending.empty()) process_events_locked(*st);
     flush_quick_locked(st->small_pool);
     flush_quick_locked(st->large_pool);
@@ -360,11 +344,11 @@ std::size_t caching_allocator::impl::release_cached(std::unique_lock<std::mutex>
   return released;
 }
 
-std::size_t caching_allocator::impl::release_refused_segments(std::unique_lock<std::mutex>& lk, stream_state& st,
+std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, stream_state& st,
                                                               std::size_t rounded) {
   release_batch batch;
   {
-    std::lock_guard<stream_lock> slk(st.mu);
+    detail::lock_guard<stream_lock> slk(st.mu);
     pool& p = st.large_pool;
     flush_quick_locked(p);
     std::vector<segment*> refused;
@@ -379,7 +363,7 @@ std::size_t caching_allocator::impl::release_refused_segments(std::unique_lock<s
   return release_collected(lk, batch, opts_.empty_cache);  // defer mode never blocks here
 }
 
-std::size_t caching_allocator::impl::release_collected(std::unique_lock<std::mutex>& lk, release_batch& batch,
+std::size_t caching_allocator::impl::release_collected(device_lock& lk, release_batch& batch,
                                                        empty_cache_mode mode) {
   std::size_t released = 0;
   if (!batch.blocks.empty()) {
@@ -431,63 +415,44 @@ void caching_allocator::impl::queue_batch_locked(release_batch& batch) {
   batch = release_batch{};
 }
 
-void caching_allocator::impl::destroy_all() {
-  try {
-    std::unique_lock<std::mutex> lk(mu_);
-    // Destroyed during a capture, or with graphs not released: their memory goes back too.
-    captures_.clear();
-    captures_underway_.store(0, std::memory_order_release);
-    for (auto& [s, st] : streams_) st->graph_released = true;
-    // Pending frees: the host waits on their events with no lock held (as everywhere: no lock
-    // across a host-blocking driver call), then retires them.
-    std::vector<event_handle> waits;
-    for (auto& [s, st] : streams_) {
-      std::lock_guard<stream_lock> slk(st->mu);
-      for (block* b : st->pending) {
-        for (auto& e : b->events) waits.push_back(e.event);
-      }
+void caching_allocator::impl::retire_all_pending_locked(device_lock& lk) {
+  // The host waits on the pending frees' events with no lock held (as everywhere: no lock
+  // across a host-blocking driver call), then retires them.
+  std::vector<event_handle> waits;
+  for (auto& [s, st] : streams_) {
+    detail::lock_guard<stream_lock> slk(st->mu);
+    for (block* b : st->pending) {
+      for (auto& e : b->events) waits.push_back(e.event);
     }
-    if (!waits.empty()) {
-      lk.unlock();
-      for (event_handle e : waits) backend_.synchronize_event(e);
-      lk.lock();
-    }
-    for (auto& [s, st] : streams_) {
-      std::lock_guard<stream_lock> slk(st->mu);
-      while (!st->pending.empty()) retire_pending_locked(*st, st->pending.front());
-    }
-    release_cached(lk, empty_cache_mode::wait);
-    std::size_t live = 0;  // active blocks (the active maps also hold quick-cached ones)
-    for (auto& [s, st] : streams_) {
-      st->active.for_each([&](const block* b) { live += b->state == block_state::active ? 1 : 0; });
-    }
-    if (live != 0) {
-      detail::log().warn("device {}: allocator destroyed with {} live block(s); their device memory is kept",
-                         backend_.device(), live);
-    }
-    for (auto& [base, seg] : segments_) {
-      if (seg->expandable && seg->mapped_bytes == 0) {
-        backend_.release_address_range(reinterpret_cast<void*>(seg->base), seg->size);
-      }
-    }
-    std::vector<event_handle> cached_events;  // the streams' event caches (events_mu_ is a leaf)
-    for (auto& [s, st] : streams_) {
-      std::lock_guard<stream_lock> slk(st->mu);
-      cached_events.insert(cached_events.end(), st->event_cache.begin(), st->event_cache.end());
-      st->event_cache.clear();
-    }
-    for (event_handle e : cached_events) backend_.destroy_event(e);
-    {
-      std::lock_guard<std::mutex> elk(events_mu_);
-      for (event_handle e : free_events_) backend_.destroy_event(e);
-      free_events_.clear();
-    }
-    for (auto& t : tombstones_) backend_.destroy_event(t.event);
-    tombstones_.clear();
-  } catch (const std::exception& e) {
-    detail::log().error("device {}: error while destroying the allocator: {}", backend_.device(), e.what());
   }
-  // Host bookkeeping goes in every case.
+  if (!waits.empty()) {
+    driver_call_scope in_flight(*this, lk);
+    for (event_handle e : waits) backend_.synchronize_event(e);
+  }
+  for (auto& [s, st] : streams_) {
+    detail::lock_guard<stream_lock> slk(st->mu);
+    while (!st->pending.empty()) retire_pending_locked(*st, st->pending.front());
+  }
+}
+
+void caching_allocator::impl::destroy_events_locked() {
+  std::vector<event_handle> cached_events;  // the streams' event caches (events_mu_ is a leaf)
+  for (auto& [s, st] : streams_) {
+    detail::lock_guard<stream_lock> slk(st->mu);
+    cached_events.insert(cached_events.end(), st->event_cache.begin(), st->event_cache.end());
+    st->event_cache.clear();
+  }
+  for (event_handle e : cached_events) backend_.destroy_event(e);
+  {
+    detail::lock_guard<detail::mutex> elk(events_mu_);
+    for (event_handle e : free_events_) backend_.destroy_event(e);
+    free_events_.clear();
+  }
+  for (auto& t : tombstones_) backend_.destroy_event(t.event);
+  tombstones_.clear();
+}
+
+void caching_allocator::impl::delete_host_bookkeeping() {
   for (auto& [base, seg] : segments_) {
     for (block* b = seg->first; b;) {
       block* next = b->next;
@@ -507,28 +472,57 @@ void caching_allocator::impl::destroy_all() {
   }
 }
 
+void caching_allocator::impl::destroy_all() {
+  try {
+    device_lock lk(mu_);
+    // Destroyed during a capture, or with graphs not released: their memory goes back too.
+    captures_.clear();
+    captures_underway_.store(0, std::memory_order_release);
+    for (auto& [s, st] : streams_) st->graph_released = true;
+    retire_all_pending_locked(lk);
+    release_cached(lk, empty_cache_mode::wait);
+    std::size_t live = 0;  // active blocks (the active maps also hold quick-cached ones)
+    for (auto& [s, st] : streams_) {
+      st->active.for_each([&](const block* b) { live += b->state == block_state::active ? 1 : 0; });
+    }
+    if (live != 0) {
+      detail::log().warn("device {}: allocator destroyed with {} live block(s); their device memory is kept",
+                         backend_.device(), live);
+    }
+    for (auto& [base, seg] : segments_) {
+      if (seg->expandable && seg->mapped_bytes == 0) {
+        backend_.release_address_range(reinterpret_cast<void*>(seg->base), seg->size);
+      }
+    }
+    destroy_events_locked();
+  } catch (const std::exception& e) {
+    detail::log().error("device {}: error while destroying the allocator: {}", backend_.device(), e.what());
+  }
+  delete_host_bookkeeping();  // in every case
+}
+
 // ---- public interface -------------------------------------------------------------------------
 
 std::size_t caching_allocator::empty_cache() { return empty_cache(impl_->opts_.empty_cache); }
 
 std::size_t caching_allocator::empty_cache(empty_cache_mode mode) {
-  std::unique_lock<std::mutex> lk(impl_->mu_);
+  device_lock lk(impl_->mu_);
   return impl_->release_cached(lk, mode);
 }
 
 std::size_t caching_allocator::reclaim() {
-  std::unique_lock<std::mutex> lk(impl_->mu_);
+  device_lock lk(impl_->mu_);
   impl_->detect_captures_locked(lk);
   if (impl_->capturing()) return 0;  // no query while a graph is captured: after the capture
   for (auto& [s, st] : impl_->streams_) {
-    std::lock_guard<stream_lock> slk(st->mu);
+    detail::lock_guard<stream_lock> slk(st->mu);
     if (!st->pending.empty()) impl_->process_events_locked(*st);
   }
   return impl_->finish_deferred(lk, false);
 }
 
 std::size_t caching_allocator::pending_release_bytes() const {
-  std::lock_guard<std::mutex> lk(impl_->mu_);
+  detail::lock_guard<detail::mutex> lk(impl_->mu_);
   return impl_->deferred_bytes_;
 }
 

@@ -3,6 +3,7 @@
 // Thresholds follow PyTorch's CUDACachingAllocator (c10/cuda/CUDACachingAllocator.cpp):
 // 512-byte granularity, a small pool for requests up to 1 MiB served from 2 MiB segments,
 // 20 MiB segments for requests below 10 MiB, larger ones rounded up to 2 MiB.
+// Pure constexpr functions: no state, no lock.
 #pragma once
 
 #include <cstddef>

@@ -5,6 +5,8 @@
 // torch.cuda.memory_snapshot() and torch.cuda.memory_stats() where PyTorch has the notion.
 #include <streamsafe/core/snapshot.hpp>
 
+#include "format.hpp"
+
 #include <cinttypes>
 #include <cstdio>
 #include <ostream>
@@ -12,6 +14,10 @@
 #include <stdexcept>
 
 namespace streamsafe {
+
+using detail::hex;
+using detail::human_bytes;
+
 namespace {
 
 // PyTorch's block state names where PyTorch has the state, streamsafe's otherwise.
@@ -24,27 +30,6 @@ const char* json_state(snapshot_block_state s) noexcept {
     case snapshot_block_state::releasing: return "releasing";
   }
   return "?";
-}
-
-std::string hex(std::uintptr_t v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, v);
-  return buf;
-}
-
-// "8.09 GiB", "512 B": two decimals above a KiB.
-std::string human_bytes(std::int64_t bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = static_cast<double>(bytes < 0 ? -bytes : bytes);
-  int u = 0;
-  while (v >= 1024 && u < 5) {
-    v /= 1024;
-    ++u;
-  }
-  char buf[48];
-  if (u == 0) std::snprintf(buf, sizeof buf, "%s%" PRId64 " B", bytes < 0 ? "-" : "", bytes < 0 ? -bytes : bytes);
-  else std::snprintf(buf, sizeof buf, "%s%.2f %s", bytes < 0 ? "-" : "", v, units[u]);
-  return buf;
 }
 
 }  // namespace
@@ -171,52 +156,44 @@ void memory_snapshot::to_json(std::ostream& os) const {
   os << "\n]}\n";
 }
 
-std::string memory_summary(const statistics& s, int device) {
-  std::ostringstream os;
-  constexpr int width = 85;  // characters between the outer bars (matches row())
-  const std::string rule_heavy = "|" + std::string(width, '=') + "|\n";
-  const std::string rule = "|" + std::string(width, '-') + "|\n";
-  auto centred = [&](const std::string& text) {
-    const int pad = width - static_cast<int>(text.size());
+namespace {
+
+// The table memory_summary writes: 85 characters between the outer bars.
+class summary_table {
+ public:
+  static constexpr int k_width = 85;
+  void heavy_rule() { os_ << '|' << std::string(k_width, '=') << "|\n"; }
+  void rule() { os_ << '|' << std::string(k_width, '-') << "|\n"; }
+  void centred(const std::string& text) {
+    const int pad = k_width - static_cast<int>(text.size());
     const int left = pad > 0 ? pad / 2 : 0;
-    os << '|' << std::string(static_cast<std::size_t>(left), ' ') << text
-       << std::string(static_cast<std::size_t>(pad > 0 ? pad - left : 0), ' ') << "|\n";
-  };
-  char line[256];
-  auto row = [&](const char* metric, const std::string& a, const std::string& b, const std::string& c,
-                 const std::string& d) {
-    std::snprintf(line, sizeof line, "| %-24s| %12s | %12s | %12s | %12s |\n", metric, a.c_str(), b.c_str(),
+    os_ << '|' << std::string(static_cast<std::size_t>(left), ' ') << text
+        << std::string(static_cast<std::size_t>(pad > 0 ? pad - left : 0), ' ') << "|\n";
+  }
+  void row(const char* metric, const std::string& a, const std::string& b, const std::string& c, const std::string& d) {
+    std::snprintf(line_, sizeof line_, "| %-24s| %12s | %12s | %12s | %12s |\n", metric, a.c_str(), b.c_str(),
                   c.c_str(), d.c_str());
-    os << line;
-  };
-  auto bytes_row = [&](const char* metric, const stat& st) {
+    os_ << line_;
+  }
+  void bytes_row(const char* metric, const stat& st) {
     row(metric, human_bytes(st.current), human_bytes(st.peak), human_bytes(st.allocated), human_bytes(st.freed));
-  };
-  auto count_row = [&](const char* metric, const stat& st) {
+  }
+  void count_row(const char* metric, const stat& st) {
     row(metric, std::to_string(st.current), std::to_string(st.peak), std::to_string(st.allocated),
         std::to_string(st.freed));
-  };
-  auto counters = [&](const char* k1, const std::string& v1, const char* k2, const std::string& v2) {
-    std::snprintf(line, sizeof line, "| %-27s %12s | %-27s %12s |\n", k1, v1.c_str(), k2, v2.c_str());
-    os << line;
-  };
+  }
+  void counters(const char* k1, const std::string& v1, const char* k2, const std::string& v2) {
+    std::snprintf(line_, sizeof line_, "| %-27s %12s | %-27s %12s |\n", k1, v1.c_str(), k2, v2.c_str());
+    os_ << line_;
+  }
+  std::string str() const { return os_.str(); }
 
-  os << rule_heavy;
-  centred(device >= 0 ? "streamsafe memory summary, device " + std::to_string(device)
-                      : std::string("streamsafe memory summary"));
-  os << rule;
-  row("Metric", "Cur Usage", "Peak Usage", "Tot Alloc", "Tot Freed");
-  os << rule;
-  bytes_row("Allocated memory", s.allocated_bytes);
-  bytes_row("Active memory", s.active_bytes);
-  bytes_row("Requested memory", s.requested_bytes);
-  bytes_row("GPU reserved memory", s.reserved_bytes);
-  bytes_row("Non-releasable memory", s.inactive_split_bytes);
-  os << rule;
-  count_row("Allocations", s.allocation);
-  count_row("Active allocs", s.active);
-  count_row("GPU reserved segments", s.segment);
-  os << rule;
+ private:
+  std::ostringstream os_;
+  char line_[256] = {};
+};
+
+void summary_counters(summary_table& t, const statistics& s) {
   const double ratio = s.allocated_bytes.peak > 0
                            ? static_cast<double>(s.reserved_bytes.peak) / static_cast<double>(s.allocated_bytes.peak)
                            : 0.0;
@@ -224,18 +201,41 @@ std::string memory_summary(const statistics& s, int device) {
   std::snprintf(ratio_text, sizeof ratio_text, "%.4f", ratio);
   char wait_text[32];
   std::snprintf(wait_text, sizeof wait_text, "%.3f ms", static_cast<double>(s.fence_wait_ns) / 1e6);
-  counters("Alloc retries", std::to_string(s.num_alloc_retries), "OOMs", std::to_string(s.num_ooms));
-  counters("Device allocs (+maps)", std::to_string(s.num_device_alloc), "Device frees (+unmaps)",
-           std::to_string(s.num_device_free));
-  counters("Syncs of all streams", std::to_string(s.num_sync_all_streams), "Events recorded",
-           std::to_string(s.events_recorded));
-  counters("Stream waits", std::to_string(s.stream_waits), "Segments moved", std::to_string(s.segments_moved));
-  counters("Fence waits", std::to_string(s.fence_waits), "Fence wait time", wait_text);
-  counters("Releases deferred", std::to_string(s.releases_deferred), "Bytes released", human_bytes(
-                                                                          static_cast<std::int64_t>(s.bytes_released)));
-  counters("Peak reserved/allocated", ratio > 0 ? ratio_text : "-", "", "");
-  os << rule_heavy;
-  return os.str();
+  t.counters("Alloc retries", std::to_string(s.num_alloc_retries), "OOMs", std::to_string(s.num_ooms));
+  t.counters("Device allocs (+maps)", std::to_string(s.num_device_alloc), "Device frees (+unmaps)",
+             std::to_string(s.num_device_free));
+  t.counters("Syncs of all streams", std::to_string(s.num_sync_all_streams), "Events recorded",
+             std::to_string(s.events_recorded));
+  t.counters("Stream waits", std::to_string(s.stream_waits), "Segments moved", std::to_string(s.segments_moved));
+  t.counters("Fence waits", std::to_string(s.fence_waits), "Fence wait time", wait_text);
+  t.counters("Releases deferred", std::to_string(s.releases_deferred), "Bytes released",
+             human_bytes(static_cast<std::int64_t>(s.bytes_released)));
+  t.counters("Peak reserved/allocated", ratio > 0 ? ratio_text : "-", "", "");
+}
+
+}  // namespace
+
+std::string memory_summary(const statistics& s, int device) {
+  summary_table t;
+  t.heavy_rule();
+  t.centred(device >= 0 ? "streamsafe memory summary, device " + std::to_string(device)
+                        : std::string("streamsafe memory summary"));
+  t.rule();
+  t.row("Metric", "Cur Usage", "Peak Usage", "Tot Alloc", "Tot Freed");
+  t.rule();
+  t.bytes_row("Allocated memory", s.allocated_bytes);
+  t.bytes_row("Active memory", s.active_bytes);
+  t.bytes_row("Requested memory", s.requested_bytes);
+  t.bytes_row("GPU reserved memory", s.reserved_bytes);
+  t.bytes_row("Non-releasable memory", s.inactive_split_bytes);
+  t.rule();
+  t.count_row("Allocations", s.allocation);
+  t.count_row("Active allocs", s.active);
+  t.count_row("GPU reserved segments", s.segment);
+  t.rule();
+  summary_counters(t, s);
+  t.heavy_rule();
+  return t.str();
 }
 
 }  // namespace streamsafe

@@ -5,6 +5,8 @@
 // lock (biased_lock.hpp) is built on it.
 #pragma once
 
+#include "thread_annotations.hpp"
+
 #include <atomic>
 #include <thread>
 
@@ -18,9 +20,9 @@ void spin_until(Done done) noexcept {
   }
 }
 
-class spin_lock {
+class STREAMSAFE_CAPABILITY("mutex") spin_lock {
  public:
-  void lock() noexcept {
+  void lock() noexcept STREAMSAFE_ACQUIRE() {
     for (int spins = 0;; ++spins) {
       if (!locked_.exchange(true, std::memory_order_acquire)) return;
       while (locked_.load(std::memory_order_relaxed)) {
@@ -28,10 +30,10 @@ class spin_lock {
       }
     }
   }
-  bool try_lock() noexcept {
+  bool try_lock() noexcept STREAMSAFE_TRY_ACQUIRE(true) {
     return !locked_.load(std::memory_order_relaxed) && !locked_.exchange(true, std::memory_order_acquire);
   }
-  void unlock() noexcept { locked_.store(false, std::memory_order_release); }
+  void unlock() noexcept STREAMSAFE_RELEASE() { locked_.store(false, std::memory_order_release); }
   // A relaxed look (no ordering): true while some thread holds the lock.
   bool is_locked() const noexcept { return locked_.load(std::memory_order_relaxed); }
 

@@ -1,4 +1,5 @@
-// streamsafe core: text form of the statistics.
+// streamsafe core: text form of the statistics. A pure function of its argument: no state, no
+// lock (caching_allocator::stats takes the locks and returns a copy).
 #include <streamsafe/core/statistics.hpp>
 
 #include <sstream>

@@ -43,7 +43,9 @@ namespace streamsafe {
 
 class caching_allocator {
  public:
-  // The backend must outlive the allocator. opts.backend is informational here.
+  // The backend must outlive the allocator. opts.backend selects how the core grows its pools:
+  // cuda_malloc (one backend allocation per segment) or expandable (chunks mapped into one
+  // reserved range per pool; throws config_error when the backend does not support it).
   caching_allocator(device_backend& backend, options opts);
   ~caching_allocator();  // releases every segment (waits on fences); live blocks are leaked
   caching_allocator(const caching_allocator&) = delete;

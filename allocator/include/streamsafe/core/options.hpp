@@ -1,7 +1,7 @@
 // streamsafe: the allocator's options, in one place.
 //
 // Filled from code or from a configuration string of the shape PyTorch users know,
-// "key:value,key:value" (environment variable STREAMSAFE_ALLOC_CONF). parse_options() throws
+// "key:value,key:value" (environment variable STREAMSAFE_ALLOC_CONF). options::parse() throws
 // config_error naming the bad key or value and what is accepted; when a key appears twice the
 // last one wins and a warning says so.
 #pragma once

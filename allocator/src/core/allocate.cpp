@@ -1,0 +1,153 @@
+// streamsafe core: the allocation order.
+//
+// For a rounded request on stream s (pool = s's small or large pool):
+//   1. a good fit among the pool's free blocks (segregated lists, free_lists.hpp), after an
+//      exact-size block from the quick cache; with the cuda_malloc backend a whole free segment
+//      far larger than a large request is skipped (segment_fit.hpp) for the best block that may
+//      be split;
+//   2. a block of the pool whose host free is done but whose other-stream uses are pending:
+//      first the pending blocks whose events have completed are retired (process_events_locked,
+//      which otherwise runs only when k_pending_batch more blocks are pending), then s waits
+//      on the events of the best pending block (stream_wait_event), the host never blocks;
+//   3. growth (growth.cpp): a new cudaMalloc segment, or more chunks mapped into s's expandable
+//      segment; if it would raise peak reserved, the whole segments skipped in step 1 are
+//      released first (fenced); at the memory limit, a skipped whole segment is split after all;
+//   4. (out of memory) a whole free segment of another stream's pool, moved behind a fence
+//      that s waits on; then a safe release of the cache (fenced) and one retry; then
+//      out_of_memory.
+// Locks: steps 1-2 are the fast path, under s's stream lock alone. Steps 3-4 (allocate_slow)
+// take the device lock (mu_) first, then s's lock, dropping s's lock around releases.
+#include "allocator_state.hpp"
+#include "logging.hpp"
+#include "size_classes.hpp"
+#include "stream_cache.hpp"
+#include "format.hpp"
+
+namespace streamsafe {
+
+using detail::hex;
+using detail::stream_cache_entry;
+using detail::t_cache;
+
+block* caching_allocator::impl::find_block_locked(stream_state& st, pool& p, std::size_t rounded, bool grow) {
+  if (!st.pending.empty()) process_events_locked(st);
+  if (block* b = take_cached_fit_locked(p, rounded)) return b;
+  if (block* b = take_pending_locked(st, p, rounded)) return b;
+  return grow ? grow_locked(p, rounded) : nullptr;
+}
+
+void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size) {
+  if (b->state == block_state::quick_cached) {
+    b->state = block_state::active;  // from the quick cache: exactly the right size, and
+                                     // still in st.active (active_map.hpp)
+  } else {
+    b->seg->owner->mapped.erase(b);
+    b->state = block_state::active;  // before the split, so the remainder does not merge back
+    split_locked(b, rounded);
+    st.active.insert(b);
+  }
+  b->requested = size;
+  const std::int64_t old_peak = st.stats.allocated_bytes.peak;
+  const auto bytes = static_cast<std::int64_t>(b->size);
+  st.stats.allocated_bytes.add(bytes);
+  st.stats.requested_bytes.add(static_cast<std::int64_t>(size));
+  st.stats.allocation.add(1);
+  st.stats.active_bytes_peak = std::max(st.stats.active_bytes_peak, st.stats.allocated_bytes.current + st.stats.pending_bytes.current);
+  st.stats.active_peak = std::max(st.stats.active_peak, st.stats.allocation.current + st.stats.pending.current);
+  st.cur_allocated.store(st.stats.allocated_bytes.current, std::memory_order_relaxed);
+  st.cur_requested.store(st.stats.requested_bytes.current, std::memory_order_relaxed);
+  if (st.stats.allocated_bytes.current > old_peak) sample_peaks();
+  t_cache.last_used = {id_, st.handle, &st};
+  trace(trace_action::alloc, b->addr, size, st.handle);
+  if (trace_log_) detail::log().trace("alloc {} bytes at {} stream {}", size, hex(b->addr), hex(st.handle));
+  return reinterpret_cast<void*>(b->addr);
+}
+
+void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small) {
+  device_lock dlk(mu_);
+  detect_captures_locked(dlk);
+  if (capturing()) return allocate_during_capture_locked(dlk, size, rounded, small, st.handle);
+  if (wants_collection_locked(rounded)) {
+    // garbage_collection_threshold / max_cached_bytes: give free cached segments back first
+    // (in defer mode only what is safe now, never waiting).
+    release_cached(dlk, opts_.empty_cache);
+  }
+  detail::unique_lock<stream_lock> slk(st.mu);
+  pool& p = pool_of(st, small);
+  block* b = find_block_locked(st, p, rounded, false);
+  if (!b && growth_raises_peak_with_refused_locked(p, rounded)) {
+    // Whole free segments the rule refuses to this request would sit idle while the pool grows
+    // past its peak: they go back to the driver first, behind their fence (segment_fit.hpp).
+    // Opportunistic: a failed release leaves its memory in the pool, and the allocation goes on.
+    slk.unlock();
+    try {
+      release_refused_segments(dlk, st, rounded);
+    } catch (const std::exception& e) {
+      detail::log().warn("device {}: giving refused whole segments back before growing failed: {}", backend_.device(),
+                         e.what());
+    }
+    slk.lock();
+    b = find_block_locked(st, p, rounded);  // the pool may have changed while its lock was dropped
+  } else if (!b) {
+    b = grow_locked(p, rounded);  // both locks held since the search above: straight to growth
+  }
+  if (!b && !deferred_.empty()) {
+    slk.unlock();
+    finish_deferred(dlk, false);
+    slk.lock();
+    b = find_block_locked(st, p, rounded);
+  }
+  if (!b) b = steal_segment_locked(p, rounded);
+  if (!b) {
+    ++stats_.num_alloc_retries;
+    slk.unlock();
+    // empty_cache:wait waits (host, no lock held) on exactly the fence events; empty_cache:defer
+    // never blocks the host here: it releases what is safe now and queues the rest (case K8: a
+    // fenced stream may run a collective that waits for work this thread has yet to enqueue).
+    release_cached(dlk, opts_.empty_cache);
+    slk.lock();
+    b = find_block_locked(st, p, rounded);
+  }
+  if (!b) throw_out_of_memory_locked(dlk, &slk, size, rounded, p.stream, &st, "");
+  return finish_allocation(st, b, rounded, size);
+}
+
+void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) {
+  impl& m = *impl_;
+  if (size_bytes == 0) {
+    throw invalid_size("streamsafe: allocate(0 bytes) on device " + std::to_string(m.backend_.device()) +
+                       ", stream " + hex(stream) + ": the size must be positive");
+  }
+  if (size_bytes > detail::k_max_request_bytes || size_bytes > m.limit_bytes_) {
+    device_lock dlk(m.mu_);
+    m.throw_out_of_memory_locked(dlk, nullptr, size_bytes, size_bytes, stream, nullptr,
+                                 "; the request exceeds the device's memory limit");
+  }
+  const std::size_t rounded = m.opts_.roundup_power2_divisions
+                                  ? detail::round_power2_divisions(size_bytes, m.opts_.roundup_power2_divisions)
+                                  : detail::round_request(size_bytes);
+  const bool small = detail::is_small(rounded);
+  if (m.capturing()) {  // a CUDA graph capture is underway on the device (capture.cpp)
+    device_lock dlk(m.mu_);
+    m.detect_captures_locked(dlk);
+    if (m.capturing()) return m.allocate_during_capture_locked(dlk, size_bytes, rounded, small, stream);
+  }
+  impl::stream_state& st = m.state_for(stream);
+  {
+    detail::lock_guard<stream_lock> slk(st.mu);
+    // Blocks waiting for other streams are retired in batches (process_events_locked): when
+    // k_pending_batch more have queued up, or when nothing else fits.
+    if (st.pending.size() >= st.process_at) m.process_events_locked(st);
+    pool& p = impl::pool_of(st, small);
+    block* b = m.take_cached_fit_locked(p, rounded);
+    if (!b && !st.pending.empty()) {
+      m.process_events_locked(st);
+      b = m.best_fit(p, rounded);
+      if (!b) b = m.take_pending_locked(st, p, rounded);
+    }
+    if (b) return m.finish_allocation(st, b, rounded, size_bytes);
+  }
+  return m.allocate_slow(st, size_bytes, rounded, small);
+}
+
+}  // namespace streamsafe

@@ -1,0 +1,147 @@
+// streamsafe core: events and the pending list.
+//
+// The event pool (free_events_, guarded by events_mu_, a leaf lock) and each stream's event
+// cache (guarded by that stream's lock) hold recorded-and-done events for reuse. A block freed
+// with uses on other streams is pending_free: in its stream's pending list, in free order, with
+// one event per stream that may still use it; it returns to its pool once they have completed
+// (process_events_locked proves a prefix of the list with one query per stream).
+// Locks: the _locked functions here need the lock of the stream whose list or block they touch;
+// order_after_locked needs the device lock (mu_); get_event/put_event(e) take events_mu_.
+#include "allocator_state.hpp"
+#include "logging.hpp"
+
+#include <algorithm>
+
+namespace streamsafe {
+
+event_handle caching_allocator::impl::get_event() {
+  {
+    detail::lock_guard<detail::mutex> lk(events_mu_);
+    if (!free_events_.empty()) {
+      event_handle e = free_events_.back();
+      free_events_.pop_back();
+      return e;
+    }
+  }
+  return backend_.create_event();
+}
+
+void caching_allocator::impl::put_event(event_handle e) {
+  detail::lock_guard<detail::mutex> lk(events_mu_);
+  free_events_.push_back(e);
+}
+
+event_handle caching_allocator::impl::get_event(stream_state& st) {
+  if (st.event_cache.empty()) return get_event();
+  const event_handle e = st.event_cache.back();
+  st.event_cache.pop_back();
+  return e;
+}
+
+void caching_allocator::impl::put_event(stream_state& st, event_handle e) {
+  if (st.event_cache.size() < k_event_cache) st.event_cache.push_back(e);  // never reallocates
+  else put_event(e);
+}
+
+void caching_allocator::impl::order_after_locked(stream_handle waiter, stream_handle on) {
+  // waiter waits, on the device, for the work enqueued on `on` so far (one pooled event).
+  event_handle e = get_event();
+  try {
+    backend_.record_event(e, on);
+    backend_.stream_wait_event(waiter, e);
+  } catch (...) {
+    put_event(e);
+    throw;
+  }
+  put_event(e);
+  ++stats_.events_recorded;
+  ++stats_.stream_waits;
+}
+
+void caching_allocator::impl::add_use_locked(block* b, stream_handle stream) {
+  if (stream != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
+    b->uses.push_back(stream);
+  }
+  note_use_locked(b->seg, stream);
+}
+
+void caching_allocator::impl::note_use_locked(segment* seg, stream_handle stream) {
+  if (stream != seg->stream &&
+      std::find(seg->used_streams.begin(), seg->used_streams.end(), stream) == seg->used_streams.end()) {
+    seg->used_streams.push_back(stream);
+  }
+}
+
+void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) {
+  st.pending.erase(b);
+  trace(trace_action::free_completed, b->addr, b->size, b->seg->stream);
+  for (auto& e : b->events) {
+    if (e.stream != detail::k_tombstone_stream) put_event(st, e.event);  // tombstones are not pooled
+  }
+  b->events.clear();
+  st.stats.pending_bytes.sub(static_cast<std::int64_t>(b->size));
+  st.stats.pending.sub(1);
+  st.cur_pending.store(st.stats.pending_bytes.current, std::memory_order_relaxed);
+  free_block_locked(b);
+}
+
+void caching_allocator::impl::process_events_locked(stream_state& st) {
+  if (capturing()) return;  // no event query during a graph capture (capture.cpp)
+  st.process_at = st.pending.size() + k_pending_batch;
+  if (st.pending.empty()) return;
+  // Stream order proves a prefix with one query per stream. Every event of st.pending was
+  // recorded under st's lock in the same critical section that appended its block, so the
+  // events on one stream s lie in the list in the order they were recorded, and they complete
+  // in that order: when the newest of them has completed, all of them have. Tombstones (shared
+  // by every pool) and per-thread stream handles (a different stream in each thread) prove
+  // nothing and are queried one by one.
+  constexpr int k_streams = 8;
+  stream_handle asked[k_streams];
+  bool done[k_streams];
+  int n = 0;
+  auto slot = [&](stream_handle s) {
+    for (int i = 0; i < n; ++i) {
+      if (asked[i] == s) return i;
+    }
+    return -1;
+  };
+  // The newest events only: a bounded walk from the back (a stream whose newest event lies
+  // further back just gets no proof, and its events are queried one by one below).
+  std::size_t walked = 0;
+  for (const block* x = st.pending.back(); x && n < k_streams && walked < 2 * k_pending_batch;
+       x = x->pending_prev, ++walked) {
+    for (const auto& e : x->events) {
+      if (n == k_streams) break;
+      if (e.stream == detail::k_tombstone_stream || backend_.stream_is_per_thread(e.stream) || slot(e.stream) >= 0) continue;
+      asked[n] = e.stream;
+      done[n++] = backend_.query_event(e.event);
+    }
+  }
+  // Then from the oldest, as PyTorch does: stop at the first block still in use.
+  while (!st.pending.empty()) {
+    block* b = st.pending.front();
+    for (const auto& e : b->events) {
+      const int i = e.stream == detail::k_tombstone_stream ? -1 : slot(e.stream);
+      if (i >= 0 && done[i]) continue;
+      if (!backend_.query_event(e.event)) return;
+    }
+    retire_pending_locked(st, b);
+  }
+}
+
+block* caching_allocator::impl::take_pending_locked(stream_state& st, pool& p, std::size_t rounded) {
+  if (capturing()) return nullptr;  // a stream wait on an outside event breaks a capture
+  block* best = nullptr;
+  for (block* b : st.pending) {
+    if (b->seg->owner == &p && b->mapped && b->size >= rounded && (!best || b->size < best->size)) best = b;
+  }
+  if (!best) return nullptr;
+  for (auto& e : best->events) {
+    backend_.stream_wait_event(p.stream, e.event);
+    ++st.stats.stream_waits;
+  }
+  retire_pending_locked(st, best);
+  return best_fit(p, rounded);
+}
+
+}  // namespace streamsafe

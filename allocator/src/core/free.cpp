@@ -1,0 +1,227 @@
+// streamsafe core: deallocate, record_stream and notify_stream_destroyed.
+//
+// A free on the block's own stream with no recorded uses parks the block in its pool's quick
+// cache (or returns it to the free lists); any other free records one event per stream that
+// may still use the block and leaves it pending_free (events.cpp). Invariant: every event is
+// recorded before anything changes, so a failing backend call leaves the block active.
+// Locks: the fast path takes only the lock of the stream this thread allocated from last; the
+// slow path takes the device lock (mu_), which finds the owner and sees destroyed streams'
+// tombstones, then the owner's stream lock.
+#include "allocator_state.hpp"
+#include "logging.hpp"
+#include "stream_cache.hpp"
+
+#include <algorithm>
+
+namespace streamsafe {
+
+using detail::stream_cache_entry;
+using detail::t_cache;
+
+void caching_allocator::impl::count_free_locked(stream_state& st, const block* b) {
+  st.stats.allocated_bytes.sub(static_cast<std::int64_t>(b->size));
+  st.stats.requested_bytes.sub(static_cast<std::int64_t>(b->requested));
+  st.stats.allocation.sub(1);
+  st.cur_allocated.store(st.stats.allocated_bytes.current, std::memory_order_relaxed);
+  st.cur_requested.store(st.stats.requested_bytes.current, std::memory_order_relaxed);
+}
+
+void caching_allocator::impl::free_same_stream_locked(stream_state& st, block* b) {
+  // No event: straight to the quick cache, staying in st.active (or out of it, to the free lists).
+  if (trace_.load(std::memory_order_relaxed)) {
+    trace(trace_action::free_requested, b->addr, b->requested, st.handle);
+    trace(trace_action::free_completed, b->addr, b->requested, st.handle);
+  }
+  count_free_locked(st, b);
+  b->requested = 0;
+  b->state = block_state::quick_cached;
+  if (!b->seg->owner->quick.push(b)) {
+    st.active.erase(b->addr);
+    free_block_locked(b);
+  }
+}
+
+void caching_allocator::impl::free_found_locked(stream_state& st, block* b, const stream_handle* stream) {
+  segment* seg = b->seg;
+  if (b->uses.empty() && (!stream || *stream == seg->stream)) {
+    free_same_stream_locked(st, b);
+    return;
+  }
+  st.active.erase(b->addr);
+  try {
+    record_use_events_locked(b, stream, true);
+  } catch (...) {
+    st.active.insert(b);
+    throw;
+  }
+  commit_free_locked(st, b, stream);
+}
+
+bool caching_allocator::impl::record_use_events_locked(block* b, const stream_handle* stream, bool device_locked) {
+  // One event per stream that may still use b: its record_stream uses and, for a stream-ordered
+  // free, the stream of last use. Every event is recorded before anything changes: a failure
+  // leaves b->events empty and the block as it was. A stream announced as destroyed gets no
+  // call: its tombstone event covers it (device lock needed to see them). Without the device
+  // lock, only streams this thread knows to be alive are handled; otherwise nothing is
+  // recorded and false is returned.
+  const segment* seg = b->seg;
+  stream_state& owner = state_of(*seg->owner);
+  std::vector<detail::pending_event>& events = b->events;
+  events.reserve(b->uses.size() + 1);
+  // The lambdas run under b's owner lock (and mu_ when device_locked), which the analysis
+  // cannot see inside a lambda.
+  auto unwind = [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+    for (auto& e : events) {
+      if (e.stream != detail::k_tombstone_stream) put_event(owner, e.event);
+    }
+    events.clear();
+  };
+  auto record_on = [&](stream_handle s) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+    if (device_locked) {
+      auto it = streams_.find(s);
+      if (it != streams_.end() && !it->second->alive.load(std::memory_order_acquire)) {
+        for (auto& t : tombstones_) {
+          if (t.stream == s) events.push_back({t.event, detail::k_tombstone_stream});
+        }
+        return true;
+      }
+    } else if (cached_live_state(s) == nullptr) {
+      return false;
+    }
+    event_handle e = get_event(owner);
+    try {
+      backend_.record_event(e, s);
+    } catch (...) {
+      put_event(owner, e);
+      throw;
+    }
+    events.push_back({e, s});
+    return true;
+  };
+  try {
+    for (stream_handle s : b->uses) {
+      if (!record_on(s)) {
+        unwind();
+        return false;
+      }
+    }
+    if (stream && *stream != seg->stream &&
+        std::find(b->uses.begin(), b->uses.end(), *stream) == b->uses.end() && !record_on(*stream)) {
+      unwind();
+      return false;
+    }
+  } catch (...) {
+    unwind();
+    throw;
+  }
+  return true;
+}
+
+void caching_allocator::impl::commit_free_locked(stream_state& st, block* b, const stream_handle* stream) {
+  // b is out of the active map and b->events holds its recorded events (possibly none).
+  segment* seg = b->seg;
+  if (stream) note_use_locked(seg, *stream);
+  const auto bytes = static_cast<std::int64_t>(b->size);
+  trace(trace_action::free_requested, b->addr, b->requested, seg->stream);
+  if (b->events.empty()) trace(trace_action::free_completed, b->addr, b->requested, seg->stream);
+  count_free_locked(st, b);
+  st.stats.events_recorded += b->events.size();
+  b->uses.clear();
+  if (b->events.empty()) {
+    free_block_locked(b);
+    return;
+  }
+  st.stats.pending_bytes.add(bytes);  // still active: waiting for other streams
+  st.stats.pending.add(1);
+  st.cur_pending.store(st.stats.pending_bytes.current, std::memory_order_relaxed);
+  b->state = block_state::pending_free;
+  st.pending.push_back(b);
+}
+
+void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* stream) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  if (stream) state_for(*stream);  // a stream-ordered free makes the stream known (for fences)
+  // Fast path: a free of a block of the stream this thread allocated from last, under that
+  // stream's lock alone. A same-stream free records nothing; a free with uses on other streams
+  // records their events here too when this thread knows each of those streams to be alive
+  // (its stream cache); otherwise (a stream that may be gone, a free held by a graph capture,
+  // a capture underway) the device lock is taken below, which lets the free see the tombstones
+  // of destroyed streams and the capture's rules (capture.cpp).
+  if (const stream_cache_entry& last = t_cache.last_used; last.owner == id_ && !capturing()) {
+    auto& st = *static_cast<stream_state*>(last.state);
+    detail::lock_guard<stream_lock> slk(st.mu);
+    if (block* b = st.active.find_active(addr)) {
+      if (b->uses.empty() && (!stream || *stream == b->seg->stream) && !b->free_held) {
+        free_same_stream_locked(st, b);
+        return;
+      }
+      st.active.erase(addr);
+      bool recorded = false;
+      try {
+        recorded = !b->free_held && record_use_events_locked(b, stream, false);
+      } catch (...) {
+        st.active.insert(b);
+        throw;
+      }
+      if (recorded) {
+        commit_free_locked(st, b, stream);
+        return;
+      }
+      st.active.insert(b);  // a stream this thread does not know: the slow path below
+    }
+  }
+  detail::lock_guard<detail::mutex> dlk(mu_);
+  const char* what = stream ? "deallocate(stream)" : "deallocate";
+  stream_state* owner = owner_locked(ptr);
+  if (!owner) throw_invalid_pointer_locked(ptr, what);
+  detail::lock_guard<stream_lock> slk(owner->mu);
+  block* b = owner->active.find_active(addr);
+  if (!b || b->free_held) throw_invalid_pointer_locked(ptr, what);
+  if (capturing() && free_during_capture_locked(*owner, b, stream)) return;
+  free_found_locked(*owner, b, stream);
+}
+
+void caching_allocator::deallocate(void* ptr) { impl_->deallocate_impl(ptr, nullptr); }
+
+void caching_allocator::deallocate(void* ptr, stream_handle stream) { impl_->deallocate_impl(ptr, &stream); }
+
+void caching_allocator::record_stream(void* ptr, stream_handle stream) {
+  impl& m = *impl_;
+  m.state_for(stream);  // the stream becomes known (for fences)
+  // Fast path: a block of the stream this thread allocated from last, under that stream's lock
+  // (which guards the block and its segment's used streams).
+  if (const stream_cache_entry& last = t_cache.last_used; last.owner == m.id_) {
+    auto& st = *static_cast<impl::stream_state*>(last.state);
+    detail::lock_guard<stream_lock> slk(st.mu);
+    if (block* b = st.active.find_active(reinterpret_cast<std::uintptr_t>(ptr)); b && !b->free_held) {
+      m.add_use_locked(b, stream);
+      return;
+    }
+  }
+  detail::lock_guard<detail::mutex> dlk(m.mu_);
+  impl::stream_state* owner = m.owner_locked(ptr);
+  if (!owner) m.throw_invalid_pointer_locked(ptr, "record_stream");
+  detail::lock_guard<stream_lock> slk(owner->mu);
+  block* b = owner->active.find_active(reinterpret_cast<std::uintptr_t>(ptr));
+  if (!b || b->free_held) m.throw_invalid_pointer_locked(ptr, "record_stream");
+  m.add_use_locked(b, stream);
+}
+
+void caching_allocator::notify_stream_destroyed(stream_handle stream) {
+  impl& m = *impl_;
+  detail::lock_guard<detail::mutex> lk(m.mu_);
+  auto it = m.streams_.find(stream);
+  if (it == m.streams_.end() || !it->second->alive.load()) return;
+  event_handle e = m.get_event();
+  try {
+    m.backend_.record_event(e, stream);
+  } catch (...) {
+    m.put_event(e);
+    throw;
+  }
+  ++m.stats_.events_recorded;
+  m.tombstones_.push_back({e, stream});
+  it->second->alive.store(false, std::memory_order_release);
+}
+
+}  // namespace streamsafe

@@ -1,0 +1,209 @@
+// streamsafe core: growth, step 3 of the allocation order (allocate.cpp), and step 4's move of
+// a whole free segment from another stream.
+//
+// cuda_malloc backend: one segment per growth (segment_bytes_for), within limit_bytes_.
+// expandable backend: one reserved address range per pool, chunks mapped into its unmapped
+// blocks as needed (each chunk mapped alone, so that any may later be unmapped alone).
+// Invariant: stats_.reserved_bytes counts every mapped byte of every segment (and of the
+// segments being released, release.cpp). Locks: the device lock (mu_) and the lock of the
+// growing pool's stream are held by every function here; steal_segment_locked also takes the
+// other stream's lock, re-checking its choice under it.
+#include "allocator_state.hpp"
+#include "logging.hpp"
+#include "format.hpp"
+#include "segment_fit.hpp"
+#include "size_classes.hpp"
+
+namespace streamsafe {
+
+using detail::hex;
+
+block* caching_allocator::impl::add_segment_locked(pool& p, std::uintptr_t base, std::size_t size, bool mapped) {
+  auto* seg = new segment;
+  seg->base = base;
+  seg->size = size;
+  seg->mapped_bytes = mapped ? size : 0;
+  seg->stream = p.stream;
+  seg->small = p.small;
+  seg->expandable = !mapped;
+  seg->owner = &p;
+  block* b = new_block(state_of(p));
+  b->addr = base;
+  b->size = size;
+  b->seg = seg;
+  b->mapped = mapped;
+  seg->first = b;
+  segments_.emplace(base, seg);
+  if (mapped) p.mapped.insert(b);
+  else p.unmapped.insert(b);
+  stats_.segment.increase(1);
+  return b;
+}
+
+block* caching_allocator::impl::new_segment_locked(pool& p, std::size_t rounded) {
+  const std::size_t size = detail::segment_bytes_for(rounded);
+  if (static_cast<std::size_t>(stats_.reserved_bytes.current) + size > limit_bytes_) return nullptr;
+  void* base = backend_.allocate_segment(size);
+  if (!base) return nullptr;
+  block* b = add_segment_locked(p, reinterpret_cast<std::uintptr_t>(base), size, true);
+  stats_.reserved_bytes.increase(static_cast<std::int64_t>(size));
+  ++stats_.num_device_alloc;
+  trace(trace_action::segment_alloc, b->addr, size, p.stream);
+  detail::log().debug("device {}: segment_alloc {} bytes at {} for stream {}", backend_.device(), size,
+                      hex(b->addr), hex(p.stream));
+  return b;
+}
+
+std::size_t caching_allocator::impl::map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk) {
+  // One backend map per chunk, so that any chunk can later be unmapped alone. Out of memory
+  // part-way: the chunks mapped so far are unmapped again, except during a graph capture (no
+  // unmap may run then), where they are kept, counted in the returned bytes.
+  std::size_t done = 0;
+  try {
+    for (; done < bytes; done += chunk) {
+      if (!backend_.map(reinterpret_cast<void*>(addr + done), chunk)) break;
+    }
+  } catch (...) {
+    if (done) backend_.unmap(reinterpret_cast<void*>(addr), done);
+    throw;
+  }
+  if (done < bytes) {
+    if (capturing()) return done;
+    if (done) backend_.unmap(reinterpret_cast<void*>(addr), done);
+    return 0;
+  }
+  return done;
+}
+
+block* caching_allocator::impl::choose_unmapped_locked(pool& p, std::size_t rounded, std::size_t& map_bytes) const {
+  const std::size_t gran = p.small ? small_chunk_bytes_ : large_chunk_bytes_;
+  // Bytes to map if we grow into unmapped block u, reusing a free mapped block just before it.
+  auto need = [&](const block* u) -> std::size_t {
+    std::size_t have = (u->prev && u->prev->state == block_state::free && u->prev->mapped) ? u->prev->size : 0;
+    return have >= rounded ? 0 : detail::round_up(rounded - have, gran);
+  };
+  block* choice = nullptr;
+  if (auto it = p.unmapped.lower_bound(detail::block_order::key{rounded, 0}); it != p.unmapped.end()) choice = *it;
+  if (!p.unmapped.empty()) {
+    block* largest = *p.unmapped.rbegin();
+    if (largest->size >= need(largest) && (!choice || need(largest) < need(choice))) choice = largest;
+  }
+  if (!choice) return nullptr;
+  map_bytes = need(choice);
+  if (map_bytes == 0 || map_bytes > choice->size) return nullptr;
+  if (static_cast<std::size_t>(stats_.reserved_bytes.current) + map_bytes > limit_bytes_) return nullptr;
+  return choice;
+}
+
+block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t rounded) {
+  const std::size_t gran = p.small ? small_chunk_bytes_ : large_chunk_bytes_;
+  if (!p.expandable) {
+    const std::size_t reserve = detail::round_up(limit_bytes_, gran);
+    void* base = backend_.reserve_address_range(reserve);
+    p.expandable = add_segment_locked(p, reinterpret_cast<std::uintptr_t>(base), reserve, false)->seg;
+  }
+  std::size_t map_bytes = 0;
+  block* choice = choose_unmapped_locked(p, rounded, map_bytes);
+  if (!choice) return nullptr;
+  const std::size_t mapped = map_chunks_locked(choice->addr, map_bytes, gran);
+  if (mapped == 0) return nullptr;
+  const bool partial = mapped < map_bytes;  // kept during a capture: free memory, too little
+  map_bytes = mapped;
+  p.unmapped.erase(choice);
+  if (map_bytes < choice->size) p.unmapped.insert(split_off_locked(choice, map_bytes));  // the rest stays unmapped
+  choice->mapped = true;
+  choice->seg->mapped_bytes += map_bytes;
+  stats_.reserved_bytes.increase(static_cast<std::int64_t>(map_bytes));
+  stats_.num_device_alloc += map_bytes / gran;
+  trace(trace_action::segment_map, choice->addr, map_bytes, p.stream);
+  detail::log().debug("device {}: segment_map {} bytes at {} (stream {})", backend_.device(), map_bytes,
+                      hex(choice->addr), hex(p.stream));
+  free_block_locked(choice);  // merges with the free mapped block before it
+  return partial ? nullptr : best_fit(p, rounded);
+}
+
+block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounded) {
+  if (opts_.backend == backend_kind::expandable || opts_.release_fence == fence_scope::device) return nullptr;
+  if (capturing()) return nullptr;
+  // The other stream's lock is dropped between the search and the move, and that stream's fast
+  // path (its lock alone, no mu_) may meanwhile allocate from the chosen segment: the move
+  // re-checks, under that lock, that the segment is still one whole free block, and otherwise
+  // searches again (a retry follows another thread's allocation from that segment).
+  auto whole_free = [&](segment* seg) {
+    if (seg->owner->quick.count) flush_quick_locked(*seg->owner);
+    const block* f = seg->first;
+    return !f->next && f->state == block_state::free && f->size >= rounded;
+  };
+  segment* best = nullptr;
+  std::unique_lock<stream_lock> olk;
+  while (!best) {
+    for (auto& [base, seg] : segments_) {
+      if (seg->expandable || seg->owner == &p || seg->small != p.small) continue;
+      stream_state& other = state_of(*seg->owner);
+      if (other.graph != 0 && !other.graph_released) continue;  // a graph's private pool
+      detail::lock_guard<stream_lock> lk(other.mu);
+      if (!whole_free(seg)) continue;
+      if (!best || seg->size < best->size) best = seg;
+    }
+    if (!best) return nullptr;
+    olk = std::unique_lock<stream_lock>(state_of(*best->owner).mu);
+    if (!whole_free(best)) {
+      olk.unlock();
+      best = nullptr;
+    }
+  }
+  // The new stream waits, on the device, for every stream that may still touch the segment.
+  for (stream_handle s : fence_streams_locked(best)) {
+    if (s == p.stream) continue;
+    order_after_locked(p.stream, s);
+  }
+  for (auto& t : tombstones_) {
+    backend_.stream_wait_event(p.stream, t.event);
+    ++stats_.stream_waits;
+  }
+  best->owner->mapped.erase(best->first);
+  best->owner = &p;
+  best->stream = p.stream;
+  best->used_streams.clear();
+  p.mapped.insert(best->first);
+  ++stats_.segments_moved;
+  detail::log().debug("device {}: moved free segment {} ({} bytes) to stream {} behind an event wait",
+                      backend_.device(), hex(best->base), best->size, hex(p.stream));
+  return best->first;
+}
+
+block* caching_allocator::impl::grow_locked(pool& p, std::size_t rounded) {
+  if (opts_.backend == backend_kind::expandable) return expandable_fit_locked(p, rounded);
+  if (block* b = new_segment_locked(p, rounded)) return b;
+  // At the memory limit the whole-segment rule gives way: split the best fit rather than fail.
+  return opts_.whole_segment_split_ratio != 0 ? fit_ignoring_whole_rule(p, rounded) : nullptr;
+}
+
+bool caching_allocator::impl::growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const {
+  if (p.small || opts_.whole_segment_split_ratio == 0 || opts_.backend == backend_kind::expandable) return false;
+  // Below the peak growth costs nothing; at the limit the rule gives way (find_block_locked).
+  const std::size_t grown = static_cast<std::size_t>(stats_.reserved_bytes.current) + detail::segment_bytes_for(rounded);
+  if (grown <= static_cast<std::size_t>(stats_.reserved_bytes.peak) || grown > limit_bytes_) return false;
+  bool refused = false;
+  p.mapped.for_each([&](const block* b) { refused = refused || (!b->prev && !b->next && keeps_whole(b, rounded)); });
+  return refused;
+}
+
+bool caching_allocator::impl::wants_collection_locked(std::size_t rounded) const {
+  if (opts_.garbage_collection_threshold <= 0 && opts_.max_cached_bytes == 0) return false;
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+  if (opts_.garbage_collection_threshold > 0 &&
+      static_cast<double>(reserved + detail::segment_bytes_for(rounded)) >
+          opts_.garbage_collection_threshold * static_cast<double>(limit_bytes_)) {
+    return true;
+  }
+  if (opts_.max_cached_bytes != 0) {
+    std::int64_t allocated = 0;
+    for (auto& [s, state] : streams_) allocated += state->cur_allocated.load(std::memory_order_relaxed);
+    const auto cached = static_cast<std::int64_t>(reserved) - allocated;
+    if (cached > static_cast<std::int64_t>(opts_.max_cached_bytes)) return true;
+  }
+  return false;
+}
+
+}  // namespace streamsafe

@@ -1,0 +1,157 @@
+// streamsafe core: check_invariants, one checker per structure.
+//
+// Checked: the segments (blocks tile them; each block in the one place its state allows: free
+// lists, quick cache, active map, pending list, a release batch), the pools' free lists and
+// unmapped sets, the quick caches, the active maps, the pending lists, the segments being
+// released, the frees held by a graph capture, and the statistics against the blocks.
+// Locks: the device lock and every stream lock, held for the whole check.
+#include "allocator_state.hpp"
+#include "format.hpp"
+#include "size_classes.hpp"
+
+namespace streamsafe {
+
+using detail::hex;
+
+namespace {
+
+[[noreturn]] void fail(const std::string& what) { throw std::logic_error("streamsafe invariant violated: " + what); }
+
+}  // namespace
+
+void caching_allocator::impl::check_block_locked(const block* b, census& c) const {
+  const segment* seg = b->seg;
+  const bool in_mapped = detail::free_lists::contains(b);
+  const bool in_unmapped = seg->owner->unmapped.count(const_cast<block*>(b)) != 0;
+  const bool in_pool = b->mapped ? in_mapped : in_unmapped;
+  if (b->mapped && in_unmapped) fail("mapped block in the unmapped set");
+  if (b->pending_linked != (b->state == block_state::pending_free))
+    fail("block " + hex(b->addr) + ": its pending-list link disagrees with its state");
+  const stream_state& owner = state_of(*seg->owner);
+  const auto bytes = static_cast<std::int64_t>(b->size);
+  switch (b->state) {
+    case block_state::free:
+      ++c.free_blocks;
+      if (!in_pool) fail("free block " + hex(b->addr) + " missing from its pool");
+      if (b->next && b->next->state == block_state::free && b->next->mapped == b->mapped)
+        fail("two free neighbours not merged at " + hex(b->addr));
+      break;
+    case block_state::active:
+      if (in_pool || in_mapped) fail("active block " + hex(b->addr) + " is in a free pool");
+      if (owner.active.find(b->addr) != b) fail("active block missing from its stream's active map");
+      c.allocated_bytes += bytes;
+      c.active_bytes += bytes;
+      ++c.active_blocks;
+      if (!b->mapped) fail("active block is unmapped");
+      break;
+    case block_state::pending_free:
+      if (in_pool || in_mapped) fail("pending block in a free pool");
+      c.active_bytes += bytes;
+      ++c.pending_blocks;
+      break;
+    case block_state::releasing:
+      if (in_pool || in_mapped) fail("releasing block in a free pool");
+      break;
+    case block_state::quick_cached:
+      if (in_pool || in_mapped) fail("quick-cached block " + hex(b->addr) + " is also in the free lists");
+      if (!b->mapped) fail("quick-cached block is unmapped");
+      if (owner.active.find(b->addr) != b) fail("quick-cached block " + hex(b->addr) + " missing from its stream's active map");
+      ++c.quick_cached_blocks;
+      break;
+  }
+  c.held_blocks += b->free_held ? 1 : 0;
+}
+
+void caching_allocator::impl::check_segment_locked(std::uintptr_t key, const segment* seg, census& c) const {
+  if (seg->base != key) fail("segment map key differs from its base");
+  std::uintptr_t expect = seg->base;
+  std::size_t mapped = 0;
+  for (const block* b = seg->first; b; b = b->next) {
+    if (b->addr != expect) fail("blocks do not tile segment " + hex(seg->base) + " at " + hex(b->addr));
+    if (b->seg != seg) fail("block " + hex(b->addr) + " points at another segment");
+    if (b->next && b->next->prev != b) fail("broken prev link after " + hex(b->addr));
+    if (b->size == 0 || b->size % detail::k_min_block_bytes != 0) fail("block size not a multiple of 512");
+    if (b->mapped) mapped += b->size;
+    if (!seg->expandable && !b->mapped) fail("unmapped block in a cuda_malloc segment");
+    check_block_locked(b, c);
+    expect += b->size;
+  }
+  if (expect != seg->base + seg->size) fail("blocks do not cover segment " + hex(seg->base));
+  if (mapped != seg->mapped_bytes) fail("mapped bytes of segment " + hex(seg->base) + " disagree");
+  c.reserved_bytes += static_cast<std::int64_t>(mapped);
+}
+
+void caching_allocator::impl::check_pool_locked(const pool& p, census& c) const {
+  c.free_list_blocks += p.mapped.size() + p.unmapped.size();
+  p.mapped.for_each([&](const block* b) {
+    if (b->seg->owner != &p || !b->mapped || b->state != block_state::free) fail("pool holds a foreign or non-free block");
+  });
+  for (const block* b : p.unmapped) {
+    if (b->seg->owner != &p || b->mapped || b->state != block_state::free) fail("unmapped pool holds a bad block");
+  }
+  std::size_t in_quick = 0;
+  p.quick.for_each([&](const block* b) {
+    ++in_quick;
+    if (b->seg->owner != &p || b->state != block_state::quick_cached)
+      fail("quick cache holds a foreign or non-quick-cached block");
+  });
+  if (in_quick != p.quick.count) fail("quick cache count disagrees");
+  c.quick_cache_blocks += in_quick;
+}
+
+void caching_allocator::impl::check_stream_locked(const stream_state& st, census& c) const {
+  check_pool_locked(st.small_pool, c);
+  check_pool_locked(st.large_pool, c);
+  c.pending_list_blocks += st.pending.size();
+  c.active_map_blocks += st.active.size();
+  st.active.for_each([&](const block* b) {
+    if (&state_of(*b->seg->owner) != &st || (b->state != block_state::active && b->state != block_state::quick_cached))
+      fail("active map holds a block of another stream, or one neither active nor quick-cached");
+  });
+  c.stat_allocated_bytes += st.stats.allocated_bytes.current;
+  c.stat_active_bytes += st.stats.allocated_bytes.current + st.stats.pending_bytes.current;
+  if (st.cur_allocated.load() != st.stats.allocated_bytes.current) fail("allocated mirror disagrees");
+}
+
+void caching_allocator::impl::check_releasing_segments_locked(census& c) const {
+  for (const segment* seg : releasing_segments_) {  // being freed with mu_ dropped (release.cpp)
+    if (seg->expandable || seg->first->next || seg->first->state != block_state::releasing)
+      fail("segment " + hex(seg->base) + " out of the segment map is not a whole segment being released");
+    c.reserved_bytes += static_cast<std::int64_t>(seg->mapped_bytes);
+  }
+}
+
+void caching_allocator::impl::check_held_frees_locked(const census& c) const {
+  for (const auto& h : held_frees_) {
+    if (h.b->state != block_state::active || !h.b->free_held) fail("a free held during a capture is not an active held block");
+  }
+  if (c.held_blocks != held_frees_.size()) fail("held frees disagree with the blocks marked held");
+}
+
+void caching_allocator::impl::check_census_locked(const census& c) const {
+  if (c.free_list_blocks != c.free_blocks) fail("pools hold blocks that are not in any segment");
+  if (c.quick_cache_blocks != c.quick_cached_blocks) fail("quick caches hold blocks that are not in any segment");
+  if (c.pending_blocks != c.pending_list_blocks) fail("pending lists disagree with pending blocks");
+  if (c.active_blocks + c.quick_cached_blocks != c.active_map_blocks) fail("active maps hold blocks not in any segment");
+  if (c.reserved_bytes != stats_.reserved_bytes.current) fail("reserved bytes statistic disagrees with segments");
+  if (c.allocated_bytes != c.stat_allocated_bytes) fail("allocated bytes statistic disagrees with blocks");
+  if (c.active_bytes != c.stat_active_bytes) fail("active bytes statistic disagrees with blocks");
+}
+
+void caching_allocator::check_invariants() const {
+  const impl& m = *impl_;
+  detail::lock_guard<detail::mutex> dlk(m.mu_);
+  std::vector<std::unique_lock<stream_lock>> locks;
+  for (auto& [h, st] : m.streams_) locks.emplace_back(st->mu);
+  impl::census c;
+  for (auto& [base, seg] : m.segments_) m.check_segment_locked(base, seg, c);
+  for (auto& [h, st] : m.streams_) {
+    detail::assume_held(st->mu);  // locked above, in `locks`
+    m.check_stream_locked(*st, c);
+  }
+  m.check_releasing_segments_locked(c);
+  m.check_held_frees_locked(c);
+  m.check_census_locked(c);
+}
+
+}  // namespace streamsafe

@@ -1,0 +1,119 @@
+// streamsafe core: the stream states (one per stream the allocator has seen, and one per CUDA
+// graph's private pool) and each thread's cache of them (stream_cache.hpp).
+//
+// Invariants: streams_ maps each known stream handle (or graph_key(graph)) to its state, which
+// is never freed before the allocator; stream_table_[0, stream_count_) lists the first
+// k_sampled_streams states in creation order, written under mu_ and read without it. A state
+// whose alive flag is false belongs to a destroyed stream; a recycled handle revives it.
+// Locks: new_state_locked, get_or_create_stream_locked and owner_locked need the device lock
+// (mu_); state_for takes it on a miss of the thread's cache; sample_peaks takes no lock (atomics).
+#include "allocator_state.hpp"
+#include "stream_cache.hpp"
+
+#include <atomic>
+
+namespace streamsafe {
+
+using detail::t_cache;
+using detail::thread_cache;
+
+thread_local detail::thread_cache detail::t_cache __attribute__((tls_model("initial-exec")));
+
+caching_allocator::impl::stream_state& caching_allocator::impl::new_state_locked(stream_handle key,
+                                                                                 stream_handle handle) {
+  auto state = std::make_unique<stream_state>();
+  state->event_cache.reserve(k_event_cache);
+  state->handle = handle;
+  state->small_pool.stream = state->large_pool.stream = handle;
+  state->small_pool.small = true;
+  state->small_pool.state = state->large_pool.state = state.get();
+  const std::size_t n = stream_count_.load(std::memory_order_relaxed);
+  if (n < k_sampled_streams) {
+    stream_table_[n].store(state.get(), std::memory_order_release);
+    stream_count_.store(n + 1, std::memory_order_release);
+  }
+  return *streams_.emplace(key, std::move(state)).first->second;
+}
+
+caching_allocator::impl::stream_state& caching_allocator::impl::get_or_create_stream_locked(stream_handle stream) {
+  auto it = streams_.find(stream);
+  if (it == streams_.end()) {
+    return new_state_locked(stream, stream);
+  } else if (!it->second->alive.load(std::memory_order_acquire)) {
+    // A handle value recycled by the driver: the new stream inherits the old one's cached
+    // blocks, so it waits, on the device, for the old stream's last work (its tombstone) and,
+    // as for a segment moved between streams, for every stream the fence scope covers (uses
+    // that were legal without a record, FSDP2-style).
+    const bool every_stream = opts_.release_fence != fence_scope::allocation_stream;
+    for (auto& t : tombstones_) {
+      if (t.stream == stream || every_stream) {  // other dead streams may have used its blocks too
+        backend_.stream_wait_event(stream, t.event);
+        ++stats_.stream_waits;
+      }
+    }
+    if (every_stream) {
+      for (auto& [other, state] : streams_) {
+        if (other == stream || state->graph != 0 || !state->alive.load(std::memory_order_acquire)) continue;
+        order_after_locked(stream, other);
+      }
+    }
+    it->second->alive.store(true, std::memory_order_release);
+  }
+  return *it->second;
+}
+
+caching_allocator::impl::stream_state& caching_allocator::impl::state_for(stream_handle stream) {
+  thread_cache& tc = t_cache;
+  for (auto& e : tc.streams) {
+    if (e.owner == id_ && e.stream == stream) {
+      auto* st = static_cast<stream_state*>(e.state);
+      if (st->alive.load(std::memory_order_acquire)) return *st;
+      break;
+    }
+  }
+  detail::lock_guard<detail::mutex> dlk(mu_);
+  stream_state& st = get_or_create_stream_locked(stream);
+  tc.streams[tc.next++ % thread_cache::k_streams] = {id_, stream, &st};
+  return st;
+}
+
+caching_allocator::impl::stream_state* caching_allocator::impl::owner_locked(const void* ptr) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  auto it = segments_.upper_bound(addr);
+  if (it == segments_.begin()) return nullptr;
+  const segment* seg = std::prev(it)->second;
+  if (addr >= seg->base + seg->size) return nullptr;
+  return &state_of(*seg->owner);
+}
+
+void caching_allocator::impl::sample_peaks() {
+  // Called when a stream passes its own peak: the device-wide sum may be a new peak.
+  std::int64_t allocated = 0, active = 0, requested = 0;
+  const std::size_t n = stream_count_.load(std::memory_order_acquire);
+  for (std::size_t i = 0; i < n; ++i) {
+    const stream_state* st = stream_table_[i].load(std::memory_order_acquire);
+    allocated += st->cur_allocated.load(std::memory_order_relaxed);
+    active += st->cur_allocated.load(std::memory_order_relaxed) + st->cur_pending.load(std::memory_order_relaxed);
+    requested += st->cur_requested.load(std::memory_order_relaxed);
+  }
+  auto raise = [](std::atomic<std::int64_t>& peak, std::int64_t v) {
+    std::int64_t cur = peak.load(std::memory_order_relaxed);
+    while (v > cur && !peak.compare_exchange_weak(cur, v, std::memory_order_relaxed)) {
+    }
+  };
+  raise(peak_allocated_, allocated);
+  raise(peak_active_, active);
+  raise(peak_requested_, requested);
+}
+
+caching_allocator::impl::stream_state* caching_allocator::impl::cached_live_state(stream_handle stream) const {
+  for (const auto& e : t_cache.streams) {
+    if (e.owner == id_ && e.stream == stream) {
+      auto* st = static_cast<stream_state*>(e.state);
+      return st->alive.load(std::memory_order_acquire) ? st : nullptr;
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace streamsafe
