@@ -20,6 +20,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <exception>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -152,5 +154,38 @@ class blocking_host_backend final : public device_backend {
   std::atomic<int> blocked_now_{0};
   std::atomic<std::size_t> blocked_calls_{0};
 };
+
+// returns_within(call, limit, unblock): runs `call` on a worker thread; if it has not returned
+// after `limit`, `unblock` runs (it opens whatever the call waits on, so that the worker can
+// finish) and the answer says it timed out, so that a test fails instead of hanging. The worker
+// is always joined; an exception from `call` is kept as text.
+struct watchdog_result {
+  bool returned_in_time = false;
+  std::string error;  // what() of an exception the call threw, empty when none
+};
+
+inline watchdog_result returns_within(const std::function<void()>& call, std::chrono::milliseconds limit,
+                                      const std::function<void()>& unblock) {
+  std::atomic<bool> done{false};
+  watchdog_result r;
+  std::thread worker([&] {
+    try {
+      call();
+    } catch (const std::exception& e) {
+      r.error = e.what();
+    } catch (...) {
+      r.error = "unknown exception";
+    }
+    done.store(true);
+  });
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (!done.load() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  r.returned_in_time = done.load();
+  if (!r.returned_in_time) unblock();
+  worker.join();
+  return r;
+}
 
 }  // namespace streamsafe::test
