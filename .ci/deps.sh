@@ -9,7 +9,8 @@ if [ "${1:-}" = "--host-only" ]; then
   need_cuda=0
   pkgs=("$@")
 else
-  pkgs=(cmake ninja-build g++ catch2 libspdlog-dev libfmt-dev libbenchmark-dev zlib1g-dev "$@")
+  pkgs=(cmake ninja-build g++ catch2 libspdlog-dev libfmt-dev libbenchmark-dev zlib1g-dev
+        chromium fonts-liberation python3 "$@")  # chromium: the rendered HTML picture test
 fi
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

@@ -2,8 +2,8 @@
 // C++ front end over two simulated devices.
 #include "support/sim_fixture.hpp"
 
-#include <streamsafe/cuda/memory_resource.hpp>
-#include <streamsafe/cuda/simulated_platform.hpp>
+#include <streamsafe/frontends/memory_resource.hpp>
+#include <streamsafe/sim/simulated_platform.hpp>
 
 #include <catch2/catch.hpp>
 
