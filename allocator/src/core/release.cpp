@@ -29,6 +29,21 @@ namespace {
 
 constexpr stream_handle k_tombstone = detail::k_tombstone_stream;  // marks tombstone entries of a fence
 
+// Counts n tombstone references for its lifetime (a wait with the device lock dropped).
+class tombstone_pin {
+ public:
+  tombstone_pin(std::atomic<std::int64_t>& refs, std::size_t n) : refs_(refs), n_(static_cast<std::int64_t>(n)) {
+    refs_.fetch_add(n_, std::memory_order_acq_rel);
+  }
+  ~tombstone_pin() { refs_.fetch_sub(n_, std::memory_order_acq_rel); }
+  tombstone_pin(const tombstone_pin&) = delete;
+  tombstone_pin& operator=(const tombstone_pin&) = delete;
+
+ private:
+  std::atomic<std::int64_t>& refs_;
+  std::int64_t n_;
+};
+
 }  // namespace
 
 std::vector<stream_handle> caching_allocator::impl::fence_streams_locked(const segment* seg) const {
@@ -255,6 +270,7 @@ std::size_t caching_allocator::impl::finish_deferred(device_lock& lk, bool wait)
       waiting.fence = front.fence;
       waiting.device_sync = front.device_sync;
       for (auto& t : tombstones_) waiting.fence.push_back({t.event, k_tombstone});
+      tombstone_pin pin(tombstone_refs_, tombstones_.size());  // not pooled while waited on unlocked
       driver_call_scope in_flight(*this, lk);
       wait_fence_unlocked(waiting);
       in_flight.relock();
@@ -341,6 +357,7 @@ std::size_t caching_allocator::impl::release_cached(device_lock& lk, empty_cache
   release_batch batch = collect_releasable_locked();
   std::size_t released = release_collected(lk, batch, mode);
   released += finish_deferred(lk, mode == empty_cache_mode::wait);
+  retire_dead_streams_locked();  // destroyed streams whose memory went back
   return released;
 }
 
@@ -383,9 +400,14 @@ std::size_t caching_allocator::impl::release_collected(device_lock& lk, release_
       } else {
         if (!fence_done_locked(batch)) {
           for (auto& t : tombstones_) batch.fence.push_back({t.event, k_tombstone});
+          tombstone_pin pin(tombstone_refs_, tombstones_.size());  // not pooled while waited on unlocked
           driver_call_scope in_flight(*this, lk);
           wait_fence_unlocked(batch);
           in_flight.relock();
+          // Waited on: the tombstone entries go (a queued batch must not keep them).
+          batch.fence.erase(std::remove_if(batch.fence.begin(), batch.fence.end(),
+                                           [](const pending_event& e) { return e.stream == k_tombstone; }),
+                            batch.fence.end());
           detail::log().debug("device {}: waited on {} fence event(s) to release {} bytes", backend_.device(),
                               batch.fence.size(), batch.bytes);
           if (capturing()) queue_batch_locked(batch);  // a capture began meanwhile: release after it
@@ -450,6 +472,8 @@ void caching_allocator::impl::destroy_events_locked() {
   }
   for (auto& t : tombstones_) backend_.destroy_event(t.event);
   tombstones_.clear();
+  for (event_handle e : superseded_tombstones_) backend_.destroy_event(e);
+  superseded_tombstones_.clear();
 }
 
 void caching_allocator::impl::delete_host_bookkeeping() {
