@@ -111,6 +111,7 @@ struct caching_allocator::impl {
     // keyed in streams_ by graph_key(graph); handle is the capturing stream.
     std::uint64_t graph = 0;
     bool graph_released = false;  // notify_graph_released: its free segments may be released
+    std::size_t segments = 0;     // segments its pools own (also while released or deferred); under mu_
   };
 
   // A capture underway on one stream of the device.
@@ -312,6 +313,7 @@ struct caching_allocator::impl {
   void check_releasing_segments_locked(census& c) const STREAMSAFE_REQUIRES(mu_);
   void check_held_frees_locked(const census& c) const STREAMSAFE_REQUIRES(mu_);
   void check_census_locked(const census& c) const STREAMSAFE_REQUIRES(mu_);  // the counts and statistics agree
+  void check_dead_streams_locked() const STREAMSAFE_REQUIRES(mu_);  // destroyed and retired stream states
 
   // ---- capture.cpp -------------------------------------------------------------------------
   bool capturing() const noexcept { return captures_underway_.load(std::memory_order_acquire) != 0; }

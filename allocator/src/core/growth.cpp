@@ -27,6 +27,7 @@ block* caching_allocator::impl::add_segment_locked(pool& p, std::uintptr_t base,
   seg->small = p.small;
   seg->expandable = !mapped;
   seg->owner = &p;
+  ++state_of(p).segments;
   block* b = new_block(state_of(p));
   b->addr = base;
   b->size = size;
@@ -166,6 +167,8 @@ block* caching_allocator::impl::move_segment_locked(segment* best, pool& p) {
     ++stats_.stream_waits;
   }
   best->owner->mapped.erase(best->first);
+  --state_of(*best->owner).segments;
+  ++state_of(p).segments;
   best->owner = &p;
   best->stream = p.stream;
   best->used_streams.clear();

@@ -245,6 +245,7 @@ std::size_t caching_allocator::impl::account_release_locked(block* b, bool relea
     detail::log().debug("device {}: segment_free {} bytes at {:#x}", backend_.device(), bytes, b->addr);
     stats_.segment.decrease(1);
     recycle_block(owner, b);
+    --owner.segments;
     delete seg;
   }
   return bytes;

@@ -73,18 +73,14 @@ void caching_allocator::impl::retire_dead_streams_locked() {
     for (event_handle e : superseded_tombstones_) put_event(e);
     superseded_tombstones_.clear();
   }
-  // A destroyed stream owning no block goes: its handle is forgotten (a recycled one starts
+  // A destroyed stream owning no segment goes: its handle is forgotten (a recycled one starts
   // afresh, with nothing to inherit) and its state waits in spare_states_ for reuse.
   std::size_t kept = 0;
   for (stream_state* st : dead_states_) {
     bool empty = false;
     {
       detail::lock_guard<stream_lock> slk(st->mu);
-      flush_quick_locked(st->small_pool);
-      flush_quick_locked(st->large_pool);
-      empty = st->stats.allocation.current == 0 && st->pending.empty() && st->small_pool.mapped.empty() &&
-              st->large_pool.mapped.empty() && st->small_pool.unmapped.empty() && st->large_pool.unmapped.empty() &&
-              !st->small_pool.expandable && !st->large_pool.expandable;
+      empty = st->segments == 0 && st->stats.allocation.current == 0 && st->pending.empty();
       if (empty) {
         st->cache_key.store(detail::k_tombstone_stream, std::memory_order_release);
         // Its counters stay in the totals (stats() sums the states in streams_ and stats_).
