@@ -11,6 +11,7 @@
 #include <chrono>
 #include <string>
 #include <set>
+#include <thread>
 #include <vector>
 
 using namespace streamsafe;
@@ -161,5 +162,38 @@ TEST_CASE("100,000 streams created, used and destroyed: streams, events and rese
   CHECK(env.alloc.stats().reserved_bytes.peak <= static_cast<std::int64_t>(64 * MiB));
   CHECK(seconds < 20);
   CHECK(env.dev.fault_count() == 0);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("Destroyed streams' states are retired and reused while other threads allocate on their own streams",
+          "[destroyed-streams][K6][threads]") {
+  // Each thread churns short-lived streams and keeps one stream of its own; the states of the
+  // dead ones are retired and handed to new streams while the threads' stream caches still
+  // point at them (run under TSan and ASan).
+  sim_env env;
+  constexpr int k_threads = 3;
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(k_threads);
+  for (int t = 0; t < k_threads; ++t) {
+    threads.emplace_back([&, t] {
+      try {
+        const auto own = env.dev.create_stream();
+        for (int i = 0; i < 300; ++i) {
+          void* keep = env.alloc.allocate(8 * KiB, own);
+          churn(env, 3, 4 * KiB);
+          env.dev.launch(own, 1, {writes(keep, 8 * KiB)}, "own stream");
+          env.alloc.deallocate(keep);
+        }
+      } catch (const std::exception& e) {
+        errors[t] = e.what();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const auto& e : errors) CHECK(e.empty());
+  env.dev.run_until_idle();
+  env.alloc.empty_cache();
+  CHECK(env.dev.fault_count() == 0);
+  CHECK(live_events(env.dev) <= 64);
   env.alloc.check_invariants();
 }
