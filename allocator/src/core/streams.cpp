@@ -83,22 +83,18 @@ void caching_allocator::impl::retire_dead_streams_locked() {
       empty = st->segments == 0 && st->stats.allocation.current == 0 && st->pending.empty();
       if (empty) {
         st->cache_key.store(detail::k_tombstone_stream, std::memory_order_release);
-        // Its counters stay in the totals (stats() sums the states in streams_ and stats_).
+        // Its totals stay in stats() (which sums streams_ and stats_); its peaks are in the
+        // device-wide sampled peaks already (sample_peaks runs whenever it passed its own).
         auto fold = [](stat& to, const fast_stat& from) {
           to.allocated += from.total;
           to.freed += from.total - from.current;
-          to.peak = std::max(to.peak, from.peak);
         };
         const stream_stats& x = st->stats;
         fold(stats_.allocated_bytes, x.allocated_bytes);
         fold(stats_.requested_bytes, x.requested_bytes);
         fold(stats_.allocation, x.allocation);
-        stats_.active_bytes.allocated += x.allocated_bytes.total;
-        stats_.active_bytes.freed += x.allocated_bytes.total;
-        stats_.active_bytes.peak = std::max(stats_.active_bytes.peak, x.active_bytes_peak);
-        stats_.active.allocated += x.allocation.total;
-        stats_.active.freed += x.allocation.total;
-        stats_.active.peak = std::max(stats_.active.peak, x.active_peak);
+        fold(stats_.active_bytes, x.allocated_bytes);
+        fold(stats_.active, x.allocation);
         stats_.events_recorded += x.events_recorded;
         stats_.stream_waits += x.stream_waits;
         st->stats = stream_stats{};
