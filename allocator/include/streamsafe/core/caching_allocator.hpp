@@ -87,7 +87,8 @@ class caching_allocator {
   // Throws invalid_pointer for a pointer this allocator did not hand out, a double free or an
   // interior pointer. Never blocks the host. Safe from a stream callback (case K16): a free
   // from a thread other than the one that last allocated on the block's stream, or inside a
-  // callback_scope, makes no backend call; a block with uses on other streams then waits,
+  // callback_scope, makes no backend call (except to record a use on a per-thread stream
+  // handle, which only the freeing thread can name); a block with uses on other streams waits,
   // unusable, until the next ordinary call that reaches the driver anyway (an allocation that
   // misses the cache, empty_cache, reclaim) records its events.
   void deallocate(void* ptr);
