@@ -66,7 +66,7 @@ options with_gc_threshold() {
 
 TEST_CASE("With max_cached_bytes or garbage_collection_threshold and empty_cache:wait, an allocation that grows "
           "does not wait on a busy stream's fence",
-          "[trim][blocking][fixme14]") {
+          "[trim][blocking]") {
   const bool gc = GENERATE(false, true);
   INFO((gc ? "garbage_collection_threshold:0.25, limit 1 GiB" : "max_cached_bytes:64 MiB"));
   trim_env env(gc ? with_gc_threshold() : with_max_cached());

@@ -155,7 +155,7 @@ TEST_CASE("K16: a host free from a stream callback of a block used only on its s
 
 TEST_CASE("K16: a host free from a stream callback of a block with a recorded use on another stream makes no "
           "backend call, and the block is reused only behind that use",
-          "[cases][K16][callback][fixme14]") {
+          "[cases][K16][callback]") {
   callback_env env;
   void* p = env.alloc.allocate(8 * MiB, env.s);
   auto ev = env.dev.create_event();
@@ -180,7 +180,7 @@ TEST_CASE("K16: a host free from a stream callback of a block with a recorded us
 }
 
 TEST_CASE("K16: a stream-ordered free on another stream from a stream callback makes no backend call",
-          "[cases][K16][callback][fixme14]") {
+          "[cases][K16][callback]") {
   callback_env env;
   void* p = env.alloc.allocate(8 * MiB, env.s);
   env.dev.launch(env.s, 10, {writes(p, 8 * MiB)}, "kernel uses p");
@@ -197,12 +197,14 @@ TEST_CASE("K16: a stream-ordered free on another stream from a stream callback m
 }
 
 TEST_CASE("K16: empty_cache from a stream callback returns at once and makes no backend call",
-          "[cases][K16][callback][fixme14]") {
+          "[cases][K16][callback]") {
   callback_env env;
   env.alloc.deallocate(env.alloc.allocate(64 * MiB, env.s));
   void* p = env.alloc.allocate(8 * MiB, env.s);
   env.dev.launch(env.s, 10, {writes(p, 8 * MiB)}, "kernel uses p");
   const auto r = launch_host_func(env, env.s, [&] {
+    // CUDA cannot tell the allocator it runs in a host function: the callback says so.
+    streamsafe::callback_scope in_callback;
     env.alloc.deallocate(p);
     env.alloc.empty_cache();  // the fence on s would wait for this very callback
   });
@@ -233,6 +235,27 @@ TEST_CASE("K16: an allocation that needs growth from a stream callback fails fas
   void* q = env.alloc.allocate(256 * MiB, env.s);  // from an ordinary thread it works
   CHECK(q != nullptr);
   env.alloc.deallocate(q);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("K16: in a callback_scope, an allocation that needs growth throws at once and makes no backend call",
+          "[cases][K16][callback]") {
+  callback_env env;
+  void* p = env.alloc.allocate(8 * MiB, env.s);
+  void* small = nullptr;
+  const auto r = launch_host_func(env, env.s, [&] {
+    streamsafe::callback_scope in_callback;
+    small = env.alloc.allocate(2 * MiB, env.s);  // from the cached remainder: no backend call
+    env.alloc.allocate(256 * MiB, env.s);
+  });
+  CHECK(r.returned);
+  CHECK_THAT(r.error, Catch::Contains("stream callback"));
+  INFO(r.error << "; first backend call from the callback: " << env.backend.first_call());
+  CHECK(env.backend.calls_from_callbacks() == 0);
+  CHECK_FALSE(streamsafe::callback_scope::active());
+  env.dev.run_until_idle();
+  if (small) env.alloc.deallocate(small);
+  env.alloc.deallocate(p);
   env.alloc.check_invariants();
 }
 

@@ -91,10 +91,9 @@ TEST_CASE("A refused whole segment goes back to the driver, behind its fence, be
     env.alloc.deallocate(logits);
     void* activation = env.alloc.allocate(12 * MiB, s);  // 212 MiB would pass the 200 MiB peak
     CHECK(env.dev.fault_count() == 0);  // nothing released under the kernel
-    if (c == "empty_cache:wait") {      // the default: waits on the fence, then cudaFree
-      CHECK(env.dev.counters().segment_frees == 1);
-      CHECK(env.alloc.stats().reserved_bytes.peak == static_cast<std::int64_t>(200 * MiB));
-    } else if (c == "empty_cache:defer") {  // never blocks: queued behind the fence
+    if (c == "empty_cache:wait" || c == "empty_cache:defer") {
+      // An allocation never waits on a fence outside its out-of-memory retry, in either mode
+      // (issue 14 item 3): the segment is queued behind the fence, and the pool grows meanwhile.
       CHECK(env.dev.counters().segment_frees == 0);
       CHECK(env.alloc.pending_release_bytes() == 200 * MiB);
       env.dev.run_until_idle();

@@ -6,8 +6,9 @@
 // configuration (two bytes: backend, fence scope, empty_cache mode, memory limit, chunk and split
 // sizes, stream-handle reuse, unrecorded uses) followed by operations, one opcode byte plus its
 // arguments each: allocate (every size class, 0 and sizes near SIZE_MAX included), host free,
-// stream-ordered free, uses on other streams recorded with record_stream or left unrecorded and
-// ordered by the program as FSDP2 does, holds and their opening, clock advances, empty_cache in
+// host free from a stream callback (a callback_scope: no backend call), stream-ordered free,
+// uses on other streams recorded with record_stream or left unrecorded and ordered by the
+// program as FSDP2 does, holds and their opening, clock advances, empty_cache in
 // both modes, reclaim, stream destruction announced with notify_stream_destroyed (handles may be
 // recycled; one at a time or in bursts of short-lived streams), bad pointers, and backend failures injected into the next allocator call.
 //
@@ -471,7 +472,8 @@ class program {
     const std::uint8_t op = src.byte() % 32;
     if (op < 8) return op_allocate(src);
     if (op < 12) return op_use(src);
-    if (op < 15) return op_free(src);
+    if (op < 14) return op_free(src);
+    if (op == 14) return op_callback_free(src);
     if (op < 17) return op_stream_free(src);
     if (op == 17) return op_hold(src);
     if (op == 18) return op_open(src);
@@ -674,6 +676,25 @@ class program {
     const std::size_t i = pick(src, live_.size());
     note("deallocate block " + std::to_string(i));
     free_block(i, std::nullopt);
+  }
+
+  // A host free from a stream callback (case K16): inside a callback_scope it makes no backend
+  // call at all; the block's events come from a later ordinary call.
+  template <class Source>
+  void op_callback_free(Source& src) {
+    if (live_.empty()) return;
+    const std::size_t i = pick(src, live_.size());
+    note("deallocate block " + std::to_string(i) + " in a callback_scope");
+    const sim::counters c0 = dev_.counters();
+    {
+      callback_scope in_callback;
+      free_block(i, std::nullopt);
+    }
+    const sim::counters c1 = dev_.counters();
+    require(c1.events_created == c0.events_created && c1.events_recorded == c0.events_recorded &&
+                c1.event_queries == c0.event_queries && c1.stream_waits == c0.stream_waits &&
+                c1.segment_frees == c0.segment_frees && c1.unmaps == c0.unmaps && c1.event_syncs == c0.event_syncs,
+            "a free in a callback_scope made a backend call");
   }
 
   template <class Source>

@@ -23,6 +23,9 @@
 #include "stream_cache.hpp"
 #include "format.hpp"
 
+#include <stdexcept>
+#include <string>
+
 namespace streamsafe {
 
 using detail::hex;
@@ -64,13 +67,21 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
 }
 
 void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small) {
+  if (callback_scope::active()) {  // growth, release and event calls are all backend calls
+    throw std::logic_error("streamsafe: allocate(" + std::to_string(size) + " bytes) on device " +
+                           std::to_string(backend_.device()) + ", stream " + hex(st.handle) +
+                           " inside a stream callback: no cached free block fits, and a stream callback may make "
+                           "no CUDA call (growth, release, event); allocate before launching the callback");
+  }
   device_lock dlk(mu_);
   detect_captures_locked(dlk);
   if (capturing()) return allocate_during_capture_locked(dlk, size, rounded, small, st.handle);
-  if (wants_collection_locked(rounded)) {
-    // garbage_collection_threshold / max_cached_bytes: give free cached segments back first
-    // (in defer mode only what is safe now, never waiting).
-    release_cached(dlk, opts_.empty_cache);
+  fence_unfenced_locked();  // frees made without a backend call (free.cpp)
+  if (empty_cache_requested_ || wants_collection_locked(rounded)) {
+    // garbage_collection_threshold / max_cached_bytes, or an empty_cache asked for in a stream
+    // callback: give back what is safe now, never waiting, in either empty_cache mode (the
+    // host waits only in the out-of-memory retry below).
+    trim_cached(dlk);
   }
   detail::unique_lock<stream_lock> slk(st.mu);
   pool& p = pool_of(st, small);
@@ -137,10 +148,10 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
     detail::lock_guard<stream_lock> slk(st.mu);
     // Blocks waiting for other streams are retired in batches (process_events_locked): when
     // k_pending_batch more have queued up, or when nothing else fits.
-    if (st.pending.size() >= st.process_at) m.process_events_locked(st);
+    if (st.pending.size() >= st.process_at && !callback_scope::active()) m.process_events_locked(st);
     pool& p = impl::pool_of(st, small);
     block* b = m.take_cached_fit_locked(p, rounded);
-    if (!b && !st.pending.empty()) {
+    if (!b && !st.pending.empty() && !callback_scope::active()) {
       m.process_events_locked(st);
       b = m.best_fit(p, rounded);
       if (!b) b = m.take_pending_locked(st, p, rounded);

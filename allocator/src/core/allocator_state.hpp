@@ -166,6 +166,11 @@ struct caching_allocator::impl {
   std::deque<release_batch> deferred_ STREAMSAFE_GUARDED_BY(mu_);
   std::size_t deferred_bytes_ STREAMSAFE_GUARDED_BY(mu_) = 0;
   std::uint64_t next_batch_id_ STREAMSAFE_GUARDED_BY(mu_) = 1;
+  // Blocks freed by a slow-path free with uses on other streams (pending_free, in their owner's
+  // pending list with no events yet): the free made no backend call (it may run in a stream
+  // callback, K16); fence_unfenced_locked records their events from an ordinary call.
+  std::vector<block*> unfenced_ STREAMSAFE_GUARDED_BY(mu_);
+  bool empty_cache_requested_ STREAMSAFE_GUARDED_BY(mu_) = false;  // empty_cache asked for in a stream callback
   // The newest tombstone, an event recorded on a stream just before it was destroyed, after
   // that stream waited on the previous tombstone: its completion proves every destroyed
   // stream's work done. At most one entry; part of every fence; cleared once seen complete.
@@ -276,6 +281,10 @@ struct caching_allocator::impl {
   // b's owner stream lock held (and mu_ when device_locked); see caching_allocator.cpp.
   bool record_use_events_locked(block* b, const stream_handle* stream, bool device_locked);
   void commit_free_locked(stream_state& st, block* b, const stream_handle* stream) STREAMSAFE_REQUIRES(st.mu);
+  // A host free with uses on other streams, with no backend call: b goes pending with no events
+  // and onto unfenced_ (mu_ and st's lock held).
+  void defer_fence_locked(stream_state& st, block* b, const stream_handle* stream) STREAMSAFE_REQUIRES(mu_, st.mu);
+  void fence_unfenced_locked() STREAMSAFE_REQUIRES(mu_);  // records unfenced_'s events (no capture underway)
   stream_state* cached_live_state(stream_handle stream) const;  // this thread's stream cache
   void count_free_locked(stream_state& st, const block* b) STREAMSAFE_REQUIRES(st.mu);  // the host free's counters (st's lock held)
   void free_same_stream_locked(stream_state& st, block* b) STREAMSAFE_REQUIRES(st.mu);  // b in st.active (it stays there if parked)
@@ -350,6 +359,14 @@ struct caching_allocator::impl {
   std::size_t release_batch_memory(device_lock& lk, release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   std::size_t finish_deferred(device_lock& lk, bool wait) STREAMSAFE_REQUIRES(mu_);
   std::size_t release_cached(device_lock& lk, empty_cache_mode mode) STREAMSAFE_REQUIRES(mu_);
+  // The opportunistic release (max_cached_bytes, garbage_collection_threshold, an empty_cache
+  // asked for from a stream callback): releases what is safe now, never waits, queues nothing.
+  std::size_t trim_cached(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
+  // Before a release: unfenced_'s events recorded, completed pending frees retired, quick caches flushed.
+  void prepare_release_locked() STREAMSAFE_REQUIRES(mu_);
+  // Fences `batch` and releases the blocks whose fence streams are idle now; the rest goes back
+  // to the pools (nothing queued, nothing waited on).
+  std::size_t release_safe_now(device_lock& lk, release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   void queue_batch_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);  // to the deferred queue (fence recorded)
   // Fences and releases a collected batch (queued in defer mode when its fence is pending).
   std::size_t release_collected(device_lock& lk, release_batch& batch, empty_cache_mode mode) STREAMSAFE_REQUIRES(mu_);

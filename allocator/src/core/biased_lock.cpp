@@ -30,7 +30,7 @@ long membarrier(int cmd) noexcept { return syscall(__NR_membarrier, cmd, 0U, 0);
 
 // Registers the process for private expedited membarrier (needed once per process before the
 // command may be used); false where the kernel lacks it or a sandbox refuses it.
-bool register_membarrier() noexcept {
+[[maybe_unused]] bool register_membarrier() noexcept {
   const long cmds = membarrier(MEMBARRIER_CMD_QUERY);
   if (cmds < 0 || (cmds & MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0) return false;
   return membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0;
@@ -48,7 +48,7 @@ void heavy_fence() noexcept {
   std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 #else
-bool register_membarrier() noexcept { return false; }
+[[maybe_unused]] bool register_membarrier() noexcept { return false; }
 void heavy_fence() noexcept { std::abort(); }  // unreachable: no bias is ever granted
 #endif
 

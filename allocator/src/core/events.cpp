@@ -4,7 +4,9 @@
 // cache (guarded by that stream's lock) hold recorded-and-done events for reuse. A block freed
 // with uses on other streams is pending_free: in its stream's pending list, in free order, with
 // one event per stream that may still use it; it returns to its pool once they have completed
-// (process_events_locked proves a prefix of the list with one query per stream).
+// (process_events_locked proves a prefix of the list with one query per stream). A block freed
+// on the slow path has no events until fence_unfenced_locked (free.cpp) records them and moves
+// it to the back of the list; until then it is never retired or reused.
 // Locks: the _locked functions here need the lock of the stream whose list or block they touch;
 // order_after_locked needs the device lock (mu_); get_event/put_event(e) take events_mu_.
 #include "allocator_state.hpp"
@@ -121,6 +123,7 @@ void caching_allocator::impl::process_events_locked(stream_state& st) {
   // Then from the oldest, as PyTorch does: stop at the first block still in use.
   while (!st.pending.empty()) {
     block* b = st.pending.front();
+    if (b->events.empty()) return;  // freed from a slow path, its events not yet recorded (unfenced_)
     for (const auto& e : b->events) {
       const int i = e.stream == detail::k_tombstone_stream ? -1 : slot(e.stream);
       if (i >= 0 && done[i]) continue;
@@ -134,7 +137,8 @@ block* caching_allocator::impl::take_pending_locked(stream_state& st, pool& p, s
   if (capturing()) return nullptr;  // a stream wait on an outside event breaks a capture
   block* best = nullptr;
   for (block* b : st.pending) {
-    if (b->seg->owner == &p && b->mapped && b->size >= rounded && (!best || b->size < best->size)) best = b;
+    // A block with no events yet (unfenced_) has nothing to wait on: not a candidate.
+    if (b->seg->owner == &p && b->mapped && !b->events.empty() && b->size >= rounded && (!best || b->size < best->size)) best = b;
   }
   if (!best) return nullptr;
   for (auto& e : best->events) {

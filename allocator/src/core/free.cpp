@@ -4,6 +4,10 @@
 // cache (or returns it to the free lists); any other free records one event per stream that
 // may still use the block and leaves it pending_free (events.cpp). Invariant: every event is
 // recorded before anything changes, so a failing backend call leaves the block active.
+// The slow path (and any free inside a callback_scope) makes no backend call, since it may run
+// in a stream callback (case K16): such a block goes pending with no events, onto unfenced_,
+// and fence_unfenced_locked records them from the next ordinary call that reaches the driver
+// (an event recorded later on the same stream still comes after the last use).
 // Locks: the fast path takes only the lock of the stream this thread allocated from last; the
 // slow path takes the device lock (mu_), which finds the owner and sees destroyed streams'
 // tombstones, then the owner's stream lock.
@@ -17,6 +21,14 @@ namespace streamsafe {
 
 using detail::stream_cache_entry;
 using detail::t_cache;
+
+namespace {
+thread_local int t_callback_depth = 0;  // callback_scope nesting on this thread
+}  // namespace
+
+callback_scope::callback_scope() noexcept { ++t_callback_depth; }
+callback_scope::~callback_scope() { --t_callback_depth; }
+bool callback_scope::active() noexcept { return t_callback_depth != 0; }
 
 void caching_allocator::impl::count_free_locked(stream_state& st, const block* b) {
   st.stats.allocated_bytes.sub(static_cast<std::int64_t>(b->size));
@@ -141,6 +153,47 @@ void caching_allocator::impl::commit_free_locked(stream_state& st, block* b, con
   st.pending.push_back(b);
 }
 
+void caching_allocator::impl::defer_fence_locked(stream_state& st, block* b, const stream_handle* stream) {
+  // As commit_free_locked, without the events: the stream of a stream-ordered free becomes one
+  // more use, and fence_unfenced_locked records one event per use later. Until then b is
+  // pending with no events, which process_events_locked and take_pending_locked never retire.
+  segment* seg = b->seg;
+  unfenced_.reserve(unfenced_.size() + 1);  // throws before anything changes
+  if (stream && *stream != seg->stream) add_use_locked(b, *stream);
+  st.active.erase(b->addr);
+  trace(trace_action::free_requested, b->addr, b->requested, seg->stream);
+  count_free_locked(st, b);
+  st.stats.pending_bytes.add(static_cast<std::int64_t>(b->size));
+  st.stats.pending.add(1);
+  st.cur_pending.store(st.stats.pending_bytes.current, std::memory_order_relaxed);
+  b->state = block_state::pending_free;
+  st.pending.push_back(b);
+  unfenced_.push_back(b);
+}
+
+void caching_allocator::impl::fence_unfenced_locked() {
+  if (unfenced_.empty() || capturing()) return;  // no event is recorded during a capture
+  std::size_t done = 0;
+  try {
+    for (; done < unfenced_.size(); ++done) {
+      block* b = unfenced_[done];
+      stream_state& st = state_of(*b->seg->owner);
+      detail::lock_guard<stream_lock> slk(st.mu);
+      record_use_events_locked(b, nullptr, true);  // a failure leaves b as it was
+      st.stats.events_recorded += b->events.size();
+      b->uses.clear();
+      // To the back of the list: process_events_locked relies on list order = record order.
+      st.pending.erase(b);
+      st.pending.push_back(b);
+      if (b->events.empty()) retire_pending_locked(st, b);  // its use streams are gone and done
+    }
+  } catch (...) {
+    unfenced_.erase(unfenced_.begin(), unfenced_.begin() + static_cast<std::ptrdiff_t>(done));
+    throw;
+  }
+  unfenced_.clear();
+}
+
 void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* stream) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   if (stream) state_for(*stream);  // a stream-ordered free makes the stream known (for fences)
@@ -161,7 +214,8 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
       st.active.erase(addr);
       bool recorded = false;
       try {
-        recorded = !b->free_held && record_use_events_locked(b, stream, false);
+        // In a stream callback no backend call: the slow path below defers the events.
+        recorded = !b->free_held && !callback_scope::active() && record_use_events_locked(b, stream, false);
       } catch (...) {
         st.active.insert(b);
         throw;
@@ -181,7 +235,18 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   block* b = owner->active.find_active(addr);
   if (!b || b->free_held) throw_invalid_pointer_locked(ptr, what);
   if (capturing() && free_during_capture_locked(*owner, b, stream)) return;
-  free_found_locked(*owner, b, stream);
+  // No backend call on this path (it may run in a stream callback, K16): uses on other streams
+  // get their events from the next ordinary call that reaches the driver.
+  // A per-thread stream handle (cudaStreamPerThread) names this thread's stream only here: its
+  // event is recorded now, on this thread (in a stream callback the backend call then fails).
+  const auto per_thread = [&](stream_handle s) { return backend_.stream_is_per_thread(s); };
+  if (b->uses.empty() && (!stream || *stream == b->seg->stream)) {
+    free_same_stream_locked(*owner, b);
+  } else if ((stream && per_thread(*stream)) || std::any_of(b->uses.begin(), b->uses.end(), per_thread)) {
+    free_found_locked(*owner, b, stream);
+  } else {
+    defer_fence_locked(*owner, b, stream);
+  }
 }
 
 void caching_allocator::deallocate(void* ptr) { impl_->deallocate_impl(ptr, nullptr); }
@@ -215,6 +280,7 @@ void caching_allocator::notify_stream_destroyed(stream_handle stream) {
   detail::lock_guard<detail::mutex> lk(m.mu_);
   auto it = m.streams_.find(stream);
   if (it == m.streams_.end() || !it->second->alive.load()) return;
+  m.fence_unfenced_locked();  // blocks freed with uses on this stream get their events while it lives
   m.retire_dead_streams_locked();  // one query: the previous tombstone may be done
   // One tombstone for every destroyed stream: the stream waits on the previous tombstone, then
   // records the new one, whose completion proves both (the previous one is superseded).

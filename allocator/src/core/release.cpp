@@ -349,17 +349,55 @@ std::size_t caching_allocator::impl::release_cached(device_lock& lk, empty_cache
                         backend_.device());
     return 0;
   }
+  prepare_release_locked();
+  release_batch batch = collect_releasable_locked();
+  std::size_t released = release_collected(lk, batch, mode);
+  released += finish_deferred(lk, mode == empty_cache_mode::wait);
+  retire_dead_streams_locked();  // destroyed streams whose memory went back
+  return released;
+}
+
+void caching_allocator::impl::prepare_release_locked() {
+  empty_cache_requested_ = false;
+  fence_unfenced_locked();
   for (auto& [s, st] : streams_) {
     detail::lock_guard<stream_lock> slk(st->mu);
     if (!st->pending.empty()) process_events_locked(*st);
     flush_quick_locked(st->small_pool);
     flush_quick_locked(st->large_pool);
   }
+}
+
+std::size_t caching_allocator::impl::trim_cached(device_lock& lk) {
+  detect_captures_locked(lk);
+  if (capturing()) return 0;  // an opportunistic release just waits for the next chance
+  prepare_release_locked();
   release_batch batch = collect_releasable_locked();
-  std::size_t released = release_collected(lk, batch, mode);
-  released += finish_deferred(lk, mode == empty_cache_mode::wait);
+  std::size_t released = release_safe_now(lk, batch);
+  released += finish_deferred(lk, false);
   retire_dead_streams_locked();  // destroyed streams whose memory went back
   return released;
+}
+
+std::size_t caching_allocator::impl::release_safe_now(device_lock& lk, release_batch& batch) {
+  if (batch.blocks.empty()) return 0;
+  release_batch now;
+  try {
+    record_fence_locked(batch);  // polled below, never waited on
+    now = take_safe_locked(batch);
+  } catch (...) {
+    restore_batch_locked(now);
+    restore_batch_locked(batch);
+    throw;
+  }
+  now.fence = std::move(batch.fence);  // its events go back to the pool after the release
+  batch.fence.clear();
+  restore_batch_locked(batch);  // busy streams' memory stays cached: no queue, no later wait
+  if (now.blocks.empty()) {
+    restore_batch_locked(now);
+    return 0;
+  }
+  return release_batch_memory(lk, now);
 }
 
 std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, stream_state& st,
@@ -378,7 +416,8 @@ std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, s
   if (batch.blocks.empty()) return 0;
   detail::log().debug("device {}: releasing {} bytes of whole free segments refused to a {}-byte request before growing",
                       backend_.device(), batch.bytes, rounded);
-  return release_collected(lk, batch, opts_.empty_cache);  // defer mode never blocks here
+  // Opportunistic: never waits, in either mode; what is busy is queued behind its fence.
+  return release_collected(lk, batch, empty_cache_mode::defer);
 }
 
 std::size_t caching_allocator::impl::release_collected(device_lock& lk, release_batch& batch,
@@ -441,6 +480,7 @@ void caching_allocator::impl::queue_batch_locked(release_batch& batch) {
 void caching_allocator::impl::retire_all_pending_locked(device_lock& lk) {
   // The host waits on the pending frees' events with no lock held (as everywhere: no lock
   // across a host-blocking driver call), then retires them.
+  fence_unfenced_locked();
   std::vector<event_handle> waits;
   for (auto& [s, st] : streams_) {
     detail::lock_guard<stream_lock> slk(st->mu);
@@ -532,13 +572,20 @@ std::size_t caching_allocator::empty_cache() { return empty_cache(impl_->opts_.e
 
 std::size_t caching_allocator::empty_cache(empty_cache_mode mode) {
   device_lock lk(impl_->mu_);
+  if (callback_scope::active()) {  // no backend call in a stream callback: later, never waiting
+    impl_->empty_cache_requested_ = true;
+    return 0;
+  }
   return impl_->release_cached(lk, mode);
 }
 
 std::size_t caching_allocator::reclaim() {
+  if (callback_scope::active()) return 0;  // no backend call in a stream callback
   device_lock lk(impl_->mu_);
   impl_->detect_captures_locked(lk);
   if (impl_->capturing()) return 0;  // no query while a graph is captured: after the capture
+  if (impl_->empty_cache_requested_) return impl_->trim_cached(lk);  // asked for from a callback
+  impl_->fence_unfenced_locked();
   for (auto& [s, st] : impl_->streams_) {
     detail::lock_guard<stream_lock> slk(st->mu);
     if (!st->pending.empty()) impl_->process_events_locked(*st);

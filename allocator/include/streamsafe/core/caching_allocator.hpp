@@ -41,6 +41,21 @@
 
 namespace streamsafe {
 
+// Marks the calling thread, while it lives, as running a stream callback: a host function that
+// CUDA runs on its own thread (cudaLaunchHostFunc) and that may make no CUDA call. Inside it
+// no allocator call makes a backend call: a free is host bookkeeping only (as from any thread
+// on the slow path), empty_cache returns 0 and leaves the release to the next ordinary call,
+// and an allocation is served from cached free blocks only or throws std::logic_error at once.
+// Nests; thread-local; costs one thread-local read on the paths it changes.
+class callback_scope {
+ public:
+  callback_scope() noexcept;
+  ~callback_scope();
+  callback_scope(const callback_scope&) = delete;
+  callback_scope& operator=(const callback_scope&) = delete;
+  static bool active() noexcept;  // the calling thread is inside a callback_scope
+};
+
 class caching_allocator {
  public:
   // The backend must outlive the allocator. opts.backend selects how the core grows its pools:
@@ -54,9 +69,13 @@ class caching_allocator {
   // Returns a block of at least size_bytes, aligned to 512 bytes, usable on `stream` at once.
   // Throws invalid_size for 0, out_of_memory when the device (or the configured limit) cannot
   // satisfy it after a safe release of cached memory and one retry.
-  // Blocking: with options::empty_cache == wait, the out-of-memory path (and the
-  // garbage-collection release) may block the host on the release fence, i.e. on exactly the
-  // fenced streams, without holding any lock. With empty_cache == defer it never blocks the
+  // Blocking: allocate never blocks the host except in the out-of-memory retry with
+  // options::empty_cache == wait, which may wait on the release fence, i.e. on exactly the
+  // fenced streams, without holding any lock. The opportunistic releases (max_cached_bytes,
+  // garbage_collection_threshold, whole segments refused before a growth) never wait in
+  // either mode: they release what is safe now and leave the rest cached, queueing nothing.
+  // In a callback_scope it makes no backend call: it is served from cached free blocks or
+  // throws std::logic_error at once. With empty_cache == defer the out-of-memory path never blocks the
   // host: it releases only memory whose fence has already completed (and, when free_segment
   // waits for the whole device as cudaFree does, only while every known stream is idle),
   // queues the rest, and throws out_of_memory if that is not enough; the message then names
@@ -66,7 +85,12 @@ class caching_allocator {
 
   // Host free: the last use is on the allocation stream or on streams given to record_stream.
   // Throws invalid_pointer for a pointer this allocator did not hand out, a double free or an
-  // interior pointer.
+  // interior pointer. Never blocks the host. Safe from a stream callback (case K16): a free
+  // from a thread other than the one that last allocated on the block's stream, or inside a
+  // callback_scope, makes no backend call (except to record a use on a per-thread stream
+  // handle, which only the freeing thread can name); a block with uses on other streams waits,
+  // unusable, until the next ordinary call that reaches the driver anyway (an allocation that
+  // misses the cache, empty_cache, reclaim) records its events.
   void deallocate(void* ptr);
   // Stream-ordered free: the last use of the block is on `stream`.
   void deallocate(void* ptr, stream_handle stream);
@@ -78,7 +102,9 @@ class caching_allocator {
   // Releases every cached block that is free to the driver, behind the release fence. In wait
   // mode the host waits on exactly the fence events (no lock held); in defer mode it never
   // blocks: each block whose own fence streams are idle now goes back, the rest is queued.
-  // Returns the bytes released by this call.
+  // Returns the bytes released by this call. Inside a callback_scope it makes no backend call
+  // and returns 0: the release runs (never waiting) at the next ordinary allocator call that
+  // reaches the driver (an allocation that misses the cache, reclaim, empty_cache).
   std::size_t empty_cache();
   std::size_t empty_cache(empty_cache_mode mode);
   // Finishes queued (deferred) releases whose fences have completed and retires completed
