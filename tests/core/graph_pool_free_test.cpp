@@ -354,3 +354,28 @@ TEST_CASE("A capture sharing graph 1's pool reuses the block graph 1 freed, and 
   CHECK_THROWS_AS(env.alloc.notify_capture_begin(env.s, g1.id), std::invalid_argument);  // every graph released
   env.alloc.check_invariants();
 }
+
+TEST_CASE("Graphs captured, replayed and released in a loop give back their pools' memory and address ranges "
+          "before the next capture",
+          "[graph-pools][graph]") {
+  EACH_BACKEND(backend);
+  options o = make_options(backend);
+  o.memory_limit_bytes = 256 * MiB;
+  sim_env env(o);
+  const auto s = env.dev.create_stream();
+  for (int i = 0; i < 50; ++i) {
+    env.alloc.notify_capture_begin(s);
+    env.dev.begin_capture(s);
+    void* p = env.alloc.allocate(100 * MiB, s);  // three graphs' pools would not fit under the cap
+    env.dev.launch(s, 5, {writes(p, 100 * MiB)}, "captured step");
+    env.alloc.deallocate(p);
+    const auto graph = env.dev.end_capture(s);
+    const auto id = env.alloc.notify_capture_end(s);
+    env.dev.launch_graph(graph, s);
+    env.alloc.notify_graph_released(id);
+    CHECK(env.alloc.stats().segment.current <= 2);  // no reserved address range per graph ever made
+  }
+  env.dev.run_until_idle();
+  CHECK(env.dev.fault_count() == 0);
+  env.alloc.check_invariants();
+}

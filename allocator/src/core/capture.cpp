@@ -299,10 +299,36 @@ void caching_allocator::impl::release_released_pools_locked(device_lock& lk, str
     flush_quick_locked(st->large_pool);
   }
   release_batch batch = collect_releasable_locked(true);
-  if (batch.blocks.empty()) return;
-  detail::log().debug("device {}: before a capture on stream {:#x}: releasing {} bytes of released graphs' pools",
-                      backend_.device(), stream, batch.bytes);
-  release_collected(lk, batch, opts_.empty_cache);
+  if (!batch.blocks.empty()) {
+    detail::log().debug("device {}: before a capture on stream {:#x}: releasing {} bytes of released graphs' pools",
+                        backend_.device(), stream, batch.bytes);
+    release_collected(lk, batch, opts_.empty_cache);
+  }
+  // A released pool's expandable segment with nothing mapped gives its address range back: each
+  // graph's pool reserves a range as large as the memory limit, and a loop of graphs would
+  // otherwise exhaust the address space.
+  if (capturing()) return;  // a capture began while the fence wait had mu_ dropped
+  for (auto& [key, st] : streams_) {
+    if (st->graph == 0 || !st->graph_released) continue;
+    detail::lock_guard<stream_lock> slk(st->mu);
+    for (pool* p : {&st->small_pool, &st->large_pool}) {
+      segment* seg = p->expandable;
+      if (!seg || seg->mapped_bytes != 0 || seg->first->next || seg->first->state != block_state::free) continue;
+      try {
+        backend_.release_address_range(reinterpret_cast<void*>(seg->base), seg->size);
+      } catch (const std::exception& e) {  // opportunistic: the range stays, reusable by nobody
+        detail::log().warn("device {}: giving back a released graph pool's address range failed: {}",
+                           backend_.device(), e.what());
+        continue;
+      }
+      p->unmapped.erase(seg->first);
+      segments_.erase(seg->base);
+      recycle_block(*st, seg->first);
+      p->expandable = nullptr;
+      stats_.segment.decrease(1);
+      delete seg;
+    }
+  }
 }
 
 std::uint64_t caching_allocator::notify_capture_begin(stream_handle stream) { return notify_capture_begin(stream, 0); }
