@@ -469,7 +469,9 @@ class program {
   template <class Source>
   void step(Source& src) {
     ++stats_.operations;
-    const std::uint8_t op = src.byte() % 32;
+    const std::uint8_t raw = src.byte();
+    const std::uint8_t op = raw % 32;
+    if (raw == 255) return op_graphs(src);
     if (op < 8) return op_allocate(src);
     if (op < 12) return op_use(src);
     if (op < 14) return op_free(src);
@@ -885,6 +887,54 @@ class program {
     if (src.byte() % 4 == 0) alloc_->reset_peak_stats();
   }
 
+  // Captures across graphs on a stream of its own: graph 1 allocates W in its private pool;
+  // graph 2 (a pool of its own or, by a bit, sharing graph 1's) reads and writes W and frees it
+  // during its capture; graph 1 is released, empty_cache runs, graph 2 replays over W (a fault
+  // if W was released or reused under it), then graph 2 is released. Skipped while a hold is
+  // unopened: the next capture's release of released pools waits on every stream's fence.
+  template <class Source>
+  void op_graphs(Source& src) {
+    const std::uint8_t b = src.byte();
+    if (!holds_.empty()) return;
+    const bool share = (b & 1) != 0;
+    const std::size_t size = (1 + (b >> 1) % 8) * MiB;
+    if (!graph_stream_) graph_stream_ = dev_.create_stream();
+    const stream_handle s = *graph_stream_;
+    note(std::string("graphs across pools, ") + (share ? "shared pool, " : "") + std::to_string(size) + " bytes");
+    expect_ok("notify_capture_begin", [&] { alloc_->notify_capture_begin(s); });
+    dev_.begin_capture(s);
+    void* w = nullptr;
+    try {
+      w = alloc_->allocate(size, s);
+    } catch (const out_of_memory&) {
+    }
+    if (w) dev_.launch(s, 5, {{reinterpret_cast<std::uintptr_t>(w), size, sim::access::write, std::uint8_t{0x61}}}, "graph 1 writes W");
+    const std::uint64_t dev1 = dev_.end_capture(s);
+    std::uint64_t g1 = 0;
+    expect_ok("notify_capture_end", [&] { g1 = alloc_->notify_capture_end(s); });
+    if (w) {
+      expect_ok("notify_capture_begin", [&] { alloc_->notify_capture_begin(s, share ? g1 : 0); });
+      dev_.begin_capture(s);
+      dev_.launch(s, 5, {{reinterpret_cast<std::uintptr_t>(w), size, sim::access::read, std::nullopt},
+                         {reinterpret_cast<std::uintptr_t>(w), size, sim::access::write, std::uint8_t{0x62}}},
+                  "graph 2 uses W");
+      expect_ok("deallocate during a capture", [&] { alloc_->deallocate(w); });
+      require(share || alloc_->held_free_count() == 1, "a free of graph 1's block during graph 2's capture not held");
+      const std::uint64_t dev2 = dev_.end_capture(s);
+      std::uint64_t g2 = 0;
+      expect_ok("notify_capture_end", [&] { g2 = alloc_->notify_capture_end(s); });
+      dev_.launch_graph(dev1, s);  // graph 1, then graph 2 (in order, as a shared pool asks)
+      expect_ok("notify_graph_released(1)", [&] { alloc_->notify_graph_released(g1); });
+      expect_ok("empty_cache", [&] { alloc_->empty_cache(); });
+      dev_.launch_graph(dev2, s);
+      expect_ok("notify_graph_released(2)", [&] { alloc_->notify_graph_released(g2); });
+    } else {
+      dev_.launch_graph(dev1, s);
+      expect_ok("notify_graph_released", [&] { alloc_->notify_graph_released(g1); });
+    }
+    require(alloc_->held_free_count() == 0, "held frees left after every graph was released");
+  }
+
   // Allocate, use, free at once (the hot path), with whatever failure is armed.
   template <class Source>
   void op_churn(Source& src) {
@@ -905,6 +955,7 @@ class program {
   std::map<std::uint64_t, std::vector<event_handle>> owed_;  // stream uid -> events of unrecorded uses
   std::map<std::uint64_t, event_handle> final_events_;       // dead stream uid -> its last event
   std::optional<armed_failure> armed_;
+  std::optional<stream_handle> graph_stream_;  // op_graphs' capturing stream (no other op uses it)
   std::uint64_t since_check_ = 0;
   program_stats stats_;
   bool keep_trace_ = false;

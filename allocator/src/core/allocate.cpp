@@ -125,6 +125,7 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
 
 void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) {
   impl& m = *impl_;
+  if (m.inherited()) m.throw_inherited("allocate");  // a forked child (fork.cpp)
   if (size_bytes == 0) {
     throw invalid_size("streamsafe: allocate(0 bytes) on device " + std::to_string(m.backend_.device()) +
                        ", stream " + hex(stream) + ": the size must be positive");

@@ -107,14 +107,22 @@ struct caching_allocator::impl {
     // Non-zero: this is not a stream but the private pool of CUDA graph `graph` (capture.cpp),
     // keyed in streams_ by graph_key(graph); handle is the capturing stream.
     std::uint64_t graph = 0;
-    bool graph_released = false;  // notify_graph_released: its free segments may be released
+    bool graph_released = false;  // every graph of the pool released: its free segments may be released
+    int pool_graphs = 0;          // graphs captured into this pool (shared pools) not released yet
   };
 
   // A capture underway on one stream of the device.
   struct capture_record {
     stream_handle stream = 0;
     std::uint64_t graph = 0;  // the id notify_capture_begin returned
+    std::uint64_t pool = 0;   // the graph whose private pool it allocates into (graph, or a shared one)
     bool detected = false;    // found by backend_.stream_is_capturing, not announced
+  };
+  // A graph the allocator has given an id: the private pool it allocates into (its own, keyed
+  // graph_key(graph), or an earlier graph's that it shares) and whether it was released.
+  struct graph_record {
+    std::uint64_t pool = 0;
+    bool released = false;
   };
   // A free made during a capture that could not complete then (see capture.cpp).
   struct held_free {
@@ -140,6 +148,7 @@ struct caching_allocator::impl {
   device_backend& backend_;
   options opts_;
   const std::uint64_t id_;  // distinguishes allocators in the threads' stream caches
+  const std::uint64_t fork_generation_;  // fork.cpp: the process's fork count when it was made
   bool trace_log_ = false;  // the logger was at trace level when the allocator was made
   std::unique_ptr<trace_recorder> own_trace_;    // when options::trace_capacity is set
   std::atomic<trace_recorder*> trace_{nullptr};  // where trace events go (nullptr: off)
@@ -175,6 +184,7 @@ struct caching_allocator::impl {
   std::vector<capture_record> captures_ STREAMSAFE_GUARDED_BY(mu_);
   std::atomic<int> captures_underway_{0};
   std::vector<held_free> held_frees_ STREAMSAFE_GUARDED_BY(mu_);
+  std::unordered_map<std::uint64_t, graph_record> graphs_ STREAMSAFE_GUARDED_BY(mu_);
   std::vector<std::uint64_t> releases_after_capture_ STREAMSAFE_GUARDED_BY(mu_);  // notify_graph_released during a capture
   bool empty_cache_after_capture_ STREAMSAFE_GUARDED_BY(mu_) = false;              // empty_cache asked for during a capture
   std::uint64_t next_graph_id_ STREAMSAFE_GUARDED_BY(mu_) = 1;
@@ -305,7 +315,15 @@ struct caching_allocator::impl {
   bool capturing() const noexcept { return captures_underway_.load(std::memory_order_acquire) != 0; }
   const capture_record* capture_of_locked(stream_handle stream) const STREAMSAFE_REQUIRES(mu_);  // mu_ held
   stream_state* graph_state_locked(std::uint64_t graph) STREAMSAFE_REQUIRES(mu_);                 // mu_ held
-  std::uint64_t begin_capture_locked(stream_handle stream, bool detected) STREAMSAFE_REQUIRES(mu_);
+  // share_pool_of: 0, or a graph whose private pool the capture allocates into (shared pools).
+  std::uint64_t begin_capture_locked(stream_handle stream, bool detected, std::uint64_t share_pool_of = 0)
+      STREAMSAFE_REQUIRES(mu_);
+  // Before a capture begins: the free memory of released graphs' pools goes back behind its fence.
+  void release_released_pools_locked(device_lock& lk, stream_handle stream) STREAMSAFE_REQUIRES(mu_);
+  // Fork (fork.cpp): true in a child forked after this allocator was made (it inherited it).
+  bool inherited() const noexcept;
+  static std::uint64_t current_fork_generation();  // registers the fork handler once
+  [[noreturn]] void throw_inherited(const char* what) const;
   std::uint64_t end_capture_locked(device_lock& lk, stream_handle stream) STREAMSAFE_REQUIRES(mu_);
   void detect_captures_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // asks the backend about each known stream
   void after_captures_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // the last capture ended
@@ -322,7 +340,7 @@ struct caching_allocator::impl {
   std::vector<stream_handle> fence_streams_locked(const segment* seg) const STREAMSAFE_REQUIRES(mu_);
   void add_fence_streams_locked(release_batch& batch, const segment* seg) const STREAMSAFE_REQUIRES(mu_);
   void detach_whole_segment_locked(release_batch& batch, segment* seg) STREAMSAFE_REQUIRES(mu_);  // a free cuda_malloc segment
-  release_batch collect_releasable_locked() STREAMSAFE_REQUIRES(mu_);
+  release_batch collect_releasable_locked(bool released_graphs_only = false) STREAMSAFE_REQUIRES(mu_);
   void record_fence_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   bool fence_done_locked(const release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   // Moves out of `batch` the blocks whose fence streams are idle now (polled, never waited on),

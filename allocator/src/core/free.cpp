@@ -192,6 +192,7 @@ void caching_allocator::impl::fence_unfenced_locked() {
 }
 
 void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* stream) {
+  if (inherited()) return;  // a forked child: the parent's block is not the child's (fork.cpp)
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   if (stream) state_for(*stream);  // a stream-ordered free makes the stream known (for fences)
   // Fast path: a free of a block of the stream this thread allocated from last, under that
@@ -252,6 +253,7 @@ void caching_allocator::deallocate(void* ptr, stream_handle stream) { impl_->dea
 
 void caching_allocator::record_stream(void* ptr, stream_handle stream) {
   impl& m = *impl_;
+  if (m.inherited()) return;  // a forked child (fork.cpp)
   m.state_for(stream);  // the stream becomes known (for fences)
   // Fast path: a block of the stream this thread allocated from last, under that stream's lock
   // (which guards the block and its segment's used streams).
@@ -274,6 +276,7 @@ void caching_allocator::record_stream(void* ptr, stream_handle stream) {
 
 void caching_allocator::notify_stream_destroyed(stream_handle stream) {
   impl& m = *impl_;
+  if (m.inherited()) return;  // a forked child (fork.cpp)
   detail::lock_guard<detail::mutex> lk(m.mu_);
   auto it = m.streams_.find(stream);
   if (it == m.streams_.end() || !it->second->alive.load()) return;

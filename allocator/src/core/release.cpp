@@ -73,11 +73,12 @@ void caching_allocator::impl::detach_whole_segment_locked(release_batch& batch, 
   add_fence_streams_locked(batch, seg);
 }
 
-caching_allocator::impl::release_batch caching_allocator::impl::collect_releasable_locked() {
+caching_allocator::impl::release_batch caching_allocator::impl::collect_releasable_locked(bool released_graphs_only) {
   release_batch batch;
   for (auto& [base, seg] : segments_) {
     stream_state& owner = state_of(*seg->owner);
     if (owner.graph != 0 && !owner.graph_released) continue;  // a graph that may still replay
+    if (released_graphs_only && owner.graph == 0) continue;
     detail::lock_guard<stream_lock> slk(owner.mu);
     if (!seg->expandable) {
       if (!seg->first->next && seg->first->state == block_state::free) detach_whole_segment_locked(batch, seg);
@@ -545,6 +546,7 @@ void caching_allocator::impl::destroy_all() {
 std::size_t caching_allocator::empty_cache() { return empty_cache(impl_->opts_.empty_cache); }
 
 std::size_t caching_allocator::empty_cache(empty_cache_mode mode) {
+  if (impl_->inherited()) return 0;  // a forked child: nothing of the parent's is released (fork.cpp)
   device_lock lk(impl_->mu_);
   if (callback_scope::active()) {  // no backend call in a stream callback: later, never waiting
     impl_->empty_cache_requested_ = true;
@@ -554,6 +556,7 @@ std::size_t caching_allocator::empty_cache(empty_cache_mode mode) {
 }
 
 std::size_t caching_allocator::reclaim() {
+  if (impl_->inherited()) return 0;  // a forked child (fork.cpp)
   if (callback_scope::active()) return 0;  // no backend call in a stream callback
   device_lock lk(impl_->mu_);
   impl_->detect_captures_locked(lk);

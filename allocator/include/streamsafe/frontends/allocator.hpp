@@ -135,6 +135,9 @@ class allocator {
   // Note: CUDA's global capture mode forbids unsafe calls on every device of the process; only
   // the capturing stream's device is told here.
   std::uint64_t notify_capture_begin(cudaStream_t stream);
+  // The capture allocates into the private pool of graph share_pool_of_graph (same device; 0: a
+  // new pool), as torch.cuda.graph(pool=...) shares a pool (caching_allocator's contract).
+  std::uint64_t notify_capture_begin(cudaStream_t stream, std::uint64_t share_pool_of_graph);
   std::uint64_t notify_capture_end(cudaStream_t stream);
   void notify_graph_released(std::uint64_t graph, int device);
 

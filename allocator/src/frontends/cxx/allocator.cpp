@@ -285,10 +285,12 @@ void allocator::notify_stream_destroyed(cudaStream_t stream, int device) {
   if (caching_allocator* a = existing(device)) a->notify_stream_destroyed(to_stream_handle(stream));
 }
 
-std::uint64_t allocator::notify_capture_begin(cudaStream_t stream) {
+std::uint64_t allocator::notify_capture_begin(cudaStream_t stream) { return notify_capture_begin(stream, 0); }
+
+std::uint64_t allocator::notify_capture_begin(cudaStream_t stream, std::uint64_t share_pool_of_graph) {
   const stream_handle h = to_stream_handle(stream);
-  if (h == 0) return device_allocator(current_device()).notify_capture_begin(h);  // throws: stream 0
-  return device_allocator(platform_.stream_device(h)).notify_capture_begin(h);
+  if (h == 0) return device_allocator(current_device()).notify_capture_begin(h, share_pool_of_graph);  // throws: stream 0
+  return device_allocator(platform_.stream_device(h)).notify_capture_begin(h, share_pool_of_graph);
 }
 
 std::uint64_t allocator::notify_capture_end(cudaStream_t stream) {

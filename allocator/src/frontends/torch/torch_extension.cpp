@@ -738,8 +738,21 @@ void torch_allocator::beginAllocateToPool(c10::DeviceIndex device, MempoolId_t m
               "streamsafe: allocating to a memory pool outside a CUDA graph capture (torch.cuda.use_mem_pool, "
               "beginAllocateCurrentThreadToPool / CurrentStreamToPool, torch.compile cudagraph trees) is not "
               "supported; streamsafe keeps private pools for CUDA graph captures only (torch.cuda.graph)");
+  // Captures into one pool (torch.cuda.graph(pool=...), a MemPool) share streamsafe's private
+  // pool of the pool's first graph: blocks the earlier graphs freed serve the later ones.
+  std::uint64_t share = 0;
+  {
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    if (auto it = pools_.find(mempool_id); it != pools_.end() && !it->second.graphs.empty()) {
+      share = it->second.graphs.front();
+    } else {
+      for (const capture_state& c : captures_) {
+        if (c.pool == mempool_id && c.device == device) share = c.graph;
+      }
+    }
+  }
   std::uint64_t graph = 0;
-  guarded("CUDA graph capture begin", [&] { graph = ss_->notify_capture_begin(stream); });
+  guarded("CUDA graph capture begin", [&] { graph = ss_->notify_capture_begin(stream, share); });
   std::lock_guard<std::mutex> lock(pools_mu_);
   pool_state& pool = pools_[mempool_id];
   pool.device = device;
