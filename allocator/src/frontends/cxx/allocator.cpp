@@ -74,10 +74,19 @@ platform platform::cuda() {
     if (opts.backend == backend_kind::expandable) return std::make_unique<expandable_backend>(device);
     return std::make_unique<cuda_malloc_backend>(device);
   };
+  p.real_device = true;
   return p;
 }
 
 allocator::allocator(options opts, platform p) : options_(opts), platform_(std::move(p)) {
+  // release_worker:auto: a worker thread gives memory back in defer mode on a real GPU (an
+  // empty_cache never runs the driver's unmaps on the caller's thread); off on simulated devices,
+  // whose tests expect the calling thread to release.
+  if (options_.release_worker == release_worker_mode::automatic) {
+    options_.release_worker = platform_.real_device && options_.empty_cache == empty_cache_mode::defer
+                                  ? release_worker_mode::on
+                                  : release_worker_mode::off;
+  }
   device_count_ = platform_.device_count ? platform_.device_count() : 0;
   device_count_ = std::clamp(device_count_, 0, max_devices);
   const auto n = static_cast<std::size_t>(device_count_);
