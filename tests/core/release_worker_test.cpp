@@ -222,8 +222,13 @@ TEST_CASE("release_worker:on: an allocation at the memory limit waits for the re
   CHECK(env.watch.in_release());
   // Needs the memory being released: waits for the worker, then succeeds.
   auto big = std::async(std::launch::async, [&] { return env.alloc->allocate(200 * MiB, s); });
+  // reclaim() returns once the worker's release in flight has ended (never a fence wait).
+  auto reclaimed = std::async(std::launch::async, [&] { return env.alloc->reclaim(); });
   CHECK(big.wait_for(100ms) == std::future_status::timeout);
+  CHECK(reclaimed.wait_for(0ms) == std::future_status::timeout);
   env.watch.open_gate();
+  REQUIRE(reclaimed.wait_for(5s) == std::future_status::ready);
+  CHECK(env.alloc->stats().release_worker_bytes == 0);
   REQUIRE(big.wait_for(5s) == std::future_status::ready);
   void* p = nullptr;
   CHECK_NOTHROW(p = big.get());

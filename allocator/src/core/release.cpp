@@ -527,7 +527,11 @@ std::size_t caching_allocator::reclaim() {
     detail::lock_guard<stream_lock> slk(st->mu);
     if (!st->pending.empty()) impl_->process_events_locked(*st);
   }
-  return impl_->finish_deferred(lk, false);
+  const std::size_t released = impl_->finish_deferred(lk, false);
+  // The worker's release in flight (driver calls on memory whose fence completed) ends too, so
+  // that what reclaim returns to has every completed release done; never a fence wait.
+  if (impl_->stats_.release_worker_bytes != 0) impl_->wait_for_worker_locked(lk, nullptr);
+  return released;
 }
 
 std::size_t caching_allocator::pending_release_bytes() const {
