@@ -82,8 +82,10 @@ class caching_allocator {
   // Returns the bytes released by this call.
   std::size_t empty_cache();
   std::size_t empty_cache(empty_cache_mode mode);
-  // Finishes queued (deferred) releases whose fences have completed and retires completed
-  // cross-stream uses; never blocks. Returns the bytes released.
+  // Finishes queued (deferred) releases whose fences have completed, on the calling thread, and
+  // retires completed cross-stream uses; never waits on a fence (with the release worker on it
+  // waits for the worker's driver calls in flight, on memory whose fence has completed). Returns
+  // the bytes released by this call.
   std::size_t reclaim();
   // Bytes waiting in the deferred-release queue, plus those the release worker is giving back
   // to the driver right now (statistics: release_queued_bytes, release_worker_bytes).
@@ -97,8 +99,8 @@ class caching_allocator {
   // capture is underway, and gives back each part whose fence streams are idle; a failed driver
   // call puts that memory back in its pool (logged) and the worker goes on. An allocation that
   // cannot be served otherwise waits, no lock held, for the worker's pass and release in flight
-  // before out_of_memory; empty_cache(wait) waits for the release in flight too. reclaim() stays
-  // synchronous and never blocks on a fence. A forked child has no worker (synchronous there).
+  // before out_of_memory; empty_cache(wait) and reclaim() wait for the release in flight too.
+  // reclaim() stays synchronous and never blocks on a fence. A forked child has no worker (synchronous there).
   // True when nothing is queued and nothing is in flight (also when the worker is off).
   bool release_worker_idle() const;
   // Wakes the worker and waits until it has finished a pass over the queue begun after this
