@@ -4,7 +4,7 @@
 // the bytes are the fuzzer's input) and the seeded million-operation run
 // (tests/million_ops_test.cpp, the bytes come from a seeded generator). A program is a
 // configuration (two bytes: backend, fence scope, empty_cache mode, memory limit, chunk and split
-// sizes, stream-handle reuse, unrecorded uses) followed by operations, one opcode byte plus its
+// sizes, stream-handle reuse, unrecorded uses, the release worker in defer mode) followed by operations, one opcode byte plus its
 // arguments each: allocate (every size class, 0 and sizes near SIZE_MAX included), host free,
 // host free from a stream callback (a callback_scope: no backend call), stream-ordered free,
 // uses on other streams recorded with record_stream or left unrecorded and ordered by the
@@ -37,6 +37,7 @@
 #include <streamsafe/sim/simulated_device.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -111,6 +112,9 @@ struct program_config {
   std::size_t max_split_size_bytes = 0;
   std::size_t whole_segment_split_ratio = 8;  // the default; 0 (off) and 1 (most refusals) too
   bool reuse_stream_handles = false;
+  // options::release_worker on (defer mode only): releases run on the allocator's worker thread;
+  // checks that compare reserved bytes with the device first wait for it to settle.
+  bool release_worker = false;
   bool holds = true;             // holds (kernels that wait for the host) may be enqueued
   bool inject_failures = true;   // backend failures may be injected
   bool destroy_streams = true;   // streams may be destroyed (notify_stream_destroyed)
@@ -137,6 +141,7 @@ struct program_config {
     c.reuse_stream_handles = ((b1 >> 3) & 1) != 0;
     static constexpr std::size_t ratios[] = {8, 8, 0, 1};
     c.whole_segment_split_ratio = ratios[(b1 >> 4) & 3];
+    c.release_worker = ((b1 >> 6) & 1) != 0 && c.mode == empty_cache_mode::defer;
     return c;
   }
 
@@ -146,7 +151,7 @@ struct program_config {
        << " mode:" << streamsafe::to_string(mode) << " unrecorded:" << unrecorded_uses
        << " limit:" << memory_limit_bytes << " chunk:" << expandable_chunk_bytes
        << " max_split:" << max_split_size_bytes << " whole_ratio:" << whole_segment_split_ratio
-       << " reuse_handles:" << reuse_stream_handles;
+       << " reuse_handles:" << reuse_stream_handles << " release_worker:" << release_worker;
     return os.str();
   }
 };
@@ -190,6 +195,7 @@ class program {
     o.expandable_chunk_bytes = config_.expandable_chunk_bytes;
     o.max_split_size_bytes = config_.max_split_size_bytes;
     o.whole_segment_split_ratio = config_.whole_segment_split_ratio;
+    o.release_worker = config_.release_worker ? release_worker_mode::on : release_worker_mode::off;
     alloc_.emplace(dev_, o);
     dev_.set_reuse_stream_handles(config_.reuse_stream_handles);
     streams_.push_back({next_uid_++, 0, false});
@@ -232,6 +238,7 @@ class program {
     dev_.run_until_idle();
     expect_ok("final empty_cache", [&] { alloc_->empty_cache(empty_cache_mode::wait); });
     expect_ok("final reclaim", [&] { alloc_->reclaim(); });
+    settle_worker();
     check();
     const statistics s = alloc_->stats();
     require(s.reserved_bytes.current == 0, "reserved bytes " + std::to_string(s.reserved_bytes.current) +
@@ -435,8 +442,15 @@ class program {
 
   // ---- the checks ----------------------------------------------------------------------------
 
+  // The release worker has released everything whose fence has completed and has nothing in
+  // flight; until the program acts again nothing changes (the clock moves only on its calls).
+  void settle_worker() {
+    if (config_.release_worker) require(alloc_->wait_for_release_worker_idle(std::chrono::seconds(10)), "the release worker did not settle");
+  }
+
   void check() {
     ++stats_.invariant_checks;
+    settle_worker();
     try {
       alloc_->check_invariants();
     } catch (const std::logic_error& e) {
@@ -813,7 +827,12 @@ class program {
         sim::call::record_event,     sim::call::query_event,    sim::call::synchronize_event,
         sim::call::stream_wait_event, sim::call::synchronize_device};
     const std::uint8_t b = src.byte();
-    const sim::call c = calls[b % (sizeof calls / sizeof calls[0])];
+    sim::call c = calls[b % (sizeof calls / sizeof calls[0])];
+    // The worker's own calls (query, unmap, free_segment) would take the failure meant for the
+    // program's next call: those configurations arm map instead.
+    if (config_.release_worker && (c == sim::call::query_event || c == sim::call::unmap || c == sim::call::free_segment)) {
+      c = sim::call::map;
+    }
     armed_ = armed_failure{c, 1 + (b >> 6)};
     ++stats_.injections;
     note("inject failure " + std::to_string(b % (sizeof calls / sizeof calls[0])) + " x" +
@@ -857,6 +876,7 @@ class program {
       p = nullptr;
     }
     note("bad pointer kind " + std::to_string(kind));
+    settle_worker();
     const std::string before = alloc_->stats().to_string();
     const int which = src.byte() % 3;
     bool threw = false;
@@ -876,6 +896,13 @@ class program {
   template <class Source>
   void op_queries(Source& src) {
     note("queries");
+    if (config_.release_worker && src.byte() % 2 == 0) {
+      // The release worker's new operation: wait for it, then its idle state matches the queue.
+      settle_worker();
+      require(alloc_->release_worker_idle() == (alloc_->pending_release_bytes() == 0),
+              "release_worker_idle() disagrees with pending_release_bytes()");
+      require(alloc_->stats().release_worker_bytes == 0, "release worker bytes in flight after it settled");
+    }
     const statistics s = alloc_->stats();
     const std::size_t largest = alloc_->largest_free_block_bytes();
     require(largest <= static_cast<std::size_t>(s.reserved_bytes.current), "largest free block above reserved");

@@ -13,8 +13,9 @@
 //      segment; if it would raise peak reserved, the whole segments skipped in step 1 are
 //      released first (fenced); at the memory limit, a skipped whole segment is split after all;
 //   4. (out of memory) a whole free segment of another stream's pool, moved behind a fence
-//      that s waits on; then a safe release of the cache (fenced) and one retry; then
-//      out_of_memory.
+//      that s waits on; then a safe release of the cache (fenced) and one retry; with the
+//      release worker on (release_worker.cpp), a wait for its pass over the queue and its
+//      release in flight and one more retry; then out_of_memory.
 // Locks: steps 1-2 are the fast path, under s's stream lock alone. Steps 3-4 (allocate_slow)
 // take the device lock (mu_) first, then s's lock, dropping s's lock around releases.
 #include "allocator_state.hpp"
@@ -102,7 +103,8 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   } else if (!b) {
     b = grow_locked(p, rounded);  // both locks held since the search above: straight to growth
   }
-  if (!b && !deferred_.empty()) {
+  const bool worker = worker_releases_locked(opts_.empty_cache);  // no unmap on this thread
+  if (!b && !deferred_.empty() && !worker) {
     slk.unlock();
     finish_deferred(dlk, false);
     slk.lock();
@@ -116,6 +118,15 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
     // never blocks the host here: it releases what is safe now and queues the rest (case K8: a
     // fenced stream may run a collective that waits for work this thread has yet to enqueue).
     release_cached(dlk, opts_.empty_cache);
+    slk.lock();
+    b = find_block_locked(st, p, rounded);
+  }
+  if (!b && worker && (!deferred_.empty() || stats_.release_worker_bytes != 0)) {
+    // Nothing else serves it: wait (no lock held) for a pass of the release worker over what
+    // was just queued and for its release in flight, then retry. Never waits on a fence.
+    slk.unlock();
+    wait_for_worker_locked(dlk, nullptr);
+    if (capturing()) return allocate_during_capture_locked(dlk, size, rounded, small, st.handle);
     slk.lock();
     b = find_block_locked(st, p, rounded);
   }

@@ -36,12 +36,14 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -372,6 +374,48 @@ struct caching_allocator::impl {
   std::size_t account_release_locked(block* b, bool released) STREAMSAFE_REQUIRES(mu_);
   void retire_all_pending_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // waits with mu_ dropped
   void destroy_events_locked() STREAMSAFE_REQUIRES(mu_);
+
+  // ---- release_worker.cpp ------------------------------------------------------------------
+  // The release worker (options::release_worker on): one thread per allocator, started by the
+  // first release handed to it and stopped and joined first thing in destroy_all. It polls the
+  // deferred queue's fences (query, never a wait; nothing while a capture is underway) and
+  // releases the parts whose fence streams are idle with mu_ dropped around the driver calls
+  // (release_batch_memory). A forked child has no worker: worker_usable_locked() is false there
+  // and the parent's thread object is neither joined nor destroyed.
+  static std::int64_t current_pid() noexcept;
+  const std::int64_t creator_pid_ = current_pid();
+  std::unique_ptr<std::thread> worker_ STREAMSAFE_GUARDED_BY(mu_);
+  std::int64_t worker_pid_ STREAMSAFE_GUARDED_BY(mu_) = 0;
+  bool worker_stop_ STREAMSAFE_GUARDED_BY(mu_) = false;
+  bool worker_kick_ STREAMSAFE_GUARDED_BY(mu_) = false;    // a pass is wanted now (new work, a waiter)
+  bool worker_failed_ STREAMSAFE_GUARDED_BY(mu_) = false;  // could not start: releases stay synchronous
+  std::uint64_t worker_passes_begun_ STREAMSAFE_GUARDED_BY(mu_) = 0;
+  std::uint64_t worker_passes_done_ STREAMSAFE_GUARDED_BY(mu_) = 0;
+  // On the heap: a forked child must not destroy them (the parent's worker may have been
+  // waiting on one at the fork, and destroying a condition variable waits for its waiters).
+  std::unique_ptr<std::condition_variable_any> worker_wake_ = std::make_unique<std::condition_variable_any>();
+  std::unique_ptr<std::condition_variable_any> worker_settled_ = std::make_unique<std::condition_variable_any>();  // callers waiting for a pass
+  // The option is on, the thread could start, and this is the process that made the allocator.
+  bool worker_usable_locked() const STREAMSAFE_REQUIRES(mu_);
+  bool worker_releases_locked(empty_cache_mode mode) const STREAMSAFE_REQUIRES(mu_) {
+    return mode == empty_cache_mode::defer && worker_usable_locked();
+  }
+  // Fences the whole batch and queues it for the worker; nothing is released on this thread.
+  void hand_to_worker_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
+  // One pass: every queued block whose own fence streams are idle now goes back (one batch).
+  std::size_t worker_pass_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
+  void worker_main() STREAMSAFE_EXCLUDES(mu_);
+  // Wakes the worker and waits (mu_ dropped meanwhile) until a pass begun after the call has
+  // ended; deadline null: no limit. True at once without a worker; false on timeout.
+  bool wait_for_worker_locked(device_lock& lk, const std::chrono::steady_clock::time_point* deadline)
+      STREAMSAFE_REQUIRES(mu_);
+  void stop_worker() STREAMSAFE_EXCLUDES(mu_);
+  // pthread_atfork handlers: the forking thread takes (try_lock, bounded) the device lock of
+  // every allocator with a running worker, so that no worker holds it in the child.
+  static void fork_prepare() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
+  static void fork_parent() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
+  static void fork_child() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
+  static void at_exit() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;  // stops every worker, bounded, no join
   // The allocator is being destroyed (no other thread may use it): no lock.
   void delete_host_bookkeeping() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
   void destroy_all() STREAMSAFE_EXCLUDES(mu_);

@@ -123,6 +123,12 @@ const option_spec k_options[] = {
     {"empty_cache", "choice", "wait, defer", "whether a release waits on its fence or queues what is not safe yet",
      [](options& o, const option_spec& s, std::string_view v) { o.empty_cache = static_cast<empty_cache_mode>(choice(s, v)); },
      [](const options& o) { return std::string(to_string(o.empty_cache)); }},
+    {"release_worker", "choice", "off, on, auto",
+     "in defer mode, unmap on a worker thread (auto: on for a real GPU through cuda::allocator)",
+     [](options& o, const option_spec& s, std::string_view v) {
+       o.release_worker = static_cast<release_worker_mode>(choice(s, v));
+     },
+     [](const options& o) { return std::string(to_string(o.release_worker)); }},
     {"max_split_size_mb", "number", "a size in MiB, at least 20 (0 = no limit)", "blocks larger than this are never split",
      [](options& o, const option_spec& s, std::string_view v) {
        const double mb = number(s, v);
@@ -222,6 +228,15 @@ const char* to_string(empty_cache_mode mode) noexcept {
 
 const char* to_string(backend_kind kind) noexcept {
   return kind == backend_kind::cuda_malloc ? "cuda_malloc" : "expandable";
+}
+
+const char* to_string(release_worker_mode mode) noexcept {
+  switch (mode) {
+    case release_worker_mode::off: return "off";
+    case release_worker_mode::on: return "on";
+    case release_worker_mode::automatic: return "auto";
+  }
+  return "?";
 }
 
 options options::parse(std::string_view conf, std::vector<std::string>* warnings) {

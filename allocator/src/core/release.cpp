@@ -7,7 +7,8 @@
 // waits on exactly those events (never a device-wide sync unless the scope is `device`), with
 // the device lock dropped; in defer mode nothing blocks: the blocks whose own fence streams are
 // idle now go back at once, the rest is queued and finished by later calls (reclaim,
-// empty_cache, the allocation slow path), and when free_segment waits for the whole device
+// empty_cache, the allocation slow path), or, with the release worker on, everything is queued
+// and a worker thread gives it back (release_worker.cpp), and when free_segment waits for the whole device
 // (cudaFree) a segment goes back only while every known stream is idle. Only then are
 // free_segment / unmap called, also without the lock. A failed driver call puts its memory back
 // in the pool. Every function here runs with the device lock (mu_) held on entry.
@@ -336,7 +337,10 @@ std::size_t caching_allocator::impl::release_cached(device_lock& lk, empty_cache
   prepare_release_locked();
   release_batch batch = collect_releasable_locked();
   std::size_t released = release_collected(lk, batch, mode);
+  if (worker_releases_locked(mode)) return released;  // the worker finishes the queue
   released += finish_deferred(lk, mode == empty_cache_mode::wait);
+  // Wait mode gives everything back before returning: also what the worker has in flight.
+  if (mode == empty_cache_mode::wait && stats_.release_worker_bytes != 0) wait_for_worker_locked(lk, nullptr);
   return released;
 }
 
@@ -357,7 +361,8 @@ std::size_t caching_allocator::impl::trim_cached(device_lock& lk) {
   prepare_release_locked();
   release_batch batch = collect_releasable_locked();
   std::size_t released = release_safe_now(lk, batch);
-  released += finish_deferred(lk, false);
+  // The queue of earlier releases: the worker's job when it runs, else this call's (never waiting).
+  if (!worker_releases_locked(empty_cache_mode::defer)) released += finish_deferred(lk, false);
   return released;
 }
 
@@ -405,6 +410,10 @@ std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, s
 std::size_t caching_allocator::impl::release_collected(device_lock& lk, release_batch& batch,
                                                        empty_cache_mode mode) {
   std::size_t released = 0;
+  if (worker_releases_locked(mode)) {
+    hand_to_worker_locked(batch);  // fenced and queued: no unmap on this thread
+    return 0;
+  }
   if (!batch.blocks.empty()) {
     // Until the memory is given back or queued, any failure puts the blocks back in their pools.
     release_batch now;  // what goes back to the driver in this call
@@ -513,6 +522,7 @@ void caching_allocator::impl::delete_host_bookkeeping() {
 }
 
 void caching_allocator::impl::destroy_all() {
+  stop_worker();  // joined before anything is torn down; its queue is finished below
   try {
     device_lock lk(mu_);
     // Destroyed during a capture, or with graphs not released: their memory goes back too.
@@ -567,12 +577,16 @@ std::size_t caching_allocator::reclaim() {
     detail::lock_guard<stream_lock> slk(st->mu);
     if (!st->pending.empty()) impl_->process_events_locked(*st);
   }
-  return impl_->finish_deferred(lk, false);
+  const std::size_t released = impl_->finish_deferred(lk, false);
+  // The worker's release in flight (driver calls on memory whose fence completed) ends too, so
+  // that what reclaim returns to has every completed release done; never a fence wait.
+  if (impl_->stats_.release_worker_bytes != 0) impl_->wait_for_worker_locked(lk, nullptr);
+  return released;
 }
 
 std::size_t caching_allocator::pending_release_bytes() const {
   detail::lock_guard<detail::mutex> lk(impl_->mu_);
-  return impl_->deferred_bytes_;
+  return impl_->deferred_bytes_ + impl_->stats_.release_worker_bytes;
 }
 
 }  // namespace streamsafe

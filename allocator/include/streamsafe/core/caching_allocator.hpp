@@ -35,6 +35,7 @@
 #include <streamsafe/core/statistics.hpp>
 #include <streamsafe/core/trace.hpp>
 
+#include <chrono>
 #include <cstddef>
 #include <memory>
 #include <vector>
@@ -107,11 +108,32 @@ class caching_allocator {
   // reaches the driver (an allocation that misses the cache, reclaim, empty_cache).
   std::size_t empty_cache();
   std::size_t empty_cache(empty_cache_mode mode);
-  // Finishes queued (deferred) releases whose fences have completed and retires completed
-  // cross-stream uses; never blocks. Returns the bytes released.
+  // Finishes queued (deferred) releases whose fences have completed, on the calling thread, and
+  // retires completed cross-stream uses; never waits on a fence (with the release worker on it
+  // waits for the worker's driver calls in flight, on memory whose fence has completed). Returns
+  // the bytes released by this call.
   std::size_t reclaim();
-  // Bytes waiting in the deferred-release queue.
+  // Bytes waiting in the deferred-release queue, plus those the release worker is giving back
+  // to the driver right now (statistics: release_queued_bytes, release_worker_bytes).
   std::size_t pending_release_bytes() const;
+
+  // ---- release worker (options::release_worker) -------------------------------------------
+  // With the worker on, empty_cache in defer mode (also the releases of allocate's slow path)
+  // fences and queues the whole batch and returns 0 at once: no unmap or free_segment runs on
+  // the calling thread. A thread of this allocator (started by the first such release, joined
+  // by the destructor) polls the fences, never waiting on one and making no call while a graph
+  // capture is underway, and gives back each part whose fence streams are idle; a failed driver
+  // call puts that memory back in its pool (logged) and the worker goes on. An allocation that
+  // cannot be served otherwise waits, no lock held, for the worker's pass and release in flight
+  // before out_of_memory; empty_cache(wait) and reclaim() wait for the release in flight too.
+  // reclaim() stays synchronous and never blocks on a fence. A forked child has no worker (synchronous there).
+  // True when nothing is queued and nothing is in flight (also when the worker is off).
+  bool release_worker_idle() const;
+  // Wakes the worker and waits until it has finished a pass over the queue begun after this
+  // call (everything whose fence had completed is back with the driver) with nothing in flight;
+  // memory behind fences still pending stays queued. False on timeout; true at once when there
+  // is no worker. For tests and benchmarks.
+  bool wait_for_release_worker_idle(std::chrono::nanoseconds timeout);
 
   // Tells the allocator a stream is gone: it is dropped from fences; cached blocks of its
   // pool stay cached and are reused by other streams only behind an event wait.

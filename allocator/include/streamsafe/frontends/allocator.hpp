@@ -65,6 +65,9 @@ struct platform {
   std::function<int(stream_handle)> stream_device;
   // The backend of one device; called once per device, under the allocator's creation mutex.
   std::function<std::unique_ptr<device_backend>(int device, const options& opts)> make_backend;
+  // True for real GPUs (platform::cuda()): options::release_worker auto then means on in
+  // empty_cache defer mode. Simulated platforms leave it false (auto means off).
+  bool real_device = false;
 
   // CUDA: cudaGetDeviceCount (0 without a GPU), cudaGetDevice, cudaStreamGetDevice, and
   // cuda_malloc_backend or expandable_backend as opts.backend says.
