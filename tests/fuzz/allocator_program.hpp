@@ -115,6 +115,7 @@ struct program_config {
   // options::release_worker on (defer mode only): releases run on the allocator's worker thread;
   // checks that compare reserved bytes with the device first wait for it to settle.
   bool release_worker = false;
+  reuse_fence_scope reuse_fence = reuse_fence_scope::allocation_stream;  // all_streams: op_side_read_free
   bool holds = true;             // holds (kernels that wait for the host) may be enqueued
   bool inject_failures = true;   // backend failures may be injected
   bool destroy_streams = true;   // streams may be destroyed (notify_stream_destroyed)
@@ -142,6 +143,7 @@ struct program_config {
     static constexpr std::size_t ratios[] = {8, 8, 0, 1};
     c.whole_segment_split_ratio = ratios[(b1 >> 4) & 3];
     c.release_worker = ((b1 >> 6) & 1) != 0 && c.mode == empty_cache_mode::defer;
+    c.reuse_fence = ((b1 >> 7) & 1) != 0 ? reuse_fence_scope::all_streams : reuse_fence_scope::allocation_stream;
     return c;
   }
 
@@ -151,7 +153,8 @@ struct program_config {
        << " mode:" << streamsafe::to_string(mode) << " unrecorded:" << unrecorded_uses
        << " limit:" << memory_limit_bytes << " chunk:" << expandable_chunk_bytes
        << " max_split:" << max_split_size_bytes << " whole_ratio:" << whole_segment_split_ratio
-       << " reuse_handles:" << reuse_stream_handles << " release_worker:" << release_worker;
+       << " reuse_handles:" << reuse_stream_handles << " release_worker:" << release_worker
+       << " reuse_fence:" << streamsafe::to_string(reuse_fence);
     return os.str();
   }
 };
@@ -196,6 +199,7 @@ class program {
     o.max_split_size_bytes = config_.max_split_size_bytes;
     o.whole_segment_split_ratio = config_.whole_segment_split_ratio;
     o.release_worker = config_.release_worker ? release_worker_mode::on : release_worker_mode::off;
+    o.reuse_fence = config_.reuse_fence;
     alloc_.emplace(dev_, o);
     dev_.set_reuse_stream_handles(config_.reuse_stream_handles);
     streams_.push_back({next_uid_++, 0, false});
@@ -489,6 +493,10 @@ class program {
     if (op < 8) return op_allocate(src);
     if (op < 12) return op_use(src);
     if (op < 14) return op_free(src);
+    // op 14: a free from a stream callback, or (reuse_fence:all_streams, half the time) an
+    // unrecorded side-stream read before a host free.
+    if (op == 14 && config_.reuse_fence == reuse_fence_scope::all_streams && ((raw >> 5) & 1) != 0)
+      return op_side_read_free(src);
     if (op == 14) return op_callback_free(src);
     if (op < 17) return op_stream_free(src);
     if (op == 17) return op_hold(src);
@@ -710,6 +718,25 @@ class program {
                 c1.event_queries == c0.event_queries && c1.stream_waits == c0.stream_waits &&
                 c1.segment_frees == c0.segment_frees && c1.unmaps == c0.unmaps && c1.event_syncs == c0.event_syncs,
             "a free in a callback_scope made a backend call");
+  }
+
+  // reuse_fence:all_streams: a read on another stream the allocator knows, with no
+  // record_stream and no ordering by the program (a device-to-host copy, a collective), then a
+  // host free. The reuse fence alone must keep the block's next owner off it.
+  template <class Source>
+  void op_side_read_free(Source& src) {
+    if (live_.empty()) return;
+    const std::size_t i = pick(src, live_.size());
+    live_block& b = live_[i];
+    stream_slot& t = streams_[pick_other_stream(src, b.stream_uid)];
+    const std::uint64_t duration = static_cast<std::uint64_t>(src.byte()) * 8;
+    if (!t.seen || t.uid == b.stream_uid || !alive(b.stream_uid)) return op_free(src);
+    order_after_block(t.handle, b);
+    dev_.launch(t.handle, duration,
+                {sim::range{reinterpret_cast<std::uintptr_t>(b.ptr), b.size, sim::access::read, std::nullopt}},
+                "unrecorded side read before a host free");
+    note("unrecorded read on stream " + std::to_string(t.handle) + ", then deallocate block " + std::to_string(i));
+    free_block(i, std::nullopt);
   }
 
   template <class Source>

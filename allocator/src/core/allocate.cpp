@@ -9,6 +9,8 @@
 //      first the pending blocks whose events have completed are retired (process_events_locked,
 //      which otherwise runs only when k_pending_batch more blocks are pending), then s waits
 //      on the events of the best pending block (stream_wait_event), the host never blocks;
+//   2b. (reuse_fence:all_streams, allocate_slow) the host frees since the last reuse fence:
+//      s waits on one event per other known stream for all of them (free.cpp);
 //   3. growth (growth.cpp): a new cudaMalloc segment, or more chunks mapped into s's expandable
 //      segment; if it would raise peak reserved, the whole segments skipped in step 1 are
 //      released first (fenced); at the memory limit, a skipped whole segment is split after all;
@@ -86,6 +88,9 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   }
   detail::unique_lock<stream_lock> slk(st.mu);
   pool& p = pool_of(st, small);
+  // reuse_fence:all_streams: nothing free fits; the host frees since the last fence become
+  // reusable behind one fence (free.cpp) rather than the pool growing.
+  if (!st.unfenced.empty()) fence_host_frees_locked(st);
   block* b = find_block_locked(st, p, rounded, false);
   if (!b && growth_raises_peak_with_refused_locked(p, rounded)) {
     // Whole free segments the rule refuses to this request would sit idle while the pool grows

@@ -95,6 +95,10 @@ struct caching_allocator::impl {
     pool large_pool;
     detail::active_map active;    // active blocks of this stream's segments
     detail::pending_list pending;  // pending_free blocks of this stream's segments, in free order
+    // reuse_fence:all_streams: pending_free blocks freed by the host since the last reuse fence,
+    // with no event yet (free.cpp: fence_host_frees_locked orders this stream after every known
+    // stream once, for all of them).
+    detail::pending_list unfenced;
     stream_stats stats;  // this stream's counters (summed by caching_allocator::stats)
     block* spare = nullptr;       // recycled block objects (linked through next)
     // Pooled events of this stream's pending blocks, reused under this lock alone (no trip to
@@ -278,6 +282,12 @@ struct caching_allocator::impl {
   stream_state* cached_live_state(stream_handle stream) const;  // this thread's stream cache
   void count_free_locked(stream_state& st, const block* b) STREAMSAFE_REQUIRES(st.mu);  // the host free's counters (st's lock held)
   void free_same_stream_locked(stream_state& st, block* b) STREAMSAFE_REQUIRES(st.mu);  // b in st.active (it stays there if parked)
+  // reuse_fence:all_streams. A host free: b leaves st.active for st.unfenced, recording nothing.
+  void free_unfenced_locked(stream_state& st, block* b) STREAMSAFE_REQUIRES(st.mu);
+  // The reuse fence of st's unfenced host frees: st waits, on the device, for every other known
+  // stream (one event each) and the tombstones; then the blocks go back to st's pools.
+  void fence_host_frees_locked(stream_state& st) STREAMSAFE_REQUIRES(mu_, st.mu);
+  void fence_dead_stream_frees_locked(stream_state& st) STREAMSAFE_REQUIRES(mu_, st.mu);  // st destroyed
   event_handle get_event() STREAMSAFE_EXCLUDES(events_mu_);
   void put_event(event_handle e) STREAMSAFE_EXCLUDES(events_mu_);
   event_handle get_event(stream_state& st) STREAMSAFE_REQUIRES(st.mu);      // st's lock held: st's event cache first

@@ -349,6 +349,7 @@ void caching_allocator::impl::prepare_release_locked() {
   fence_unfenced_locked();
   for (auto& [s, st] : streams_) {
     detail::lock_guard<stream_lock> slk(st->mu);
+    if (!st->unfenced.empty()) fence_host_frees_locked(*st);  // reuse_fence:all_streams (free.cpp)
     if (!st->pending.empty()) process_events_locked(*st);
     flush_quick_locked(st->small_pool);
     flush_quick_locked(st->large_pool);
@@ -529,6 +530,10 @@ void caching_allocator::impl::destroy_all() {
     captures_.clear();
     captures_underway_.store(0, std::memory_order_release);
     for (auto& [s, st] : streams_) st->graph_released = true;
+    for (auto& [s, st] : streams_) {  // reuse_fence:all_streams: unfenced host frees join the pending ones
+      detail::lock_guard<stream_lock> slk(st->mu);
+      if (!st->unfenced.empty()) fence_host_frees_locked(*st);
+    }
     retire_all_pending_locked(lk);
     release_cached(lk, empty_cache_mode::wait);
     std::size_t live = 0;  // active blocks (the active maps also hold quick-cached ones)

@@ -41,6 +41,15 @@ enum class release_worker_mode {
               // integration) resolves it to on in defer mode; simulated platforms to off.
 };
 
+// Which streams a host free (deallocate without a stream) is fenced against before its block is
+// reused. Uses the allocator was told about (record_stream, stream-ordered frees) are fenced in
+// both cases; the choice is about uses nobody recorded.
+enum class reuse_fence_scope {
+  allocation_stream,  // the block's own stream only: reused at once on it (PyTorch; default)
+  all_streams,        // every stream the allocator knows on the device, one event per stream per
+                      // batch of host frees, recorded when the allocation stream reuses the batch
+};
+
 struct options {
   backend_kind backend = backend_kind::cuda_malloc;
   fence_scope release_fence = fence_scope::all_streams;
@@ -50,6 +59,9 @@ struct options {
   // has completed (polled, never waited on). Allocations that cannot be served otherwise wait
   // for the worker's release in flight before out_of_memory. reclaim() stays synchronous.
   release_worker_mode release_worker = release_worker_mode::automatic;
+  // reuse_fence:all_streams protects a block read on a side stream without record_stream (a
+  // device-to-host copy, a collective on a third stream) and then freed from the host.
+  reuse_fence_scope reuse_fence = reuse_fence_scope::allocation_stream;
   // Blocks larger than this are never split (0 = no limit). PyTorch: max_split_size_mb.
   std::size_t max_split_size_bytes = 0;
   // cuda_malloc backend: a wholly free cached segment more than this many times a large request
@@ -92,5 +104,6 @@ const char* to_string(fence_scope scope) noexcept;
 const char* to_string(empty_cache_mode mode) noexcept;
 const char* to_string(backend_kind kind) noexcept;
 const char* to_string(release_worker_mode mode) noexcept;
+const char* to_string(reuse_fence_scope scope) noexcept;
 
 }  // namespace streamsafe
