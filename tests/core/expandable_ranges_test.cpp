@@ -41,7 +41,7 @@ struct holes_env : sim_env {
 }  // namespace
 
 TEST_CASE("Expandable, 1 GiB limit: five 200 MiB blocks, free the 2nd and 4th, empty_cache, 300 MiB is served",
-          "[expandable-ranges][expandable][fixme14]") {
+          "[expandable-ranges][expandable]") {
   holes_env env(backend_kind::expandable);
   CHECK(env.alloc.stats().allocated_bytes.current == static_cast<std::int64_t>(600 * MiB));
   void* p = nullptr;
@@ -85,7 +85,7 @@ TEST_CASE("Expandable, 1 GiB limit: a request beyond the memory really free is s
 
 TEST_CASE("Expandable, long random runs with many sizes never run out of memory while allocated + request stays "
           "under the limit minus the stated slack",
-          "[expandable-ranges][expandable][fixme14]") {
+          "[expandable-ranges][expandable]") {
   // Slack: two mapping chunks (20 MiB each) per live block plus two, for chunks shared with
   // live neighbours, and 8 MiB for the small pool. Sizes 1-300 MiB (large pool) and some
   // 4 KiB-1 MiB (small pool), 3,000 operations per seed, up to 12 live blocks.

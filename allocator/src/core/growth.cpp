@@ -2,8 +2,9 @@
 // a whole free segment from another stream.
 //
 // cuda_malloc backend: one segment per growth (segment_bytes_for), within limit_bytes_.
-// expandable backend: one reserved address range per pool, chunks mapped into its unmapped
-// blocks as needed (each chunk mapped alone, so that any may later be unmapped alone).
+// expandable backend: reserved address ranges per pool (a first one, and another when a request
+// fits in no hole of those the pool has), chunks mapped into their unmapped blocks as needed
+// (each chunk mapped alone, so that any may later be unmapped alone).
 // Invariant: stats_.reserved_bytes counts every mapped byte of every segment (and of the
 // segments being released, release.cpp). Locks: the device lock (mu_) and the lock of the
 // growing pool's stream are held by every function here; steal_segment_locked also takes the
@@ -13,6 +14,8 @@
 #include "format.hpp"
 #include "segment_fit.hpp"
 #include "size_classes.hpp"
+
+#include <algorithm>
 
 namespace streamsafe {
 
@@ -97,13 +100,24 @@ block* caching_allocator::impl::choose_unmapped_locked(pool& p, std::size_t roun
 
 block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t rounded) {
   const std::size_t gran = p.small ? small_chunk_bytes_ : large_chunk_bytes_;
-  if (!p.expandable) {
-    const std::size_t reserve = detail::round_up(limit_bytes_, gran);
+  // A pool reserves its first range on its first growth, and another range whenever a request
+  // fits in no hole of the ranges it has while the memory under the limit is there: holes left
+  // between live blocks never make the pool run out of memory with memory free (issue 14). A
+  // range spans the limit, so an empty range serves any request: a pool never holds two empty
+  // ranges, and holds at most one range per mapped chunk plus one.
+  auto reserve_range = [&] {
+    const std::size_t reserve = detail::round_up(std::max(limit_bytes_, rounded), gran);
     void* base = backend_.reserve_address_range(reserve);
-    p.expandable = add_segment_locked(p, reinterpret_cast<std::uintptr_t>(base), reserve, false)->seg;
-  }
+    segment* seg = add_segment_locked(p, reinterpret_cast<std::uintptr_t>(base), reserve, false)->seg;
+    if (!p.expandable) p.expandable = seg;
+  };
+  if (!p.expandable) reserve_range();
   std::size_t map_bytes = 0;
   block* choice = choose_unmapped_locked(p, rounded, map_bytes);
+  if (!choice && static_cast<std::size_t>(stats_.reserved_bytes.current) + detail::round_up(rounded, gran) <= limit_bytes_) {
+    reserve_range();  // no hole fits, the memory is there: a fresh range
+    choice = choose_unmapped_locked(p, rounded, map_bytes);
+  }
   if (!choice) return nullptr;
   const std::size_t mapped = map_chunks_locked(choice->addr, map_bytes, gran);
   if (mapped == 0) return nullptr;
