@@ -194,13 +194,28 @@ block* caching_allocator::impl::grow_locked(pool& p, std::size_t rounded) {
 }
 
 bool caching_allocator::impl::growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const {
-  if (p.small || opts_.whole_segment_split_ratio == 0 || opts_.backend == backend_kind::expandable) return false;
+  if (opts_.backend == backend_kind::expandable) return expandable_growth_raises_peak_locked(p, rounded);
+  if (p.small || opts_.whole_segment_split_ratio == 0) return false;
   // Below the peak growth costs nothing; at the limit the rule gives way (find_block_locked).
   const std::size_t grown = static_cast<std::size_t>(stats_.reserved_bytes.current) + detail::segment_bytes_for(rounded);
   if (grown <= static_cast<std::size_t>(stats_.reserved_bytes.peak) || grown > limit_bytes_) return false;
-  bool refused = false;
-  p.mapped.for_each([&](const block* b) { refused = refused || (!b->prev && !b->next && keeps_whole(b, rounded)); });
-  return refused;
+  // Worth the driver calls only when the idle segments would cover the growth.
+  std::size_t idle = 0;
+  p.mapped.for_each([&](const block* b) { idle += idle_at_growth(b, rounded) ? b->size : 0; });
+  return idle >= detail::segment_bytes_for(rounded);
+}
+
+bool caching_allocator::impl::expandable_growth_raises_peak_locked(const pool& p, std::size_t rounded) const {
+  // Mapping more past peak reserved while whole free chunks sit mapped elsewhere raises the peak
+  // by memory that is idle: those chunks are unmapped first (behind their fence), so that the
+  // new chunks come out of them.
+  const std::size_t gran = p.small ? small_chunk_bytes_ : large_chunk_bytes_;
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+  const std::size_t grown = reserved + detail::round_up(rounded, gran);
+  if (grown <= static_cast<std::size_t>(stats_.reserved_bytes.peak)) return false;
+  std::int64_t allocated = 0;
+  for (auto& [s, state] : streams_) allocated += state->cur_allocated.load(std::memory_order_relaxed);
+  return static_cast<std::int64_t>(reserved) - allocated >= static_cast<std::int64_t>(large_chunk_bytes_);
 }
 
 bool caching_allocator::impl::wants_collection_locked(std::size_t rounded) const {
