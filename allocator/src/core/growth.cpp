@@ -206,16 +206,17 @@ bool caching_allocator::impl::growth_raises_peak_with_refused_locked(const pool&
 }
 
 bool caching_allocator::impl::expandable_growth_raises_peak_locked(const pool& p, std::size_t rounded) const {
-  // Mapping more past peak reserved while whole free chunks sit mapped elsewhere raises the peak
-  // by memory that is idle: those chunks are unmapped first (behind their fence), so that the
-  // new chunks come out of them.
-  const std::size_t gran = p.small ? small_chunk_bytes_ : large_chunk_bytes_;
+  // Mapping more for a large request past peak reserved, while at least as much free memory
+  // sits mapped, raises the peak by memory that is idle: the free chunks are unmapped first
+  // (behind their fence), so that the new chunks come out of them. Below the peak growth costs
+  // nothing, and small requests (2 MiB chunks) are not worth the driver calls.
+  if (p.small) return false;
   const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-  const std::size_t grown = reserved + detail::round_up(rounded, gran);
-  if (grown <= static_cast<std::size_t>(stats_.reserved_bytes.peak)) return false;
+  const std::size_t growth = detail::round_up(rounded, large_chunk_bytes_);
+  if (reserved + growth <= static_cast<std::size_t>(stats_.reserved_bytes.peak)) return false;
   std::int64_t allocated = 0;
   for (auto& [s, state] : streams_) allocated += state->cur_allocated.load(std::memory_order_relaxed);
-  return static_cast<std::int64_t>(reserved) - allocated >= static_cast<std::int64_t>(large_chunk_bytes_);
+  return static_cast<std::int64_t>(reserved) - allocated >= static_cast<std::int64_t>(growth);
 }
 
 bool caching_allocator::impl::wants_collection_locked(std::size_t rounded) const {
