@@ -105,17 +105,16 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   // between live blocks never make the pool run out of memory with memory free (issue 14). A
   // range spans the limit, so an empty range serves any request: a pool never holds two empty
   // ranges, and holds at most one range per mapped chunk plus one.
-  auto reserve_range = [&] {
+  std::size_t map_bytes = 0;
+  block* choice = p.expandable ? choose_unmapped_locked(p, rounded, map_bytes) : nullptr;
+  if (!choice && (!p.expandable || static_cast<std::size_t>(stats_.reserved_bytes.current) +
+                                           detail::round_up(rounded, gran) <=
+                                       limit_bytes_)) {
+    // The first range, or no hole fits while the memory is there: a fresh range.
     const std::size_t reserve = detail::round_up(std::max(limit_bytes_, rounded), gran);
     void* base = backend_.reserve_address_range(reserve);
     segment* seg = add_segment_locked(p, reinterpret_cast<std::uintptr_t>(base), reserve, false)->seg;
     if (!p.expandable) p.expandable = seg;
-  };
-  if (!p.expandable) reserve_range();
-  std::size_t map_bytes = 0;
-  block* choice = choose_unmapped_locked(p, rounded, map_bytes);
-  if (!choice && static_cast<std::size_t>(stats_.reserved_bytes.current) + detail::round_up(rounded, gran) <= limit_bytes_) {
-    reserve_range();  // no hole fits, the memory is there: a fresh range
     choice = choose_unmapped_locked(p, rounded, map_bytes);
   }
   if (!choice) return nullptr;
