@@ -19,7 +19,7 @@ the outcome, the median step time (host, the step's work finished on the compute
 including empty_cache), the median time inside empty_cache, and a checksum of the parameters
 (equal in every row that computed correctly).
 
-  python3 examples/pytorch/seed_race.py [--params 256] [--mib 64] [--steps 4] [--rows ...]
+  python3 examples/pytorch/seed_race.py [--params 256] [--mib 64] [--steps 4] [--rows ...] [--opts signsgd,adamw]
   python3 examples/pytorch/seed_race.py --child streamsafe-defer --opt signsgd --busy 1 ...
 
 streamsafe must be importable (pip install --no-build-isolation . from the repository).
@@ -113,7 +113,7 @@ def parent(args):
     print(header)
     print("-" * len(header))
     ok = True
-    for opt in ("signsgd", "adamw"):
+    for opt in args.opts.split(","):
         for busy in (0, 1):
             for row in rows:
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", row, "--opt", opt, "--busy", str(busy),
@@ -147,6 +147,7 @@ def main():
     ap.add_argument("--busy-matmuls", type=int, default=300)
     ap.add_argument("--busy-n", type=int, default=8192)
     ap.add_argument("--rows", default="")
+    ap.add_argument("--opts", default="signsgd,adamw", help="optimizers of the table (parent)")
     ap.add_argument("--timeout", type=int, default=180)
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()

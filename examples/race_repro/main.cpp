@@ -82,7 +82,7 @@ run_result run_child(optimizer_kind k, release_variant v, const problem& p) {
   return r;
 }
 
-std::string human_bytes(std::uint64_t b) {
+std::string gib_text(std::uint64_t b) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(b) / (1 << 30));
   return buf;
@@ -181,7 +181,7 @@ int main(int argc, char** argv) {
   }
   std::cout << "streamsafe race reproduction on the " << where << "\n"
             << "problem: " << p.params << " parameters x " << p.shard_floats << " floats ("
-            << human_bytes(static_cast<std::uint64_t>(p.params) * p.shard_floats * 4) << " of gradients per step), "
+            << gib_text(static_cast<std::uint64_t>(p.params) * p.shard_floats * 4) << " of gradients per step), "
             << p.steps << " steps, unrelated kernel: "
             << (p.unrelated_ms > 0 ? std::to_string(p.unrelated_ms) + " ms per step on a third stream" : "none")
             << "\n\n";
@@ -203,7 +203,7 @@ int main(int argc, char** argv) {
         }
       }
       std::printf("%-22s %-33s %5d %9.2f %15.3f %10s %8llu  %s\n", to_string(k), variant_title(v), r.steps_completed,
-                  r.median_step_ms, r.median_empty_cache_ms, human_bytes(r.bytes_released).c_str(),
+                  r.median_step_ms, r.median_empty_cache_ms, gib_text(r.bytes_released).c_str(),
                   static_cast<unsigned long long>(r.releases_deferred), r.clean ? "clean" : ("FAULT: " + r.outcome).c_str());
       if (r.clean && p.steps >= 4) {
         std::printf("%-22s   peak reserved per step: %.1f MiB (steps 2-%d), %.1f MiB (steps %d-%d); allocated drift %lld bytes\n",

@@ -38,6 +38,7 @@
 #pragma once
 
 #include <streamsafe/sim/simulated_device.hpp>
+#include "core/format.hpp"
 
 #include <streamsafe/core/errors.hpp>
 
@@ -82,11 +83,7 @@ inline const char* call_name(call c) noexcept {
   return "unknown_call";
 }
 
-inline std::string hex(std::uintptr_t value) {
-  char buffer[32];
-  std::snprintf(buffer, sizeof buffer, "0x%llx", static_cast<unsigned long long>(value));
-  return buffer;
-}
+using streamsafe::detail::hex;
 
 inline std::string describe_range(std::uintptr_t begin, std::size_t size_bytes) {
   return "[" + hex(begin) + ", " + hex(begin + size_bytes) + ") (" + std::to_string(size_bytes) +

@@ -5,6 +5,8 @@
 // segment map lays the drawn part of each segment end to end, in address order, over rows of a
 // fixed byte span (a nice value chosen so the map has about 24 rows); a block crossing a row
 // end continues on the next row. Every piece of text that comes from the input is escaped.
+#include "core/format.hpp"
+
 #include "html_report.hpp"
 
 #include <algorithm>
@@ -42,23 +44,9 @@ std::string escape(const std::string& s) {
   return out;
 }
 
-std::string human(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (std::fabs(bytes) >= 1024 && u < 4) {
-    bytes /= 1024;
-    ++u;
-  }
-  char buf[48];
-  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", bytes, units[u]);
-  return buf;
-}
+std::string human(double bytes) { return streamsafe::detail::human_bytes(static_cast<std::int64_t>(bytes)); }
 
-std::string hex(std::uintptr_t v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, v);
-  return buf;
-}
+using streamsafe::detail::hex;
 
 std::string num(double v) {
   char buf[32];

@@ -1,5 +1,7 @@
 // streamsafe: expandable_backend (see expandable_backend.hpp). The chunk table is guarded by
 // mutex_, held only around table reads and updates, never across a driver call.
+#include "core/format.hpp"
+
 #include <streamsafe/core/errors.hpp>
 #include <streamsafe/backends/capture_mode.hpp>
 #include <streamsafe/backends/cuda_check.hpp>
@@ -21,11 +23,7 @@ namespace {
 
 constexpr std::size_t min_granularity = std::size_t{2} << 20;
 
-std::string hex(CUdeviceptr address) {
-  char text[2 + 16 + 1];
-  std::snprintf(text, sizeof(text), "0x%llx", static_cast<unsigned long long>(address));
-  return text;
-}
+std::string hex(CUdeviceptr address) { return streamsafe::detail::hex(static_cast<std::uintptr_t>(address)); }
 
 [[noreturn]] void invalid_range(const char* call, CUdeviceptr base, std::size_t size_bytes,
                                 const char* why) {

@@ -6,6 +6,7 @@
 // device in use it is that device's allocator; with several, the first whose find_block()
 // knows the pointer (current device first). A pointer no allocator knows is diagnosed by the
 // allocators themselves (double free, interior pointer, foreign pointer).
+#include "core/format.hpp"
 #include "core/logging.hpp"
 
 #include <streamsafe/core/errors.hpp>
@@ -29,11 +30,7 @@ namespace {
 constexpr stream_handle legacy_stream = 1;      // cudaStreamLegacy
 constexpr stream_handle per_thread_stream = 2;  // cudaStreamPerThread
 
-std::string hex(const void* p) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%p", p);
-  return buf;
-}
+std::string hex(const void* p) { return streamsafe::detail::hex(reinterpret_cast<std::uintptr_t>(p)); }
 
 }  // namespace
 

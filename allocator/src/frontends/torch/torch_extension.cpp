@@ -26,6 +26,8 @@
 #include <torch/headeronly/version.h>
 
 // streamsafe headers (one place; paths of the pre-layout tree).
+#include "core/format.hpp"
+
 #include <streamsafe/core/errors.hpp>
 #include <streamsafe/core/options.hpp>
 #include <streamsafe/core/snapshot.hpp>
@@ -73,16 +75,7 @@ std::uint64_t now_us() {
                                         .count());
 }
 
-std::string format_bytes(std::size_t bytes) {
-  char text[64];
-  if (bytes >= (std::size_t{1} << 30))
-    std::snprintf(text, sizeof text, "%.2f GiB", static_cast<double>(bytes) / (1 << 30));
-  else if (bytes >= (std::size_t{1} << 20))
-    std::snprintf(text, sizeof text, "%.2f MiB", static_cast<double>(bytes) / (1 << 20));
-  else
-    std::snprintf(text, sizeof text, "%zu bytes", bytes);
-  return text;
-}
+std::string format_bytes(std::size_t bytes) { return streamsafe::detail::human_bytes(static_cast<std::int64_t>(bytes)); }
 
 class torch_allocator;
 
