@@ -246,6 +246,7 @@ struct caching_allocator::impl {
   block* best_fit(pool& p, std::size_t rounded) const;
   bool split_limit_refuses(const pool& p, const block* b, std::size_t rounded) const noexcept;  // max_split_size
   bool keeps_whole(const block* b, std::size_t rounded) const noexcept;  // segment_fit.hpp's rule
+  bool idle_at_growth(const block* b, std::size_t rounded) const noexcept;  // given back before growth past the peak
   block* fit_ignoring_whole_rule(pool& p, std::size_t rounded) const;  // at the memory limit
   block* take_pending_locked(stream_state& st, pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(st.mu);
   block* new_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
@@ -259,6 +260,7 @@ struct caching_allocator::impl {
   block* find_block_locked(stream_state& st, pool& p, std::size_t rounded, bool grow = true) STREAMSAFE_REQUIRES(mu_, st.mu);
   block* grow_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);  // step 3 of the allocation order
   bool growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
+  bool expandable_growth_raises_peak_locked(const pool& p, std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
   void* finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size) STREAMSAFE_REQUIRES(st.mu);
   void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small) STREAMSAFE_EXCLUDES(mu_, st.mu);
   bool wants_collection_locked(std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);  // mu_ held

@@ -390,6 +390,7 @@ std::size_t caching_allocator::impl::release_safe_now(device_lock& lk, release_b
 
 std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, stream_state& st,
                                                               std::size_t rounded) {
+  if (opts_.backend == backend_kind::expandable) return release_cached(lk, opts_.empty_cache);
   release_batch batch;
   {
     detail::lock_guard<stream_lock> slk(st.mu);
@@ -397,7 +398,7 @@ std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, s
     flush_quick_locked(p);
     std::vector<segment*> refused;
     p.mapped.for_each([&](block* b) {
-      if (!b->prev && !b->next && keeps_whole(b, rounded)) refused.push_back(b->seg);
+      if (idle_at_growth(b, rounded)) refused.push_back(b->seg);
     });
     for (segment* seg : refused) detach_whole_segment_locked(batch, seg);
   }
