@@ -117,7 +117,10 @@ inline streamsafe::stream_handle to_handle(cudaStream_t s) {
 
 // ---- streamsafe ---------------------------------------------------------------------------------
 
-template <streamsafe::backend_kind Kind>
+// Reuse = all_streams: options::reuse_fence:all_streams, with a second stream (stream_role::other)
+// known to the allocator, so that each reuse fence records one event.
+template <streamsafe::backend_kind Kind,
+          streamsafe::reuse_fence_scope Reuse = streamsafe::reuse_fence_scope::allocation_stream>
 class streamsafe_adapter {
  public:
   using stream_type = cudaStream_t;
@@ -128,6 +131,10 @@ class streamsafe_adapter {
   static constexpr const char* cross_stream_method = "native record_stream / deallocate(p, stream)";
 
   static const char* name() {
+    if (Reuse == streamsafe::reuse_fence_scope::all_streams) {
+      return Kind == streamsafe::backend_kind::expandable ? "streamsafe_expandable_reuse_fence"
+                                                          : "streamsafe_cuda_malloc_reuse_fence";
+    }
     return Kind == streamsafe::backend_kind::expandable ? "streamsafe_expandable"
                                                         : "streamsafe_cuda_malloc";
   }
@@ -164,10 +171,15 @@ class streamsafe_adapter {
   streamsafe::caching_allocator& allocator() { return alloc_; }
 
  private:
-  streamsafe_adapter() : backend_(0), alloc_(backend_, make_options()) {}
+  streamsafe_adapter() : backend_(0), alloc_(backend_, make_options()) {
+    if (Reuse == streamsafe::reuse_fence_scope::all_streams) {
+      alloc_.deallocate(alloc_.allocate(512, to_handle(stream(stream_role::other))));  // a second known stream
+    }
+  }
   static streamsafe::options make_options() {
     streamsafe::options o;  // the defaults: release fence all_streams, empty_cache wait
     o.backend = Kind;
+    o.reuse_fence = Reuse;
     return o;
   }
 
@@ -177,6 +189,8 @@ class streamsafe_adapter {
 
 using streamsafe_cuda_malloc = streamsafe_adapter<streamsafe::backend_kind::cuda_malloc>;
 using streamsafe_expandable = streamsafe_adapter<streamsafe::backend_kind::expandable>;
+using streamsafe_cuda_malloc_reuse_fence =
+    streamsafe_adapter<streamsafe::backend_kind::cuda_malloc, streamsafe::reuse_fence_scope::all_streams>;
 
 // ---- cudaMalloc / cudaFree ---------------------------------------------------------------------
 

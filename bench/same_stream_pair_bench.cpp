@@ -5,6 +5,8 @@
 // pool already holds a block of the size (cudaMalloc has no pool: every pair is a driver call).
 // Time: host wall-clock per pair (real_time). Counters: ns_per_pair, Mpairs_per_s, and
 // streamsafe's events_per_pair and stream_waits_per_pair (the target: 0 on this path).
+// The *_reuse_fence rows: options::reuse_fence:all_streams with one other known stream, the
+// cost of fencing host frees against every stream (one event per batch of frees).
 #ifdef STREAMSAFE_BENCH_SIM
 #include "sim_allocators.hpp"
 #else
@@ -52,10 +54,16 @@ BENCHMARK_CAPTURE(same_stream_pair, sim_streamsafe_cuda_malloc, tag<sim_streamsa
     ->Apply(pair_sizes);
 BENCHMARK_CAPTURE(same_stream_pair, sim_streamsafe_expandable, tag<sim_streamsafe_expandable>{})
     ->Apply(pair_sizes);
+BENCHMARK_CAPTURE(same_stream_pair, sim_streamsafe_cuda_malloc_reuse_fence, tag<sim_streamsafe_cuda_malloc_reuse_fence>{})
+    ->Apply(pair_sizes);
+BENCHMARK_CAPTURE(same_stream_pair, sim_streamsafe_expandable_reuse_fence, tag<sim_streamsafe_expandable_reuse_fence>{})
+    ->Apply(pair_sizes);
 #else
 BENCHMARK_CAPTURE(same_stream_pair, streamsafe_cuda_malloc, tag<streamsafe_cuda_malloc>{})
     ->Apply(pair_sizes);
 BENCHMARK_CAPTURE(same_stream_pair, streamsafe_expandable, tag<streamsafe_expandable>{})
+    ->Apply(pair_sizes);
+BENCHMARK_CAPTURE(same_stream_pair, streamsafe_cuda_malloc_reuse_fence, tag<streamsafe_cuda_malloc_reuse_fence>{})
     ->Apply(pair_sizes);
 BENCHMARK_CAPTURE(same_stream_pair, cuda_malloc, tag<cuda_malloc_adapter>{})->Apply(pair_sizes);
 BENCHMARK_CAPTURE(same_stream_pair, cuda_malloc_async, tag<cuda_malloc_async_adapter>{})

@@ -45,12 +45,19 @@ struct sim_env {
   }
 };
 
-template <streamsafe::backend_kind Kind>
+// Reuse = all_streams: options::reuse_fence:all_streams, with a second stream (stream_role::other)
+// known to the allocator, so that each reuse fence records one event.
+template <streamsafe::backend_kind Kind,
+          streamsafe::reuse_fence_scope Reuse = streamsafe::reuse_fence_scope::allocation_stream>
 class sim_streamsafe_adapter {
  public:
   using stream_type = streamsafe::stream_handle;
 
   static const char* name() {
+    if (Reuse == streamsafe::reuse_fence_scope::all_streams) {
+      return Kind == streamsafe::backend_kind::expandable ? "sim_streamsafe_expandable_reuse_fence"
+                                                          : "sim_streamsafe_cuda_malloc_reuse_fence";
+    }
     return Kind == streamsafe::backend_kind::expandable ? "sim_streamsafe_expandable"
                                                         : "sim_streamsafe_cuda_malloc";
   }
@@ -75,10 +82,15 @@ class sim_streamsafe_adapter {
   std::int64_t reserved_bytes() { return alloc_.stats().reserved_bytes.current; }
 
  private:
-  sim_streamsafe_adapter() : alloc_(sim_env::device(), make_options()) {}
+  sim_streamsafe_adapter() : alloc_(sim_env::device(), make_options()) {
+    if (Reuse == streamsafe::reuse_fence_scope::all_streams) {
+      alloc_.deallocate(alloc_.allocate(512, stream(stream_role::other)));  // a second known stream
+    }
+  }
   static streamsafe::options make_options() {
     streamsafe::options o;
     o.backend = Kind;
+    o.reuse_fence = Reuse;
     return o;
   }
 
@@ -87,5 +99,9 @@ class sim_streamsafe_adapter {
 
 using sim_streamsafe_cuda_malloc = sim_streamsafe_adapter<streamsafe::backend_kind::cuda_malloc>;
 using sim_streamsafe_expandable = sim_streamsafe_adapter<streamsafe::backend_kind::expandable>;
+using sim_streamsafe_cuda_malloc_reuse_fence =
+    sim_streamsafe_adapter<streamsafe::backend_kind::cuda_malloc, streamsafe::reuse_fence_scope::all_streams>;
+using sim_streamsafe_expandable_reuse_fence =
+    sim_streamsafe_adapter<streamsafe::backend_kind::expandable, streamsafe::reuse_fence_scope::all_streams>;
 
 }  // namespace streamsafe_bench

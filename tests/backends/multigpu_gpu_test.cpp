@@ -167,7 +167,9 @@ TEST_CASE("K1 on two GPUs: with empty_cache:defer and device 0 current, device 1
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     INFO("backend " << to_string(backend));
     shared_flags f;  // fresh flags: the hold below waits until the host sets flag 1
-    cuda::allocator alloc(with(backend, empty_cache_mode::defer));
+    options o = with(backend, empty_cache_mode::defer);
+    o.release_worker = release_worker_mode::off;  // reclaim on this thread gives it back (no worker)
+    cuda::allocator alloc(o);
     open_on_exit opener{f, 1};
     REQUIRE(cudaSetDevice(1) == cudaSuccess);
     void* p = alloc.allocate(64 * MiB, 1, nullptr);

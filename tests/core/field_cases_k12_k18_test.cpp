@@ -110,7 +110,7 @@ TEST_CASE("K12: 2,000 requests growing by 64 KiB under a 512 MiB cap: no out_of_
 
 TEST_CASE("K12: each growing step captured in a graph, replayed once and released: no out_of_memory, nothing a "
           "graph references released",
-          "[cases][K12][graph][fixme14]") {
+          "[cases][K12][graph]") {
   const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
   INFO("backend " << name_of(backend));
   const auto r = run_k12(backend, k12_variant::graphs);
@@ -264,7 +264,7 @@ struct fork_env {
 
 TEST_CASE("K15: a forked child neither frees, unmaps nor synchronises the parent's memory and handles, and exits "
           "normally",
-          "[cases][K15][fork][fixme14]") {
+          "[cases][K15][fork]") {
   fork_env env;
   const auto status = run_in_child([&] {
     env.alloc->empty_cache();  // the child's allocator must have reset itself: nothing of the parent's
@@ -293,7 +293,7 @@ TEST_CASE("Control: the same empty_cache in the parent makes the release calls t
 }
 
 TEST_CASE("K15: a child forked while a parent thread holds an allocator lock does not hang in the allocator",
-          "[cases][K15][fork][fixme14]") {
+          "[cases][K15][fork]") {
   fork_env env;
   env.backend.block_growth();
   std::thread grower([&] {

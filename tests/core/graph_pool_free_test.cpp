@@ -112,7 +112,7 @@ struct graphs_env : sim_env {
 }  // namespace
 
 TEST_CASE("A block of graph 1's pool freed during graph 2's capture is held until graph 2 is released",
-          "[graph-pools][graph][fixme14]") {
+          "[graph-pools][graph]") {
   EACH_BACKEND(backend);
   graphs_env env(backend);
   env.begin();
@@ -141,7 +141,7 @@ TEST_CASE("A block of graph 1's pool freed during graph 2's capture is held unti
 }
 
 TEST_CASE("After graph 1 is released, empty_cache leaves mapped the graph-1 block that graph 2 replays over",
-          "[graph-pools][graph][fixme14]") {
+          "[graph-pools][graph]") {
   EACH_BACKEND(backend);
   graphs_env env(backend);
   env.begin();
@@ -219,7 +219,7 @@ TEST_CASE("Control: a graph replayed over memory released under it faults as acc
 }
 
 TEST_CASE("Releasing a graph whose private pool still holds a live block is reported, and the block stays usable",
-          "[graph-pools][graph][fixme14]") {
+          "[graph-pools][graph]") {
   EACH_BACKEND(backend);
   graphs_env env(backend);
   env.begin();
@@ -318,5 +318,64 @@ TEST_CASE("A later capture on the same stream is not served from an earlier grap
   env.alloc.notify_graph_released(g2.id);
   env.alloc.empty_cache();
   CHECK(env.alloc.stats().reserved_bytes.current == env.baseline_reserved);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("A capture sharing graph 1's pool reuses the block graph 1 freed, and the pool goes back with its last graph",
+          "[graph-pools][graph][shared-pool]") {
+  // torch.cuda.graph(pool=g1.pool()): the graphs replay one after another, never concurrently.
+  EACH_BACKEND(backend);
+  graphs_env env(backend);
+  env.begin();
+  void* w = env.alloc.allocate(64 * MiB, env.s);
+  env.dev.launch(env.s, 10, {writes(w, 64 * MiB, 0x11)}, "graph 1 writes W");
+  env.alloc.deallocate(w);  // freed in graph 1's capture: back to its pool
+  const auto g1 = env.end();
+  env.alloc.notify_capture_begin(env.s, g1.id);
+  env.dev.begin_capture(env.s);
+  void* x = env.alloc.allocate(64 * MiB, env.s);
+  CHECK(x == w);  // the shared pool's free block
+  env.dev.launch(env.s, 10, {writes(x, 64 * MiB, 0x22)}, "graph 2 writes X");
+  const auto g2 = env.end();
+  CHECK(env.alloc.held_free_count() == 0);
+  env.dev.launch_graph(g1.dev_id, env.s);
+  env.dev.launch_graph(g2.dev_id, env.s);  // one after the other, as a shared pool asks
+  env.dev.run_until_idle();
+  CHECK(env.dev.fault_count() == 0);
+  INFO(fault_text(env.dev));
+  env.alloc.notify_graph_released(g1.id);
+  env.alloc.empty_cache();
+  CHECK(env.dev.is_mapped(addr(x), 64 * MiB));  // graph 2 still holds the pool
+  env.alloc.deallocate(x);
+  env.alloc.notify_graph_released(g2.id);
+  env.dev.run_until_idle();
+  env.alloc.empty_cache();
+  CHECK(env.alloc.stats().reserved_bytes.current == env.baseline_reserved);
+  CHECK_THROWS_AS(env.alloc.notify_capture_begin(env.s, g1.id), std::invalid_argument);  // every graph released
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("Graphs captured, replayed and released in a loop give back their pools' memory and address ranges "
+          "before the next capture",
+          "[graph-pools][graph]") {
+  EACH_BACKEND(backend);
+  options o = make_options(backend);
+  o.memory_limit_bytes = 256 * MiB;
+  sim_env env(o);
+  const auto s = env.dev.create_stream();
+  for (int i = 0; i < 50; ++i) {
+    env.alloc.notify_capture_begin(s);
+    env.dev.begin_capture(s);
+    void* p = env.alloc.allocate(100 * MiB, s);  // three graphs' pools would not fit under the cap
+    env.dev.launch(s, 5, {writes(p, 100 * MiB)}, "captured step");
+    env.alloc.deallocate(p);
+    const auto graph = env.dev.end_capture(s);
+    const auto id = env.alloc.notify_capture_end(s);
+    env.dev.launch_graph(graph, s);
+    env.alloc.notify_graph_released(id);
+    CHECK(env.alloc.stats().segment.current <= 2);  // no reserved address range per graph ever made
+  }
+  env.dev.run_until_idle();
+  CHECK(env.dev.fault_count() == 0);
   env.alloc.check_invariants();
 }

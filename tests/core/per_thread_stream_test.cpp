@@ -36,14 +36,14 @@ class per_thread_device final : public forwarding_device {
     if (fresh) it->second = dev_.create_stream();
     return it->second;
   }
-  void record_event(event_handle e, stream_handle s) override { dev_.record_event(e, map(s)); }
-  void stream_wait_event(stream_handle s, event_handle e) override { dev_.stream_wait_event(map(s), e); }
-  bool query_stream(stream_handle s) override { return dev_.query_stream(map(s)); }
-  bool stream_is_capturing(stream_handle s) noexcept override { return dev_.stream_is_capturing(map(s)); }
+  void record_event(event_handle e, stream_handle s) override { dev_.record_event(e, resolve(s)); }
+  void stream_wait_event(stream_handle s, event_handle e) override { dev_.stream_wait_event(resolve(s), e); }
+  bool query_stream(stream_handle s) override { return dev_.query_stream(resolve(s)); }
+  bool stream_is_capturing(stream_handle s) noexcept override { return dev_.stream_is_capturing(resolve(s)); }
   bool stream_is_per_thread(stream_handle s) const noexcept override { return s == k_per_thread; }
 
  private:
-  stream_handle map(stream_handle s) { return s == k_per_thread ? own_stream() : s; }
+  stream_handle resolve(stream_handle s) { return s == k_per_thread ? own_stream() : s; }
   std::mutex mu_;
   std::map<int, stream_handle> streams_;
 };

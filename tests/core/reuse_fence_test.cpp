@@ -57,7 +57,7 @@ std::size_t unrecorded_side_read_then_reuse(const options& o, bool* reused = nul
 
 }  // namespace
 
-TEST_CASE("reuse_fence:all_streams parses and is written back by options::to_string", "[reuse-fence][options][fixme14]") {
+TEST_CASE("reuse_fence:all_streams parses and is written back by options::to_string", "[reuse-fence][options]") {
   const options o = reuse_fenced();
   CHECK_THAT(o.to_string(), Catch::Contains("reuse_fence:all_streams"));
   CHECK_NOTHROW(options::parse(o.to_string()));
@@ -65,7 +65,7 @@ TEST_CASE("reuse_fence:all_streams parses and is written back by options::to_str
 
 TEST_CASE("Under reuse_fence:all_streams a host-freed block read on a side stream without record_stream is not "
           "reused before the read",
-          "[reuse-fence][fixme14]") {
+          "[reuse-fence]") {
   bool reused = false;
   CHECK(unrecorded_side_read_then_reuse(reuse_fenced(), &reused) == 0);
   INFO("reused the same block: " << reused);
@@ -78,7 +78,7 @@ TEST_CASE("Control: by default the same reuse races with the unrecorded side-str
 }
 
 TEST_CASE("Under reuse_fence:all_streams one event per known stream covers a batch of 100 host frees",
-          "[reuse-fence][fixme14]") {
+          "[reuse-fence]") {
   sim_env env(reuse_fenced());
   const auto s = env.dev.create_stream();
   const auto t = env.dev.create_stream();

@@ -208,3 +208,33 @@ TEST_CASE("whole_segment_split_ratio accepts 0 to 1024 and names the key and the
                                                  Catch::Contains("0 (off) or a whole number from 1 to 1024"));
   }
 }
+
+TEST_CASE("Whole free segments too small for a request go back before a growth past the peak, when they cover it",
+          "[segment-fit][corpus-policy]") {
+  sim_env env(with_ratio(8));
+  auto s = env.dev.create_stream();
+  void* a = env.alloc.allocate(30 * MiB, s);
+  void* b = env.alloc.allocate(30 * MiB, s);
+  env.alloc.deallocate(a);
+  env.alloc.deallocate(b);  // two idle 30 MiB segments, each too small for 50 MiB
+  void* c = env.alloc.allocate(50 * MiB, s);
+  env.dev.run_until_idle();
+  CHECK(env.alloc.stats().reserved_bytes.peak == static_cast<std::int64_t>(60 * MiB));  // not 110 MiB
+  CHECK(env.alloc.stats().reserved_bytes.current == static_cast<std::int64_t>(50 * MiB));
+  env.alloc.deallocate(c);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("Control: whole_segment_split_ratio:0 keeps the idle segments and grows past the peak",
+          "[segment-fit][corpus-policy]") {
+  sim_env env(with_ratio(0));
+  auto s = env.dev.create_stream();
+  void* a = env.alloc.allocate(30 * MiB, s);
+  void* b = env.alloc.allocate(30 * MiB, s);
+  env.alloc.deallocate(a);
+  env.alloc.deallocate(b);
+  void* c = env.alloc.allocate(50 * MiB, s);
+  CHECK(env.alloc.stats().reserved_bytes.peak == static_cast<std::int64_t>(110 * MiB));
+  env.alloc.deallocate(c);
+  env.alloc.check_invariants();
+}

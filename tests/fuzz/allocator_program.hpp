@@ -4,7 +4,7 @@
 // the bytes are the fuzzer's input) and the seeded million-operation run
 // (tests/million_ops_test.cpp, the bytes come from a seeded generator). A program is a
 // configuration (two bytes: backend, fence scope, empty_cache mode, memory limit, chunk and split
-// sizes, stream-handle reuse, unrecorded uses) followed by operations, one opcode byte plus its
+// sizes, stream-handle reuse, unrecorded uses, the release worker in defer mode) followed by operations, one opcode byte plus its
 // arguments each: allocate (every size class, 0 and sizes near SIZE_MAX included), host free,
 // host free from a stream callback (a callback_scope: no backend call), stream-ordered free,
 // uses on other streams recorded with record_stream or left unrecorded and ordered by the
@@ -37,6 +37,7 @@
 #include <streamsafe/sim/simulated_device.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -111,6 +112,10 @@ struct program_config {
   std::size_t max_split_size_bytes = 0;
   std::size_t whole_segment_split_ratio = 8;  // the default; 0 (off) and 1 (most refusals) too
   bool reuse_stream_handles = false;
+  // options::release_worker on (defer mode only): releases run on the allocator's worker thread;
+  // checks that compare reserved bytes with the device first wait for it to settle.
+  bool release_worker = false;
+  reuse_fence_scope reuse_fence = reuse_fence_scope::allocation_stream;  // all_streams: op_side_read_free
   bool holds = true;             // holds (kernels that wait for the host) may be enqueued
   bool inject_failures = true;   // backend failures may be injected
   bool destroy_streams = true;   // streams may be destroyed (notify_stream_destroyed)
@@ -137,6 +142,8 @@ struct program_config {
     c.reuse_stream_handles = ((b1 >> 3) & 1) != 0;
     static constexpr std::size_t ratios[] = {8, 8, 0, 1};
     c.whole_segment_split_ratio = ratios[(b1 >> 4) & 3];
+    c.release_worker = ((b1 >> 6) & 1) != 0 && c.mode == empty_cache_mode::defer;
+    c.reuse_fence = ((b1 >> 7) & 1) != 0 ? reuse_fence_scope::all_streams : reuse_fence_scope::allocation_stream;
     return c;
   }
 
@@ -146,7 +153,8 @@ struct program_config {
        << " mode:" << streamsafe::to_string(mode) << " unrecorded:" << unrecorded_uses
        << " limit:" << memory_limit_bytes << " chunk:" << expandable_chunk_bytes
        << " max_split:" << max_split_size_bytes << " whole_ratio:" << whole_segment_split_ratio
-       << " reuse_handles:" << reuse_stream_handles;
+       << " reuse_handles:" << reuse_stream_handles << " release_worker:" << release_worker
+       << " reuse_fence:" << streamsafe::to_string(reuse_fence);
     return os.str();
   }
 };
@@ -190,6 +198,8 @@ class program {
     o.expandable_chunk_bytes = config_.expandable_chunk_bytes;
     o.max_split_size_bytes = config_.max_split_size_bytes;
     o.whole_segment_split_ratio = config_.whole_segment_split_ratio;
+    o.release_worker = config_.release_worker ? release_worker_mode::on : release_worker_mode::off;
+    o.reuse_fence = config_.reuse_fence;
     alloc_.emplace(dev_, o);
     dev_.set_reuse_stream_handles(config_.reuse_stream_handles);
     streams_.push_back({next_uid_++, 0, false});
@@ -232,6 +242,7 @@ class program {
     dev_.run_until_idle();
     expect_ok("final empty_cache", [&] { alloc_->empty_cache(empty_cache_mode::wait); });
     expect_ok("final reclaim", [&] { alloc_->reclaim(); });
+    settle_worker();
     check();
     const statistics s = alloc_->stats();
     require(s.reserved_bytes.current == 0, "reserved bytes " + std::to_string(s.reserved_bytes.current) +
@@ -435,8 +446,15 @@ class program {
 
   // ---- the checks ----------------------------------------------------------------------------
 
+  // The release worker has released everything whose fence has completed and has nothing in
+  // flight; until the program acts again nothing changes (the clock moves only on its calls).
+  void settle_worker() {
+    if (config_.release_worker) require(alloc_->wait_for_release_worker_idle(std::chrono::seconds(10)), "the release worker did not settle");
+  }
+
   void check() {
     ++stats_.invariant_checks;
+    settle_worker();
     try {
       alloc_->check_invariants();
     } catch (const std::logic_error& e) {
@@ -469,10 +487,16 @@ class program {
   template <class Source>
   void step(Source& src) {
     ++stats_.operations;
-    const std::uint8_t op = src.byte() % 32;
+    const std::uint8_t raw = src.byte();
+    const std::uint8_t op = raw % 32;
+    if (raw == 255) return op_graphs(src);
     if (op < 8) return op_allocate(src);
     if (op < 12) return op_use(src);
     if (op < 14) return op_free(src);
+    // op 14: a free from a stream callback, or (reuse_fence:all_streams, half the time) an
+    // unrecorded side-stream read before a host free.
+    if (op == 14 && config_.reuse_fence == reuse_fence_scope::all_streams && ((raw >> 5) & 1) != 0)
+      return op_side_read_free(src);
     if (op == 14) return op_callback_free(src);
     if (op < 17) return op_stream_free(src);
     if (op == 17) return op_hold(src);
@@ -697,6 +721,25 @@ class program {
             "a free in a callback_scope made a backend call");
   }
 
+  // reuse_fence:all_streams: a read on another stream the allocator knows, with no
+  // record_stream and no ordering by the program (a device-to-host copy, a collective), then a
+  // host free. The reuse fence alone must keep the block's next owner off it.
+  template <class Source>
+  void op_side_read_free(Source& src) {
+    if (live_.empty()) return;
+    const std::size_t i = pick(src, live_.size());
+    live_block& b = live_[i];
+    stream_slot& t = streams_[pick_other_stream(src, b.stream_uid)];
+    const std::uint64_t duration = static_cast<std::uint64_t>(src.byte()) * 8;
+    if (!t.seen || t.uid == b.stream_uid || !alive(b.stream_uid)) return op_free(src);
+    order_after_block(t.handle, b);
+    dev_.launch(t.handle, duration,
+                {sim::range{reinterpret_cast<std::uintptr_t>(b.ptr), b.size, sim::access::read, std::nullopt}},
+                "unrecorded side read before a host free");
+    note("unrecorded read on stream " + std::to_string(t.handle) + ", then deallocate block " + std::to_string(i));
+    free_block(i, std::nullopt);
+  }
+
   template <class Source>
   void op_stream_free(Source& src) {
     if (live_.empty()) return;
@@ -834,7 +877,12 @@ class program {
         sim::call::record_event,     sim::call::query_event,    sim::call::synchronize_event,
         sim::call::stream_wait_event, sim::call::synchronize_device};
     const std::uint8_t b = src.byte();
-    const sim::call c = calls[b % (sizeof calls / sizeof calls[0])];
+    sim::call c = calls[b % (sizeof calls / sizeof calls[0])];
+    // The worker's own calls (query, unmap, free_segment) would take the failure meant for the
+    // program's next call: those configurations arm map instead.
+    if (config_.release_worker && (c == sim::call::query_event || c == sim::call::unmap || c == sim::call::free_segment)) {
+      c = sim::call::map;
+    }
     armed_ = armed_failure{c, 1 + (b >> 6)};
     ++stats_.injections;
     note("inject failure " + std::to_string(b % (sizeof calls / sizeof calls[0])) + " x" +
@@ -878,6 +926,7 @@ class program {
       p = nullptr;
     }
     note("bad pointer kind " + std::to_string(kind));
+    settle_worker();
     const std::string before = alloc_->stats().to_string();
     const int which = src.byte() % 3;
     bool threw = false;
@@ -897,6 +946,13 @@ class program {
   template <class Source>
   void op_queries(Source& src) {
     note("queries");
+    if (config_.release_worker && src.byte() % 2 == 0) {
+      // The release worker's new operation: wait for it, then its idle state matches the queue.
+      settle_worker();
+      require(alloc_->release_worker_idle() == (alloc_->pending_release_bytes() == 0),
+              "release_worker_idle() disagrees with pending_release_bytes()");
+      require(alloc_->stats().release_worker_bytes == 0, "release worker bytes in flight after it settled");
+    }
     const statistics s = alloc_->stats();
     const std::size_t largest = alloc_->largest_free_block_bytes();
     require(largest <= static_cast<std::size_t>(s.reserved_bytes.current), "largest free block above reserved");
@@ -906,6 +962,54 @@ class program {
       require(alloc_->find_block(static_cast<char*>(b.ptr) + 1).size_bytes == 0, "find_block of an interior address");
     }
     if (src.byte() % 4 == 0) alloc_->reset_peak_stats();
+  }
+
+  // Captures across graphs on a stream of its own: graph 1 allocates W in its private pool;
+  // graph 2 (a pool of its own or, by a bit, sharing graph 1's) reads and writes W and frees it
+  // during its capture; graph 1 is released, empty_cache runs, graph 2 replays over W (a fault
+  // if W was released or reused under it), then graph 2 is released. Skipped while a hold is
+  // unopened: the next capture's release of released pools waits on every stream's fence.
+  template <class Source>
+  void op_graphs(Source& src) {
+    const std::uint8_t b = src.byte();
+    if (!holds_.empty()) return;
+    const bool share = (b & 1) != 0;
+    const std::size_t size = (1 + (b >> 1) % 8) * MiB;
+    if (!graph_stream_) graph_stream_ = dev_.create_stream();
+    const stream_handle s = *graph_stream_;
+    note(std::string("graphs across pools, ") + (share ? "shared pool, " : "") + std::to_string(size) + " bytes");
+    expect_ok("notify_capture_begin", [&] { alloc_->notify_capture_begin(s); });
+    dev_.begin_capture(s);
+    void* w = nullptr;
+    try {
+      w = alloc_->allocate(size, s);
+    } catch (const out_of_memory&) {
+    }
+    if (w) dev_.launch(s, 5, {{reinterpret_cast<std::uintptr_t>(w), size, sim::access::write, std::uint8_t{0x61}}}, "graph 1 writes W");
+    const std::uint64_t dev1 = dev_.end_capture(s);
+    std::uint64_t g1 = 0;
+    expect_ok("notify_capture_end", [&] { g1 = alloc_->notify_capture_end(s); });
+    if (w) {
+      expect_ok("notify_capture_begin", [&] { alloc_->notify_capture_begin(s, share ? g1 : 0); });
+      dev_.begin_capture(s);
+      dev_.launch(s, 5, {{reinterpret_cast<std::uintptr_t>(w), size, sim::access::read, std::nullopt},
+                         {reinterpret_cast<std::uintptr_t>(w), size, sim::access::write, std::uint8_t{0x62}}},
+                  "graph 2 uses W");
+      expect_ok("deallocate during a capture", [&] { alloc_->deallocate(w); });
+      require(share || alloc_->held_free_count() == 1, "a free of graph 1's block during graph 2's capture not held");
+      const std::uint64_t dev2 = dev_.end_capture(s);
+      std::uint64_t g2 = 0;
+      expect_ok("notify_capture_end", [&] { g2 = alloc_->notify_capture_end(s); });
+      dev_.launch_graph(dev1, s);  // graph 1, then graph 2 (in order, as a shared pool asks)
+      expect_ok("notify_graph_released(1)", [&] { alloc_->notify_graph_released(g1); });
+      expect_ok("empty_cache", [&] { alloc_->empty_cache(); });
+      dev_.launch_graph(dev2, s);
+      expect_ok("notify_graph_released(2)", [&] { alloc_->notify_graph_released(g2); });
+    } else {
+      dev_.launch_graph(dev1, s);
+      expect_ok("notify_graph_released", [&] { alloc_->notify_graph_released(g1); });
+    }
+    require(alloc_->held_free_count() == 0, "held frees left after every graph was released");
   }
 
   // Allocate, use, free at once (the hot path), with whatever failure is armed.
@@ -928,6 +1032,7 @@ class program {
   std::map<std::uint64_t, std::vector<event_handle>> owed_;  // stream uid -> events of unrecorded uses
   std::map<std::uint64_t, event_handle> final_events_;       // dead stream uid -> its last event
   std::optional<armed_failure> armed_;
+  std::optional<stream_handle> graph_stream_;  // op_graphs' capturing stream (no other op uses it)
   std::uint64_t since_check_ = 0;
   program_stats stats_;
   bool keep_trace_ = false;

@@ -14,7 +14,11 @@ install_pluggable() goes through torch.cuda.memory.CUDAPluggableAllocator over
 libstreamsafe_torch.so with every hook PyTorch offers there wired.
 
 Configuration: the string given, else STREAMSAFE_ALLOC_CONF ("key:value,...", the keys of
-streamsafe's options). Library paths: STREAMSAFE_TORCH_EXT_LIB / STREAMSAFE_TORCH_LIB override
+streamsafe's options). install() applies it on top of the defaults
+"empty_cache:defer,release_worker:auto": torch.cuda.empty_cache() fences and queues the cached
+memory and returns at once, and a release worker thread gives it back to the driver once the
+fences complete (release_worker:auto is on for a GPU in defer mode; empty_cache:wait or
+release_worker:off in the string override it). Library paths: STREAMSAFE_TORCH_EXT_LIB / STREAMSAFE_TORCH_LIB override
 the copies installed in this package.
 """
 
@@ -88,7 +92,8 @@ def _load_ext():
 def install(conf=None):
     """Makes streamsafe PyTorch's CUDA allocator (the compiled extension).
 
-    conf: "key:value,..." (None: STREAMSAFE_ALLOC_CONF). Call it before the first CUDA
+    conf: "key:value,..." (None: STREAMSAFE_ALLOC_CONF), applied over the defaults
+    "empty_cache:defer,release_worker:auto" (the worker is on). Call it before the first CUDA
     allocation; raises RuntimeError when PyTorch's allocator already holds memory, when the
     extension was built for another torch, or for a bad configuration. Calling it again is a
     no-op (the first configuration stays).
@@ -164,7 +169,8 @@ def config():
 def stats(device=None):
     """streamsafe's statistics of one device: PyTorch's flat keys ("allocated_bytes.all.current",
     ...) plus streamsafe's counters (events_recorded, stream_waits, fence_waits, fence_wait_ns,
-    releases_deferred, bytes_released, pending_release_bytes, ...)."""
+    releases_deferred, bytes_released, release_queued_bytes, release_worker_bytes (being given back
+    by the release worker now), release_worker_releases, pending_release_bytes, ...)."""
     if device is None:
         device = torch.cuda.current_device()
     elif isinstance(device, torch.device):
@@ -182,7 +188,8 @@ def stats(device=None):
 
 
 def pending_release_bytes():
-    """Bytes freed by empty_cache() in defer mode that still wait behind their fences."""
+    """Bytes freed by empty_cache() in defer mode that still wait behind their fences or are being
+    given back by the release worker."""
     if _mode == "extension":
         return int(_ext.streamsafe_torch_ext_pending_release_bytes())
     if _mode == "pluggable":

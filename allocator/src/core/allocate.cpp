@@ -9,12 +9,15 @@
 //      first the pending blocks whose events have completed are retired (process_events_locked,
 //      which otherwise runs only when k_pending_batch more blocks are pending), then s waits
 //      on the events of the best pending block (stream_wait_event), the host never blocks;
+//   2b. (reuse_fence:all_streams, allocate_slow) the host frees since the last reuse fence:
+//      s waits on one event per other known stream for all of them (free.cpp);
 //   3. growth (growth.cpp): a new cudaMalloc segment, or more chunks mapped into s's expandable
 //      segment; if it would raise peak reserved, the whole segments skipped in step 1 are
 //      released first (fenced); at the memory limit, a skipped whole segment is split after all;
 //   4. (out of memory) a whole free segment of another stream's pool, moved behind a fence
-//      that s waits on; then a safe release of the cache (fenced) and one retry; then
-//      out_of_memory.
+//      that s waits on; then a safe release of the cache (fenced) and one retry; with the
+//      release worker on (release_worker.cpp), a wait for its pass over the queue and its
+//      release in flight and one more retry; then out_of_memory.
 // Locks: steps 1-2 are the fast path, under s's stream lock alone. Steps 3-4 (allocate_slow)
 // take the device lock (mu_) first, then s's lock, dropping s's lock around releases.
 #include "allocator_state.hpp"
@@ -85,6 +88,9 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   }
   detail::unique_lock<stream_lock> slk(st.mu);
   pool& p = pool_of(st, small);
+  // reuse_fence:all_streams: nothing free fits; the host frees since the last fence become
+  // reusable behind one fence (free.cpp) rather than the pool growing.
+  if (!st.unfenced.empty()) fence_host_frees_locked(st);
   block* b = find_block_locked(st, p, rounded, false);
   if (!b && growth_raises_peak_with_refused_locked(p, rounded)) {
     // Whole free segments the rule refuses to this request would sit idle while the pool grows
@@ -102,7 +108,8 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   } else if (!b) {
     b = grow_locked(p, rounded);  // both locks held since the search above: straight to growth
   }
-  if (!b && !deferred_.empty()) {
+  const bool worker = worker_releases_locked(opts_.empty_cache);  // no unmap on this thread
+  if (!b && !deferred_.empty() && !worker) {
     slk.unlock();
     finish_deferred(dlk, false);
     slk.lock();
@@ -119,12 +126,22 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
     slk.lock();
     b = find_block_locked(st, p, rounded);
   }
+  if (!b && worker && (!deferred_.empty() || stats_.release_worker_bytes != 0)) {
+    // Nothing else serves it: wait (no lock held) for a pass of the release worker over what
+    // was just queued and for its release in flight, then retry. Never waits on a fence.
+    slk.unlock();
+    wait_for_worker_locked(dlk, nullptr);
+    if (capturing()) return allocate_during_capture_locked(dlk, size, rounded, small, st.handle);
+    slk.lock();
+    b = find_block_locked(st, p, rounded);
+  }
   if (!b) throw_out_of_memory_locked(dlk, &slk, size, rounded, p.stream, &st, "");
   return finish_allocation(st, b, rounded, size);
 }
 
 void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) {
   impl& m = *impl_;
+  if (m.inherited()) m.throw_inherited("allocate");  // a forked child (fork.cpp)
   if (size_bytes == 0) {
     throw invalid_size("streamsafe: allocate(0 bytes) on device " + std::to_string(m.backend_.device()) +
                        ", stream " + hex(stream) + ": the size must be positive");

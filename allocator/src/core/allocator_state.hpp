@@ -36,12 +36,14 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -93,6 +95,10 @@ struct caching_allocator::impl {
     pool large_pool;
     detail::active_map active;    // active blocks of this stream's segments
     detail::pending_list pending;  // pending_free blocks of this stream's segments, in free order
+    // reuse_fence:all_streams: pending_free blocks freed by the host since the last reuse fence,
+    // with no event yet (free.cpp: fence_host_frees_locked orders this stream after every known
+    // stream once, for all of them).
+    detail::pending_list unfenced;
     stream_stats stats;  // this stream's counters (summed by caching_allocator::stats)
     block* spare = nullptr;       // recycled block objects (linked through next)
     // Pooled events of this stream's pending blocks, reused under this lock alone (no trip to
@@ -110,7 +116,8 @@ struct caching_allocator::impl {
     // Non-zero: this is not a stream but the private pool of CUDA graph `graph` (capture.cpp),
     // keyed in streams_ by graph_key(graph); handle is the capturing stream.
     std::uint64_t graph = 0;
-    bool graph_released = false;  // notify_graph_released: its free segments may be released
+    bool graph_released = false;  // every graph of the pool released: its free segments may be released
+    int pool_graphs = 0;          // graphs captured into this pool (shared pools) not released yet
     std::size_t segments = 0;     // segments its pools own (also while released or deferred); under mu_
   };
 
@@ -118,7 +125,14 @@ struct caching_allocator::impl {
   struct capture_record {
     stream_handle stream = 0;
     std::uint64_t graph = 0;  // the id notify_capture_begin returned
+    std::uint64_t pool = 0;   // the graph whose private pool it allocates into (graph, or a shared one)
     bool detected = false;    // found by backend_.stream_is_capturing, not announced
+  };
+  // A graph the allocator has given an id: the private pool it allocates into (its own, keyed
+  // graph_key(graph), or an earlier graph's that it shares) and whether it was released.
+  struct graph_record {
+    std::uint64_t pool = 0;
+    bool released = false;
   };
   // A free made during a capture that could not complete then (see capture.cpp).
   struct held_free {
@@ -144,6 +158,7 @@ struct caching_allocator::impl {
   device_backend& backend_;
   options opts_;
   const std::uint64_t id_;  // distinguishes allocators in the threads' stream caches
+  const std::uint64_t fork_generation_;  // fork.cpp: the process's fork count when it was made
   bool trace_log_ = false;  // the logger was at trace level when the allocator was made
   std::unique_ptr<trace_recorder> own_trace_;    // when options::trace_capacity is set
   std::atomic<trace_recorder*> trace_{nullptr};  // where trace events go (nullptr: off)
@@ -190,6 +205,7 @@ struct caching_allocator::impl {
   std::vector<capture_record> captures_ STREAMSAFE_GUARDED_BY(mu_);
   std::atomic<int> captures_underway_{0};
   std::vector<held_free> held_frees_ STREAMSAFE_GUARDED_BY(mu_);
+  std::unordered_map<std::uint64_t, graph_record> graphs_ STREAMSAFE_GUARDED_BY(mu_);
   std::vector<std::uint64_t> releases_after_capture_ STREAMSAFE_GUARDED_BY(mu_);  // notify_graph_released during a capture
   bool empty_cache_after_capture_ STREAMSAFE_GUARDED_BY(mu_) = false;              // empty_cache asked for during a capture
   std::uint64_t next_graph_id_ STREAMSAFE_GUARDED_BY(mu_) = 1;
@@ -245,6 +261,7 @@ struct caching_allocator::impl {
   block* best_fit(pool& p, std::size_t rounded) const;
   bool split_limit_refuses(const pool& p, const block* b, std::size_t rounded) const noexcept;  // max_split_size
   bool keeps_whole(const block* b, std::size_t rounded) const noexcept;  // segment_fit.hpp's rule
+  bool idle_at_growth(const block* b, std::size_t rounded) const noexcept;  // given back before growth past the peak
   block* fit_ignoring_whole_rule(pool& p, std::size_t rounded) const;  // at the memory limit
   block* take_pending_locked(stream_state& st, pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(st.mu);
   block* new_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
@@ -265,6 +282,7 @@ struct caching_allocator::impl {
   block* find_block_locked(stream_state& st, pool& p, std::size_t rounded, bool grow = true) STREAMSAFE_REQUIRES(mu_, st.mu);
   block* grow_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);  // step 3 of the allocation order
   bool growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
+  bool expandable_growth_raises_peak_locked(const pool& p, std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
   void* finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size) STREAMSAFE_REQUIRES(st.mu);
   void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small) STREAMSAFE_EXCLUDES(mu_, st.mu);
   bool wants_collection_locked(std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);  // mu_ held
@@ -288,6 +306,12 @@ struct caching_allocator::impl {
   stream_state* cached_live_state(stream_handle stream) const;  // this thread's stream cache
   void count_free_locked(stream_state& st, const block* b) STREAMSAFE_REQUIRES(st.mu);  // the host free's counters (st's lock held)
   void free_same_stream_locked(stream_state& st, block* b) STREAMSAFE_REQUIRES(st.mu);  // b in st.active (it stays there if parked)
+  // reuse_fence:all_streams. A host free: b leaves st.active for st.unfenced, recording nothing.
+  void free_unfenced_locked(stream_state& st, block* b) STREAMSAFE_REQUIRES(st.mu);
+  // The reuse fence of st's unfenced host frees: st waits, on the device, for every other known
+  // stream (one event each) and the tombstones; then the blocks go back to st's pools.
+  void fence_host_frees_locked(stream_state& st) STREAMSAFE_REQUIRES(mu_, st.mu);
+  void fence_dead_stream_frees_locked(stream_state& st) STREAMSAFE_REQUIRES(mu_, st.mu);  // st destroyed
   event_handle get_event() STREAMSAFE_EXCLUDES(events_mu_);
   void put_event(event_handle e) STREAMSAFE_EXCLUDES(events_mu_);
   event_handle get_event(stream_state& st) STREAMSAFE_REQUIRES(st.mu);      // st's lock held: st's event cache first
@@ -328,7 +352,15 @@ struct caching_allocator::impl {
   bool capturing() const noexcept { return captures_underway_.load(std::memory_order_acquire) != 0; }
   const capture_record* capture_of_locked(stream_handle stream) const STREAMSAFE_REQUIRES(mu_);  // mu_ held
   stream_state* graph_state_locked(std::uint64_t graph) STREAMSAFE_REQUIRES(mu_);                 // mu_ held
-  std::uint64_t begin_capture_locked(stream_handle stream, bool detected) STREAMSAFE_REQUIRES(mu_);
+  // share_pool_of: 0, or a graph whose private pool the capture allocates into (shared pools).
+  std::uint64_t begin_capture_locked(stream_handle stream, bool detected, std::uint64_t share_pool_of = 0)
+      STREAMSAFE_REQUIRES(mu_);
+  // Before a capture begins: the free memory of released graphs' pools goes back behind its fence.
+  void release_released_pools_locked(device_lock& lk, stream_handle stream) STREAMSAFE_REQUIRES(mu_);
+  // Fork (fork.cpp): true in a child forked after this allocator was made (it inherited it).
+  bool inherited() const noexcept;
+  static std::uint64_t current_fork_generation();  // registers the fork handler once
+  [[noreturn]] void throw_inherited(const char* what) const;
   std::uint64_t end_capture_locked(device_lock& lk, stream_handle stream) STREAMSAFE_REQUIRES(mu_);
   void detect_captures_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // asks the backend about each known stream
   void after_captures_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // the last capture ended
@@ -345,7 +377,7 @@ struct caching_allocator::impl {
   std::vector<stream_handle> fence_streams_locked(const segment* seg) const STREAMSAFE_REQUIRES(mu_);
   void add_fence_streams_locked(release_batch& batch, const segment* seg) const STREAMSAFE_REQUIRES(mu_);
   void detach_whole_segment_locked(release_batch& batch, segment* seg) STREAMSAFE_REQUIRES(mu_);  // a free cuda_malloc segment
-  release_batch collect_releasable_locked() STREAMSAFE_REQUIRES(mu_);
+  release_batch collect_releasable_locked(bool released_graphs_only = false) STREAMSAFE_REQUIRES(mu_);
   void record_fence_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   bool fence_done_locked(const release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   // Moves out of `batch` the blocks whose fence streams are idle now (polled, never waited on),
@@ -377,6 +409,48 @@ struct caching_allocator::impl {
   std::size_t account_release_locked(block* b, bool released) STREAMSAFE_REQUIRES(mu_);
   void retire_all_pending_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // waits with mu_ dropped
   void destroy_events_locked() STREAMSAFE_REQUIRES(mu_);
+
+  // ---- release_worker.cpp ------------------------------------------------------------------
+  // The release worker (options::release_worker on): one thread per allocator, started by the
+  // first release handed to it and stopped and joined first thing in destroy_all. It polls the
+  // deferred queue's fences (query, never a wait; nothing while a capture is underway) and
+  // releases the parts whose fence streams are idle with mu_ dropped around the driver calls
+  // (release_batch_memory). A forked child has no worker: worker_usable_locked() is false there
+  // and the parent's thread object is neither joined nor destroyed.
+  static std::int64_t current_pid() noexcept;
+  const std::int64_t creator_pid_ = current_pid();
+  std::unique_ptr<std::thread> worker_ STREAMSAFE_GUARDED_BY(mu_);
+  std::int64_t worker_pid_ STREAMSAFE_GUARDED_BY(mu_) = 0;
+  bool worker_stop_ STREAMSAFE_GUARDED_BY(mu_) = false;
+  bool worker_kick_ STREAMSAFE_GUARDED_BY(mu_) = false;    // a pass is wanted now (new work, a waiter)
+  bool worker_failed_ STREAMSAFE_GUARDED_BY(mu_) = false;  // could not start: releases stay synchronous
+  std::uint64_t worker_passes_begun_ STREAMSAFE_GUARDED_BY(mu_) = 0;
+  std::uint64_t worker_passes_done_ STREAMSAFE_GUARDED_BY(mu_) = 0;
+  // On the heap: a forked child must not destroy them (the parent's worker may have been
+  // waiting on one at the fork, and destroying a condition variable waits for its waiters).
+  std::unique_ptr<std::condition_variable_any> worker_wake_ = std::make_unique<std::condition_variable_any>();
+  std::unique_ptr<std::condition_variable_any> worker_settled_ = std::make_unique<std::condition_variable_any>();  // callers waiting for a pass
+  // The option is on, the thread could start, and this is the process that made the allocator.
+  bool worker_usable_locked() const STREAMSAFE_REQUIRES(mu_);
+  bool worker_releases_locked(empty_cache_mode mode) const STREAMSAFE_REQUIRES(mu_) {
+    return mode == empty_cache_mode::defer && worker_usable_locked();
+  }
+  // Fences the whole batch and queues it for the worker; nothing is released on this thread.
+  void hand_to_worker_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
+  // One pass: every queued block whose own fence streams are idle now goes back (one batch).
+  std::size_t worker_pass_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
+  void worker_main() STREAMSAFE_EXCLUDES(mu_);
+  // Wakes the worker and waits (mu_ dropped meanwhile) until a pass begun after the call has
+  // ended; deadline null: no limit. True at once without a worker; false on timeout.
+  bool wait_for_worker_locked(device_lock& lk, const std::chrono::steady_clock::time_point* deadline)
+      STREAMSAFE_REQUIRES(mu_);
+  void stop_worker() STREAMSAFE_EXCLUDES(mu_);
+  // pthread_atfork handlers: the forking thread takes (try_lock, bounded) the device lock of
+  // every allocator with a running worker, so that no worker holds it in the child.
+  static void fork_prepare() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
+  static void fork_parent() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
+  static void fork_child() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
+  static void at_exit() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;  // stops every worker, bounded, no join
   // The allocator is being destroyed (no other thread may use it): no lock.
   void delete_host_bookkeeping() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
   void destroy_all() STREAMSAFE_EXCLUDES(mu_);

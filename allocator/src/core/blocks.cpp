@@ -56,6 +56,12 @@ bool caching_allocator::impl::keeps_whole(const block* b, std::size_t rounded) c
          detail::keeps_segment_whole(b->size, rounded, opts_.whole_segment_split_ratio, !b->prev && !b->next);
 }
 
+bool caching_allocator::impl::idle_at_growth(const block* b, std::size_t rounded) const noexcept {
+  // A whole free segment that the growth for `rounded` leaves unused: too small for it, or kept
+  // whole by the rule. Given back before a growth past peak reserved (segment_fit.hpp).
+  return !b->prev && !b->next && (b->size < rounded || keeps_whole(b, rounded));
+}
+
 block* caching_allocator::impl::fit_ignoring_whole_rule(pool& p, std::size_t rounded) const {
   block* b = p.mapped.find(rounded);
   return b && !split_limit_refuses(p, b, rounded) ? b : nullptr;

@@ -29,7 +29,10 @@ std::atomic<std::uint64_t> next_allocator_id{1};  // distinguishes allocators in
 }  // namespace
 
 caching_allocator::impl::impl(device_backend& backend, options opts)
-    : backend_(backend), opts_(opts), id_(next_allocator_id.fetch_add(1)) {
+    : backend_(backend),
+      opts_(opts),
+      id_(next_allocator_id.fetch_add(1)),
+      fork_generation_(current_fork_generation()) {
   std::size_t free_bytes = 0;
   backend_.memory_info(free_bytes, device_total_bytes_);
   limit_bytes_ = device_total_bytes_;
@@ -63,6 +66,12 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
 caching_allocator::caching_allocator(device_backend& backend, options opts)
     : impl_(std::make_unique<impl>(backend, opts)) {}
 
-caching_allocator::~caching_allocator() { impl_->destroy_all(); }
+caching_allocator::~caching_allocator() {
+  if (impl_->inherited()) {
+    (void)impl_.release();  // a forked child: nothing of the parent's is touched (fork.cpp)
+    return;
+  }
+  impl_->destroy_all();
+}
 
 }  // namespace streamsafe

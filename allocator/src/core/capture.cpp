@@ -51,7 +51,8 @@ caching_allocator::impl::stream_state* caching_allocator::impl::graph_state_lock
   return it == streams_.end() ? nullptr : it->second.get();
 }
 
-std::uint64_t caching_allocator::impl::begin_capture_locked(stream_handle stream, bool detected) {
+std::uint64_t caching_allocator::impl::begin_capture_locked(stream_handle stream, bool detected,
+                                                             std::uint64_t share_pool_of) {
   if (stream == 0) {
     throw std::invalid_argument("streamsafe: notify_capture_begin(stream 0) on device " +
                                 std::to_string(backend_.device()) +
@@ -62,11 +63,27 @@ std::uint64_t caching_allocator::impl::begin_capture_locked(stream_handle stream
                                 std::to_string(backend_.device()) + ": the stream is already capturing (graph " +
                                 std::to_string(c->graph) + "); call notify_capture_end first");
   }
+  std::uint64_t pool_graph = 0;
+  if (share_pool_of != 0) {
+    auto it = graphs_.find(share_pool_of);
+    if (it == graphs_.end() || graph_state_locked(it->second.pool)->graph_released) {
+      throw std::invalid_argument("streamsafe: notify_capture_begin(" + stream_name(stream) + ", share the pool of graph " +
+                                  std::to_string(share_pool_of) + ") on device " + std::to_string(backend_.device()) +
+                                  ": no such graph, or every graph of its pool was released (a pool is shared "
+                                  "only while one of its graphs is not released)");
+    }
+    pool_graph = it->second.pool;
+  }
   get_or_create_stream_locked(stream);  // the capturing stream is known, for fences (before the capture counts)
   const std::uint64_t graph = next_graph_id_++;
-  stream_state& g = new_state_locked(graph_key(graph), stream);
-  g.graph = graph;
-  captures_.push_back({stream, graph, detected});
+  if (pool_graph == 0) {
+    pool_graph = graph;
+    stream_state& g = new_state_locked(graph_key(graph), stream);
+    g.graph = graph;
+  }
+  ++graph_state_locked(pool_graph)->pool_graphs;
+  graphs_[graph] = graph_record{pool_graph, false};
+  captures_.push_back({stream, graph, pool_graph, detected});
   captures_underway_.store(static_cast<int>(captures_.size()), std::memory_order_release);
   // A fast path that read "no capture" may be inside an event query: wait for it (it holds
   // its stream's lock); every later one sees the capture.
@@ -160,8 +177,8 @@ std::exception_ptr caching_allocator::impl::complete_held_frees_locked(std::uint
 }
 
 void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
-  stream_state* g = graph_state_locked(graph);
-  if (g == nullptr || g->graph_released) {
+  auto rec = graphs_.find(graph);
+  if (rec == graphs_.end() || rec->second.released) {
     throw std::invalid_argument("streamsafe: notify_graph_released(" + std::to_string(graph) + ") on device " +
                                 std::to_string(backend_.device()) +
                                 ": no such graph (ids come from notify_capture_begin; each is released once)");
@@ -184,31 +201,50 @@ void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
   for (auto& [key, st] : streams_) {
     if (st->graph == 0 && st->alive.load(std::memory_order_acquire)) every.push_back(st->handle);
   }
+  rec->second.released = true;
+  stream_state* g = graph_state_locked(rec->second.pool);
+  std::size_t live = 0, live_bytes = 0;
   {
     detail::lock_guard<stream_lock> glk(g->mu);
-    g->graph_released = true;
-    for (auto& [base, seg] : segments_) {
-      if (&state_of(*seg->owner) != g) continue;
-      for (stream_handle s : every) note_use_locked(seg, s);
+    // A pool shared between graphs goes back when the last of them is released.
+    g->graph_released = --g->pool_graphs == 0;
+    if (g->graph_released) {
+      for (auto& [base, seg] : segments_) {
+        if (&state_of(*seg->owner) != g) continue;
+        for (stream_handle s : every) note_use_locked(seg, s);
+      }
+      g->active.for_each([&](const block* b) {
+        if (b->state != block_state::active || b->free_held) return;  // a held free completes on its own
+        ++live;
+        live_bytes += b->size;
+      });
     }
   }
   std::exception_ptr error = complete_held_frees_locked(graph, every);
-  detail::log().debug("device {}: graph {} released: its private pool is returned by empty_cache", backend_.device(),
-                      graph);
+  if (live != 0) {
+    detail::log().warn("device {}: graph {} released while its private pool holds {} live block(s) ({} bytes): they "
+                       "stay allocated and return to the released pool when freed; a graph that still replays over "
+                       "them after they are freed races with their next user",
+                       backend_.device(), graph, live, live_bytes);
+  }
+  detail::log().debug("device {}: graph {} released: {}", backend_.device(), graph,
+                      g->graph_released ? "its private pool is returned by empty_cache and before the next capture"
+                                        : "its pool stays with the other graphs that share it");
   if (error) std::rethrow_exception(error);
 }
 
 bool caching_allocator::impl::free_during_capture_locked(stream_state& owner, block* b, const stream_handle* stream) {
+  // One rule for every pool (a stream's own or a graph's private pool): the capture may use the
+  // block if its stream, a recorded use or the stream of this free is capturing. Unless the
+  // block belongs to that capture's own pool (where it may serve the capture again, stream
+  // order inside the graph putting its old uses first), the free is the graph's until the
+  // graph is released: the graph may replay over it.
   const bool same_stream_only = b->uses.empty() && (!stream || *stream == b->seg->stream);
   std::uint64_t graph = 0;
-  if (owner.graph == 0) {
-    // Memory from before the capture: the capture may use it if its stream, a recorded use or
-    // the stream of this free is capturing. Then it is the graph's until the graph is released.
-    const capture_record* c = capture_of_locked(b->seg->stream);
-    for (std::size_t i = 0; !c && i < b->uses.size(); ++i) c = capture_of_locked(b->uses[i]);
-    if (!c && stream) c = capture_of_locked(*stream);
-    if (c) graph = c->graph;
-  }
+  const capture_record* c = capture_of_locked(b->seg->stream);
+  for (std::size_t i = 0; !c && i < b->uses.size(); ++i) c = capture_of_locked(b->uses[i]);
+  if (!c && stream) c = capture_of_locked(*stream);
+  if (c && graph_state_locked(c->pool) != &owner) graph = c->graph;
   if (graph == 0 && same_stream_only) return false;  // an ordinary same-stream free: no event
   b->free_held = true;
   held_frees_.push_back({b, stream != nullptr, stream ? *stream : 0, graph});
@@ -220,7 +256,7 @@ void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, 
                                                               std::size_t rounded, bool small, stream_handle stream) {
   stream_state* target = nullptr;
   if (const capture_record* c = capture_of_locked(stream)) {
-    target = graph_state_locked(c->graph);
+    target = graph_state_locked(c->pool);
   } else {
     target = &get_or_create_stream_locked(stream);
   }
@@ -243,10 +279,67 @@ std::string caching_allocator::impl::capture_note_locked() const {
 
 // ---- public interface ---------------------------------------------------------------------------
 
-std::uint64_t caching_allocator::notify_capture_begin(stream_handle stream) {
+void caching_allocator::impl::release_released_pools_locked(device_lock& lk, stream_handle stream) {
+  // A capture cannot release memory (no fence, no free, no unmap until it ends) and is served
+  // only from its graph's pool and new device memory; the free memory of released graphs'
+  // pools would sit idle through it. It goes back now, behind its fence on every stream the
+  // graph may have replayed on, in the configured empty_cache mode (wait: the host waits on
+  // exactly those fence events, with no lock held; defer: what is safe now, the rest queued).
+  // Nothing happens while another capture is underway or once the stream is capturing
+  // (notify_capture_begin called after cudaStreamBeginCapture): no event may be recorded then.
+  if (capturing() || backend_.stream_is_capturing(stream)) return;
+  bool any = false;
+  for (auto& [key, st] : streams_) any = any || (st->graph != 0 && st->graph_released);
+  if (!any) return;
+  for (auto& [key, st] : streams_) {
+    if (st->graph == 0 || !st->graph_released) continue;
+    detail::lock_guard<stream_lock> slk(st->mu);
+    if (!st->pending.empty()) process_events_locked(*st);
+    flush_quick_locked(st->small_pool);
+    flush_quick_locked(st->large_pool);
+  }
+  release_batch batch = collect_releasable_locked(true);
+  if (!batch.blocks.empty()) {
+    detail::log().debug("device {}: before a capture on stream {:#x}: releasing {} bytes of released graphs' pools",
+                        backend_.device(), stream, batch.bytes);
+    release_collected(lk, batch, opts_.empty_cache);
+  }
+  // A released pool's expandable segment with nothing mapped gives its address range back: each
+  // graph's pool reserves a range as large as the memory limit, and a loop of graphs would
+  // otherwise exhaust the address space.
+  if (capturing()) return;  // a capture began while the fence wait had mu_ dropped
+  for (auto& [key, st] : streams_) {
+    if (st->graph == 0 || !st->graph_released) continue;
+    detail::lock_guard<stream_lock> slk(st->mu);
+    for (pool* p : {&st->small_pool, &st->large_pool}) {
+      segment* seg = p->expandable;
+      if (!seg || seg->mapped_bytes != 0 || seg->first->next || seg->first->state != block_state::free) continue;
+      try {
+        backend_.release_address_range(reinterpret_cast<void*>(seg->base), seg->size);
+      } catch (const std::exception& e) {  // opportunistic: the range stays, reusable by nobody
+        detail::log().warn("device {}: giving back a released graph pool's address range failed: {}",
+                           backend_.device(), e.what());
+        continue;
+      }
+      p->unmapped.erase(seg->first);
+      segments_.erase(seg->base);
+      recycle_block(*st, seg->first);
+      p->expandable = nullptr;
+      stats_.segment.decrease(1);
+      --st->segments;
+      delete seg;
+    }
+  }
+}
+
+std::uint64_t caching_allocator::notify_capture_begin(stream_handle stream) { return notify_capture_begin(stream, 0); }
+
+std::uint64_t caching_allocator::notify_capture_begin(stream_handle stream, std::uint64_t share_pool_of_graph) {
   impl& m = *impl_;
+  if (m.inherited()) m.throw_inherited("notify_capture_begin");
   device_lock lk(m.mu_);
-  const std::uint64_t graph = m.begin_capture_locked(stream, false);
+  m.release_released_pools_locked(lk, stream);
+  const std::uint64_t graph = m.begin_capture_locked(stream, false, share_pool_of_graph);
   // A fence wait or release that started before the capture counted ends first.
   // (The predicate runs with mu_ held, which the analysis cannot see inside a lambda.)
   m.driver_calls_done_.wait(lk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return m.driver_calls_in_flight_ == 0; });
@@ -254,11 +347,13 @@ std::uint64_t caching_allocator::notify_capture_begin(stream_handle stream) {
 }
 
 std::uint64_t caching_allocator::notify_capture_end(stream_handle stream) {
+  if (impl_->inherited()) impl_->throw_inherited("notify_capture_end");
   device_lock lk(impl_->mu_);
   return impl_->end_capture_locked(lk, stream);
 }
 
 void caching_allocator::notify_graph_released(std::uint64_t graph) {
+  if (impl_->inherited()) return;  // a forked child: the parent's graphs are not its own
   detail::lock_guard<detail::mutex> lk(impl_->mu_);
   impl_->release_graph_locked(graph);
 }

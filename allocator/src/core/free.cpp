@@ -53,8 +53,91 @@ void caching_allocator::impl::free_same_stream_locked(stream_state& st, block* b
   }
 }
 
+void caching_allocator::impl::free_unfenced_locked(stream_state& st, block* b) {
+  // reuse_fence:all_streams: no event now. One fence, recorded when st next reuses memory it
+  // cannot find free (fence_host_frees_locked), covers every host free made before it: an event
+  // recorded here would miss work enqueued on another stream between this free and the next.
+  // Streams named by record_stream are known streams: the same fence covers them.
+  st.active.erase(b->addr);
+  trace(trace_action::free_requested, b->addr, b->requested, st.handle);
+  count_free_locked(st, b);
+  b->uses.clear();
+  st.stats.pending_bytes.add(static_cast<std::int64_t>(b->size));  // still active: waiting for the fence
+  st.stats.pending.add(1);
+  st.cur_pending.store(st.stats.pending_bytes.current, std::memory_order_relaxed);
+  b->state = block_state::pending_free;
+  st.unfenced.push_back(b);
+}
+
+void caching_allocator::impl::fence_host_frees_locked(stream_state& st) {
+  if (st.unfenced.empty() || capturing()) return;  // a stream wait on an outside event breaks a capture
+  if (!st.alive.load(std::memory_order_acquire)) {
+    fence_dead_stream_frees_locked(st);
+    return;
+  }
+  // st waits, on the device, for the work enqueued so far on every other stream the allocator
+  // knows on the device (one event each, whatever the number of frees) and for the last work
+  // of the destroyed ones (their tombstones). st's own earlier work is before its next work by
+  // stream order. A failing backend call leaves every block unfenced (pending, not reused).
+  for (auto& [handle, other] : streams_) {
+    if (other.get() == &st || other->graph != 0 || !other->alive.load(std::memory_order_acquire)) continue;
+    order_after_locked(st.handle, handle);
+  }
+  for (const auto& t : tombstones_) {
+    backend_.stream_wait_event(st.handle, t.event);
+    ++stats_.stream_waits;
+  }
+  // Every later use on st comes after the fence; other streams get these blocks only through
+  // a release or a segment move, whose fences cover st and so, transitively, this fence.
+  while (!st.unfenced.empty()) {
+    block* b = st.unfenced.front();
+    st.unfenced.erase(b);
+    trace(trace_action::free_completed, b->addr, b->requested, st.handle);
+    st.stats.pending_bytes.sub(static_cast<std::int64_t>(b->size));
+    st.stats.pending.sub(1);
+    free_block_locked(b);
+  }
+  st.cur_pending.store(st.stats.pending_bytes.current, std::memory_order_relaxed);
+}
+
+void caching_allocator::impl::fence_dead_stream_frees_locked(stream_state& st) {
+  // st is destroyed: no stream can wait for the fence, so each block becomes an ordinary
+  // pending block (events.cpp) with one event per live known stream and the tombstones, retired
+  // by queries (a rare path: one event per stream per block). The events lie in the pending
+  // list in recording order, as process_events_locked's proof needs. A failure leaves the
+  // block, and those after it, unfenced.
+  while (!st.unfenced.empty()) {
+    block* b = st.unfenced.front();
+    try {
+      for (auto& [handle, other] : streams_) {
+        if (other->graph != 0 || !other->alive.load(std::memory_order_acquire)) continue;
+        const event_handle e = get_event(st);
+        try {
+          backend_.record_event(e, handle);
+        } catch (...) {
+          put_event(st, e);
+          throw;
+        }
+        b->events.push_back({e, handle});
+      }
+    } catch (...) {
+      for (auto& e : b->events) put_event(st, e.event);
+      b->events.clear();
+      throw;
+    }
+    st.stats.events_recorded += b->events.size();
+    for (const auto& t : tombstones_) b->events.push_back({t.event, detail::k_tombstone_stream});
+    st.unfenced.erase(b);
+    st.pending.push_back(b);
+  }
+}
+
 void caching_allocator::impl::free_found_locked(stream_state& st, block* b, const stream_handle* stream) {
   segment* seg = b->seg;
+  if (!stream && opts_.reuse_fence == reuse_fence_scope::all_streams && st.graph == 0) {
+    free_unfenced_locked(st, b);
+    return;
+  }
   if (b->uses.empty() && (!stream || *stream == seg->stream)) {
     free_same_stream_locked(st, b);
     return;
@@ -195,6 +278,7 @@ void caching_allocator::impl::fence_unfenced_locked() {
 }
 
 void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* stream) {
+  if (inherited()) return;  // a forked child: the parent's block is not the child's (fork.cpp)
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   if (stream) state_for(*stream);  // a stream-ordered free makes the stream known (for fences)
   // Fast path: a free of a block of the stream this thread allocated from last, under that
@@ -207,6 +291,10 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
     auto& st = *static_cast<stream_state*>(last.state);
     detail::lock_guard<stream_lock> slk(st.mu);
     if (block* b = st.active.find_active(addr)) {
+      if (!stream && opts_.reuse_fence == reuse_fence_scope::all_streams && !b->free_held && st.graph == 0) {
+        free_unfenced_locked(st, b);  // a host free, fenced against every stream at its reuse
+        return;
+      }
       if (b->uses.empty() && (!stream || *stream == b->seg->stream) && !b->free_held) {
         free_same_stream_locked(st, b);
         return;
@@ -255,6 +343,7 @@ void caching_allocator::deallocate(void* ptr, stream_handle stream) { impl_->dea
 
 void caching_allocator::record_stream(void* ptr, stream_handle stream) {
   impl& m = *impl_;
+  if (m.inherited()) return;  // a forked child (fork.cpp)
   m.state_for(stream);  // the stream becomes known (for fences)
   // Fast path: a block of the stream this thread allocated from last, under that stream's lock
   // (which guards the block and its segment's used streams).
@@ -277,6 +366,7 @@ void caching_allocator::record_stream(void* ptr, stream_handle stream) {
 
 void caching_allocator::notify_stream_destroyed(stream_handle stream) {
   impl& m = *impl_;
+  if (m.inherited()) return;  // a forked child (fork.cpp)
   detail::lock_guard<detail::mutex> lk(m.mu_);
   auto it = m.streams_.find(stream);
   if (it == m.streams_.end() || !it->second->alive.load()) return;

@@ -2,8 +2,9 @@
 // a whole free segment from another stream.
 //
 // cuda_malloc backend: one segment per growth (segment_bytes_for), within limit_bytes_.
-// expandable backend: one reserved address range per pool, chunks mapped into its unmapped
-// blocks as needed (each chunk mapped alone, so that any may later be unmapped alone).
+// expandable backend: reserved address ranges per pool (a first one, and another when a request
+// fits in no hole of those the pool has), chunks mapped into their unmapped blocks as needed
+// (each chunk mapped alone, so that any may later be unmapped alone).
 // Invariant: stats_.reserved_bytes counts every mapped byte of every segment (and of the
 // segments being released, release.cpp). Locks: the device lock (mu_) and the lock of the
 // growing pool's stream are held by every function here; steal_segment_locked also takes the
@@ -13,6 +14,8 @@
 #include "format.hpp"
 #include "segment_fit.hpp"
 #include "size_classes.hpp"
+
+#include <algorithm>
 
 namespace streamsafe {
 
@@ -98,13 +101,23 @@ block* caching_allocator::impl::choose_unmapped_locked(pool& p, std::size_t roun
 
 block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t rounded) {
   const std::size_t gran = p.small ? small_chunk_bytes_ : large_chunk_bytes_;
-  if (!p.expandable) {
-    const std::size_t reserve = detail::round_up(limit_bytes_, gran);
-    void* base = backend_.reserve_address_range(reserve);
-    p.expandable = add_segment_locked(p, reinterpret_cast<std::uintptr_t>(base), reserve, false)->seg;
-  }
+  // A pool reserves its first range on its first growth, and another range whenever a request
+  // fits in no hole of the ranges it has while the memory under the limit is there: holes left
+  // between live blocks never make the pool run out of memory with memory free (issue 14). A
+  // range spans the limit, so an empty range serves any request: a pool never holds two empty
+  // ranges, and holds at most one range per mapped chunk plus one.
   std::size_t map_bytes = 0;
-  block* choice = choose_unmapped_locked(p, rounded, map_bytes);
+  block* choice = p.expandable ? choose_unmapped_locked(p, rounded, map_bytes) : nullptr;
+  if (!choice && (!p.expandable || static_cast<std::size_t>(stats_.reserved_bytes.current) +
+                                           detail::round_up(rounded, gran) <=
+                                       limit_bytes_)) {
+    // The first range, or no hole fits while the memory is there: a fresh range.
+    const std::size_t reserve = detail::round_up(std::max(limit_bytes_, rounded), gran);
+    void* base = backend_.reserve_address_range(reserve);
+    segment* seg = add_segment_locked(p, reinterpret_cast<std::uintptr_t>(base), reserve, false)->seg;
+    if (!p.expandable) p.expandable = seg;
+    choice = choose_unmapped_locked(p, rounded, map_bytes);
+  }
   if (!choice) return nullptr;
   const std::size_t mapped = map_chunks_locked(choice->addr, map_bytes, gran);
   if (mapped == 0) return nullptr;
@@ -220,13 +233,29 @@ block* caching_allocator::impl::grow_locked(pool& p, std::size_t rounded) {
 }
 
 bool caching_allocator::impl::growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const {
-  if (p.small || opts_.whole_segment_split_ratio == 0 || opts_.backend == backend_kind::expandable) return false;
+  if (opts_.backend == backend_kind::expandable) return expandable_growth_raises_peak_locked(p, rounded);
+  if (p.small || opts_.whole_segment_split_ratio == 0) return false;
   // Below the peak growth costs nothing; at the limit the rule gives way (find_block_locked).
   const std::size_t grown = static_cast<std::size_t>(stats_.reserved_bytes.current) + detail::segment_bytes_for(rounded);
   if (grown <= static_cast<std::size_t>(stats_.reserved_bytes.peak) || grown > limit_bytes_) return false;
-  bool refused = false;
-  p.mapped.for_each([&](const block* b) { refused = refused || (!b->prev && !b->next && keeps_whole(b, rounded)); });
-  return refused;
+  // Worth the driver calls only when the idle segments would cover the growth.
+  std::size_t idle = 0;
+  p.mapped.for_each([&](const block* b) { idle += idle_at_growth(b, rounded) ? b->size : 0; });
+  return idle >= detail::segment_bytes_for(rounded);
+}
+
+bool caching_allocator::impl::expandable_growth_raises_peak_locked(const pool& p, std::size_t rounded) const {
+  // Mapping more for a large request past peak reserved, while at least as much free memory
+  // sits mapped, raises the peak by memory that is idle: the free chunks are unmapped first
+  // (behind their fence), so that the new chunks come out of them. Below the peak growth costs
+  // nothing, and small requests (2 MiB chunks) are not worth the driver calls.
+  if (p.small) return false;
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+  const std::size_t growth = detail::round_up(rounded, large_chunk_bytes_);
+  if (reserved + growth <= static_cast<std::size_t>(stats_.reserved_bytes.peak)) return false;
+  std::int64_t allocated = 0;
+  for (auto& [s, state] : streams_) allocated += state->cur_allocated.load(std::memory_order_relaxed);
+  return static_cast<std::int64_t>(reserved) - allocated >= static_cast<std::int64_t>(growth);
 }
 
 bool caching_allocator::impl::wants_collection_locked(std::size_t rounded) const {

@@ -105,7 +105,7 @@ void caching_allocator::impl::check_pool_locked(const pool& p, census& c) const 
 void caching_allocator::impl::check_stream_locked(const stream_state& st, census& c) const {
   check_pool_locked(st.small_pool, c);
   check_pool_locked(st.large_pool, c);
-  c.pending_list_blocks += st.pending.size();
+  c.pending_list_blocks += st.pending.size() + st.unfenced.size();
   c.active_map_blocks += st.active.size();
   st.active.for_each([&](const block* b) {
     if (&state_of(*b->seg->owner) != &st || (b->state != block_state::active && b->state != block_state::quick_cached))

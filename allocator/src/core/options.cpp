@@ -103,7 +103,7 @@ constexpr std::size_t k_mib = 1024 * 1024;
 
 void set_memory_fraction(options& o, const option_spec& s, std::string_view v) {
   const double f = number(s, v);
-  if (f <= 0 || f > 1) bad_value(s, v);
+  if (f < 0 || f > 1) bad_value(s, v);  // 0: unused (the default, as to_string writes it)
   o.memory_fraction = f;
 }
 
@@ -120,9 +120,19 @@ const option_spec k_options[] = {
      "which streams a release waits for",
      [](options& o, const option_spec& s, std::string_view v) { o.release_fence = static_cast<fence_scope>(choice(s, v)); },
      [](const options& o) { return std::string(to_string(o.release_fence)); }},
+    {"reuse_fence", "choice", "allocation_stream, all_streams",
+     "which streams a host free is fenced against before its block is reused",
+     [](options& o, const option_spec& s, std::string_view v) { o.reuse_fence = static_cast<reuse_fence_scope>(choice(s, v)); },
+     [](const options& o) { return std::string(to_string(o.reuse_fence)); }},
     {"empty_cache", "choice", "wait, defer", "whether a release waits on its fence or queues what is not safe yet",
      [](options& o, const option_spec& s, std::string_view v) { o.empty_cache = static_cast<empty_cache_mode>(choice(s, v)); },
      [](const options& o) { return std::string(to_string(o.empty_cache)); }},
+    {"release_worker", "choice", "off, on, auto",
+     "in defer mode, unmap on a worker thread (auto: on for a real GPU through cuda::allocator)",
+     [](options& o, const option_spec& s, std::string_view v) {
+       o.release_worker = static_cast<release_worker_mode>(choice(s, v));
+     },
+     [](const options& o) { return std::string(to_string(o.release_worker)); }},
     {"max_split_size_mb", "number", "a size in MiB, at least 20 (0 = no limit)", "blocks larger than this are never split",
      [](options& o, const option_spec& s, std::string_view v) {
        const double mb = number(s, v);
@@ -144,10 +154,10 @@ const option_spec k_options[] = {
     {"memory_limit", "bytes", k_bytes_accepted, "cap on reserved bytes (0 = the device's memory)",
      [](options& o, const option_spec& s, std::string_view v) { o.memory_limit_bytes = parse_bytes(s.key, v); },
      [](const options& o) { return show_number(o.memory_limit_bytes); }},
-    {"memory_fraction", "number", "a fraction in (0, 1]", "cap on reserved bytes as a fraction of the device's memory",
+    {"memory_fraction", "number", "0 (unused) or a fraction in (0, 1]", "cap on reserved bytes as a fraction of the device's memory",
      set_memory_fraction,
      [](const options& o) { return show_number(o.memory_fraction); }},
-    {"per_process_memory_fraction", "number", "a fraction in (0, 1]", "PyTorch's name for memory_fraction",
+    {"per_process_memory_fraction", "number", "0 (unused) or a fraction in (0, 1]", "PyTorch's name for memory_fraction",
      set_memory_fraction,
      nullptr},
     {"expandable_chunk_mb", "number", "a positive multiple of 2 (MiB)", "chunk mapped at a time in expandable large pools",
@@ -166,11 +176,11 @@ const option_spec k_options[] = {
        o.roundup_power2_divisions = n;
      },
      [](const options& o) { return show_number(o.roundup_power2_divisions); }},
-    {"garbage_collection_threshold", "number", "a fraction in (0, 1)",
+    {"garbage_collection_threshold", "number", "0 (off) or a fraction in (0, 1)",
      "release free cached segments before growing past this fraction of the limit",
      [](options& o, const option_spec& s, std::string_view v) {
        const double f = number(s, v);
-       if (f <= 0 || f >= 1) bad_value(s, v);
+       if (f < 0 || f >= 1) bad_value(s, v);  // 0: off (the default, as to_string writes it)
        o.garbage_collection_threshold = f;
      },
      [](const options& o) { return show_number(o.garbage_collection_threshold); }},
@@ -222,6 +232,19 @@ const char* to_string(empty_cache_mode mode) noexcept {
 
 const char* to_string(backend_kind kind) noexcept {
   return kind == backend_kind::cuda_malloc ? "cuda_malloc" : "expandable";
+}
+
+const char* to_string(release_worker_mode mode) noexcept {
+  switch (mode) {
+    case release_worker_mode::off: return "off";
+    case release_worker_mode::on: return "on";
+    case release_worker_mode::automatic: return "auto";
+  }
+  return "?";
+}
+
+const char* to_string(reuse_fence_scope scope) noexcept {
+  return scope == reuse_fence_scope::allocation_stream ? "allocation_stream" : "all_streams";
 }
 
 options options::parse(std::string_view conf, std::vector<std::string>* warnings) {

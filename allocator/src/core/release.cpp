@@ -7,7 +7,8 @@
 // waits on exactly those events (never a device-wide sync unless the scope is `device`), with
 // the device lock dropped; in defer mode nothing blocks: the blocks whose own fence streams are
 // idle now go back at once, the rest is queued and finished by later calls (reclaim,
-// empty_cache, the allocation slow path), and when free_segment waits for the whole device
+// empty_cache, the allocation slow path), or, with the release worker on, everything is queued
+// and a worker thread gives it back (release_worker.cpp), and when free_segment waits for the whole device
 // (cudaFree) a segment goes back only while every known stream is idle. Only then are
 // free_segment / unmap called, also without the lock. A failed driver call puts its memory back
 // in the pool. Every function here runs with the device lock (mu_) held on entry.
@@ -88,11 +89,12 @@ void caching_allocator::impl::detach_whole_segment_locked(release_batch& batch, 
   add_fence_streams_locked(batch, seg);
 }
 
-caching_allocator::impl::release_batch caching_allocator::impl::collect_releasable_locked() {
+caching_allocator::impl::release_batch caching_allocator::impl::collect_releasable_locked(bool released_graphs_only) {
   release_batch batch;
   for (auto& [base, seg] : segments_) {
     stream_state& owner = state_of(*seg->owner);
     if (owner.graph != 0 && !owner.graph_released) continue;  // a graph that may still replay
+    if (released_graphs_only && owner.graph == 0) continue;
     detail::lock_guard<stream_lock> slk(owner.mu);
     if (!seg->expandable) {
       if (!seg->first->next && seg->first->state == block_state::free) detach_whole_segment_locked(batch, seg);
@@ -352,7 +354,10 @@ std::size_t caching_allocator::impl::release_cached(device_lock& lk, empty_cache
   prepare_release_locked();
   release_batch batch = collect_releasable_locked();
   std::size_t released = release_collected(lk, batch, mode);
+  if (worker_releases_locked(mode)) return released;  // the worker finishes the queue
   released += finish_deferred(lk, mode == empty_cache_mode::wait);
+  // Wait mode gives everything back before returning: also what the worker has in flight.
+  if (mode == empty_cache_mode::wait && stats_.release_worker_bytes != 0) wait_for_worker_locked(lk, nullptr);
   retire_dead_streams_locked();  // destroyed streams whose memory went back
   return released;
 }
@@ -362,6 +367,7 @@ void caching_allocator::impl::prepare_release_locked() {
   fence_unfenced_locked();
   for (auto& [s, st] : streams_) {
     detail::lock_guard<stream_lock> slk(st->mu);
+    if (!st->unfenced.empty()) fence_host_frees_locked(*st);  // reuse_fence:all_streams (free.cpp)
     if (!st->pending.empty()) process_events_locked(*st);
     flush_quick_locked(st->small_pool);
     flush_quick_locked(st->large_pool);
@@ -374,7 +380,8 @@ std::size_t caching_allocator::impl::trim_cached(device_lock& lk) {
   prepare_release_locked();
   release_batch batch = collect_releasable_locked();
   std::size_t released = release_safe_now(lk, batch);
-  released += finish_deferred(lk, false);
+  // The queue of earlier releases: the worker's job when it runs, else this call's (never waiting).
+  if (!worker_releases_locked(empty_cache_mode::defer)) released += finish_deferred(lk, false);
   retire_dead_streams_locked();  // destroyed streams whose memory went back
   return released;
 }
@@ -402,6 +409,7 @@ std::size_t caching_allocator::impl::release_safe_now(device_lock& lk, release_b
 
 std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, stream_state& st,
                                                               std::size_t rounded) {
+  if (opts_.backend == backend_kind::expandable) return release_cached(lk, opts_.empty_cache);
   release_batch batch;
   {
     detail::lock_guard<stream_lock> slk(st.mu);
@@ -409,7 +417,7 @@ std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, s
     flush_quick_locked(p);
     std::vector<segment*> refused;
     p.mapped.for_each([&](block* b) {
-      if (!b->prev && !b->next && keeps_whole(b, rounded)) refused.push_back(b->seg);
+      if (idle_at_growth(b, rounded)) refused.push_back(b->seg);
     });
     for (segment* seg : refused) detach_whole_segment_locked(batch, seg);
   }
@@ -423,6 +431,10 @@ std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, s
 std::size_t caching_allocator::impl::release_collected(device_lock& lk, release_batch& batch,
                                                        empty_cache_mode mode) {
   std::size_t released = 0;
+  if (worker_releases_locked(mode)) {
+    hand_to_worker_locked(batch);  // fenced and queued: no unmap on this thread
+    return 0;
+  }
   if (!batch.blocks.empty()) {
     // Until the memory is given back or queued, any failure puts the blocks back in their pools.
     release_batch now;  // what goes back to the driver in this call
@@ -538,12 +550,17 @@ void caching_allocator::impl::delete_host_bookkeeping() {
 }
 
 void caching_allocator::impl::destroy_all() {
+  stop_worker();  // joined before anything is torn down; its queue is finished below
   try {
     device_lock lk(mu_);
     // Destroyed during a capture, or with graphs not released: their memory goes back too.
     captures_.clear();
     captures_underway_.store(0, std::memory_order_release);
     for (auto& [s, st] : streams_) st->graph_released = true;
+    for (auto& [s, st] : streams_) {  // reuse_fence:all_streams: unfenced host frees join the pending ones
+      detail::lock_guard<stream_lock> slk(st->mu);
+      if (!st->unfenced.empty()) fence_host_frees_locked(*st);
+    }
     retire_all_pending_locked(lk);
     release_cached(lk, empty_cache_mode::wait);
     std::size_t live = 0;  // active blocks (the active maps also hold quick-cached ones)
@@ -571,6 +588,7 @@ void caching_allocator::impl::destroy_all() {
 std::size_t caching_allocator::empty_cache() { return empty_cache(impl_->opts_.empty_cache); }
 
 std::size_t caching_allocator::empty_cache(empty_cache_mode mode) {
+  if (impl_->inherited()) return 0;  // a forked child: nothing of the parent's is released (fork.cpp)
   device_lock lk(impl_->mu_);
   if (callback_scope::active()) {  // no backend call in a stream callback: later, never waiting
     impl_->empty_cache_requested_ = true;
@@ -580,6 +598,7 @@ std::size_t caching_allocator::empty_cache(empty_cache_mode mode) {
 }
 
 std::size_t caching_allocator::reclaim() {
+  if (impl_->inherited()) return 0;  // a forked child (fork.cpp)
   if (callback_scope::active()) return 0;  // no backend call in a stream callback
   device_lock lk(impl_->mu_);
   impl_->detect_captures_locked(lk);
@@ -590,12 +609,16 @@ std::size_t caching_allocator::reclaim() {
     detail::lock_guard<stream_lock> slk(st->mu);
     if (!st->pending.empty()) impl_->process_events_locked(*st);
   }
-  return impl_->finish_deferred(lk, false);
+  const std::size_t released = impl_->finish_deferred(lk, false);
+  // The worker's release in flight (driver calls on memory whose fence completed) ends too, so
+  // that what reclaim returns to has every completed release done; never a fence wait.
+  if (impl_->stats_.release_worker_bytes != 0) impl_->wait_for_worker_locked(lk, nullptr);
+  return released;
 }
 
 std::size_t caching_allocator::pending_release_bytes() const {
   detail::lock_guard<detail::mutex> lk(impl_->mu_);
-  return impl_->deferred_bytes_;
+  return impl_->deferred_bytes_ + impl_->stats_.release_worker_bytes;
 }
 
 }  // namespace streamsafe

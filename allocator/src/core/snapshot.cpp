@@ -119,6 +119,9 @@ void write_statistics_json(std::ostream& os, const statistics& s) {
   key("releases_deferred") << s.releases_deferred;
   key("bytes_released") << s.bytes_released;
   key("segments_moved") << s.segments_moved;
+  key("release_queued_bytes") << s.release_queued_bytes;
+  key("release_worker_bytes") << s.release_worker_bytes;
+  key("release_worker_releases") << s.release_worker_releases;
   os << '}';
 }
 

@@ -33,7 +33,10 @@ std::string statistics::to_string() const {
      << "fence_wait_ns: " << fence_wait_ns << '\n'
      << "releases_deferred: " << releases_deferred << '\n'
      << "bytes_released: " << bytes_released << '\n'
-     << "segments_moved: " << segments_moved << '\n';
+     << "segments_moved: " << segments_moved << '\n'
+     << "release_queued_bytes: " << release_queued_bytes << '\n'
+     << "release_worker_bytes: " << release_worker_bytes << '\n'
+     << "release_worker_releases: " << release_worker_releases << '\n';
   return os.str();
 }
 

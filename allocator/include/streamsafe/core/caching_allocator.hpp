@@ -35,6 +35,7 @@
 #include <streamsafe/core/statistics.hpp>
 #include <streamsafe/core/trace.hpp>
 
+#include <chrono>
 #include <cstddef>
 #include <memory>
 #include <vector>
@@ -107,11 +108,32 @@ class caching_allocator {
   // reaches the driver (an allocation that misses the cache, reclaim, empty_cache).
   std::size_t empty_cache();
   std::size_t empty_cache(empty_cache_mode mode);
-  // Finishes queued (deferred) releases whose fences have completed and retires completed
-  // cross-stream uses; never blocks. Returns the bytes released.
+  // Finishes queued (deferred) releases whose fences have completed, on the calling thread, and
+  // retires completed cross-stream uses; never waits on a fence (with the release worker on it
+  // waits for the worker's driver calls in flight, on memory whose fence has completed). Returns
+  // the bytes released by this call.
   std::size_t reclaim();
-  // Bytes waiting in the deferred-release queue.
+  // Bytes waiting in the deferred-release queue, plus those the release worker is giving back
+  // to the driver right now (statistics: release_queued_bytes, release_worker_bytes).
   std::size_t pending_release_bytes() const;
+
+  // ---- release worker (options::release_worker) -------------------------------------------
+  // With the worker on, empty_cache in defer mode (also the releases of allocate's slow path)
+  // fences and queues the whole batch and returns 0 at once: no unmap or free_segment runs on
+  // the calling thread. A thread of this allocator (started by the first such release, joined
+  // by the destructor) polls the fences, never waiting on one and making no call while a graph
+  // capture is underway, and gives back each part whose fence streams are idle; a failed driver
+  // call puts that memory back in its pool (logged) and the worker goes on. An allocation that
+  // cannot be served otherwise waits, no lock held, for the worker's pass and release in flight
+  // before out_of_memory; empty_cache(wait) and reclaim() wait for the release in flight too.
+  // reclaim() stays synchronous and never blocks on a fence. A forked child has no worker (synchronous there).
+  // True when nothing is queued and nothing is in flight (also when the worker is off).
+  bool release_worker_idle() const;
+  // Wakes the worker and waits until it has finished a pass over the queue begun after this
+  // call (everything whose fence had completed is back with the driver) with nothing in flight;
+  // memory behind fences still pending stays queued. False on timeout; true at once when there
+  // is no worker. For tests and benchmarks.
+  bool wait_for_release_worker_idle(std::chrono::nanoseconds timeout);
 
   // Tells the allocator a stream is gone: it is dropped from fences; cached blocks of its
   // pool stay cached and are reused by other streams only behind an event wait.
@@ -136,20 +158,33 @@ class caching_allocator {
   //    from before the capture is not used: its old uses do not provably precede the graph's
   //    replays. Other streams are served from their own free blocks or new memory. Otherwise
   //    out_of_memory, the normal error, and the capture stays valid;
-  //  * a free that needs events (recorded uses, or a stream-ordered free on another stream)
-  //    completes when no capture is underway; a free of memory from before the capture whose
-  //    stream, recorded uses or free stream is capturing completes when the graph is released
-  //    (the graph may use it); either counts as allocated until then (held_free_count()).
+  //  * a free whose block's stream, recorded uses or free stream is capturing, of a block that
+  //    is not in this capture's own pool (the stream's ordinary pool, or another graph's private
+  //    pool), completes when the graph is released (the graph may replay over it); otherwise a
+  //    free that needs events (recorded uses, or a stream-ordered free on another stream)
+  //    completes when no capture is underway. Either counts as allocated until then
+  //    (held_free_count()). One rule for every pool.
   // Blocks allocated during the capture belong to the graph's private pool for good: freed, also
   // after the capture, they return to it and serve no one else, so replays never race with other
   // users. Memory used by a graph but allocated before its capture must stay allocated while the
   // graph may replay (the allocator cannot see which blocks a graph reads).
+  // Before the capture counts (no capture underway on the device, s not capturing yet), the free
+  // memory of released graphs' pools goes back to the driver behind its fence on every known
+  // stream, in the empty_cache mode configured (wait: the host waits on exactly those events,
+  // with no lock held), so that the capture, which cannot release, can grow into it.
   // Throws std::invalid_argument for stream 0 or a stream already capturing. Waits (without the
   // lock) for a fence wait or release that another thread has in flight. Thread-safe.
   // Without the call, the allocator detects a capture on its slow paths (allocation growth,
   // empty_cache, reclaim) by asking the backend about each stream it knows; the fast path makes
   // no driver call, so a capture that the allocator has not seen yet may be served from cache.
   std::uint64_t notify_capture_begin(stream_handle stream);
+  // As above, the capture allocating into the private pool of graph share_pool_of_graph (0: a
+  // new pool of its own), as PyTorch's torch.cuda.graph(pool=...) shares one pool between
+  // captures: blocks the earlier graphs freed serve this one. The caller promises what PyTorch
+  // asks of a shared pool: the graphs replay one after another, never concurrently. The pool
+  // goes back once every graph sharing it is released. Throws std::invalid_argument for an
+  // unknown or released graph.
+  std::uint64_t notify_capture_begin(stream_handle stream, std::uint64_t share_pool_of_graph);
   // The capture on s has ended (call it after cudaStreamEndCapture, whether or not that
   // succeeded). Returns the graph's id. When no capture remains on the device, held frees
   // complete and an empty_cache asked for during the capture runs (defer mode). Throws
@@ -160,6 +195,9 @@ class caching_allocator {
   // path, fenced on every stream the allocator knows (replays still running there are waited
   // for; a graph launched on a stream the allocator never saw needs the `device` fence scope or
   // a synchronisation first); frees held for it complete behind events on every known stream.
+  // A pool shared between graphs is released with the last of them. Releasing a graph whose
+  // released pool still holds live blocks logs a warning naming the graph and the bytes: those
+  // blocks stay allocated and return to the released pool when freed.
   // During another capture it takes effect when that capture ends. Throws std::invalid_argument
   // for an unknown or already released id, or a graph still being captured.
   void notify_graph_released(std::uint64_t graph);

@@ -31,10 +31,37 @@ enum class empty_cache_mode {
 
 enum class backend_kind { cuda_malloc, expandable };
 
+// Who gives memory back to the driver in defer mode (release_worker.cpp).
+enum class release_worker_mode {
+  off,        // the calling thread: empty_cache releases what is safe now, later calls the rest
+  on,         // a worker thread per allocator: empty_cache(defer) queues, the worker unmaps
+  automatic,  // "auto": on when empty_cache is defer and the device is a real GPU, else off.
+              // The core cannot tell a real device: caching_allocator treats auto as off;
+              // cuda::allocator over a real CUDA platform (platform::cuda(), the PyTorch
+              // integration) resolves it to on in defer mode; simulated platforms to off.
+};
+
+// Which streams a host free (deallocate without a stream) is fenced against before its block is
+// reused. Uses the allocator was told about (record_stream, stream-ordered frees) are fenced in
+// both cases; the choice is about uses nobody recorded.
+enum class reuse_fence_scope {
+  allocation_stream,  // the block's own stream only: reused at once on it (PyTorch; default)
+  all_streams,        // every stream the allocator knows on the device, one event per stream per
+                      // batch of host frees, recorded when the allocation stream reuses the batch
+};
+
 struct options {
   backend_kind backend = backend_kind::cuda_malloc;
   fence_scope release_fence = fence_scope::all_streams;
   empty_cache_mode empty_cache = empty_cache_mode::wait;
+  // With `on`, empty_cache in defer mode returns at once (0 bytes): the whole batch is fenced
+  // and queued, and a worker thread of the allocator unmaps / frees each part once its fence
+  // has completed (polled, never waited on). Allocations that cannot be served otherwise wait
+  // for the worker's release in flight before out_of_memory. reclaim() stays synchronous.
+  release_worker_mode release_worker = release_worker_mode::automatic;
+  // reuse_fence:all_streams protects a block read on a side stream without record_stream (a
+  // device-to-host copy, a collective on a third stream) and then freed from the host.
+  reuse_fence_scope reuse_fence = reuse_fence_scope::allocation_stream;
   // Blocks larger than this are never split (0 = no limit). PyTorch: max_split_size_mb.
   std::size_t max_split_size_bytes = 0;
   // cuda_malloc backend: a wholly free cached segment more than this many times a large request
@@ -76,5 +103,7 @@ struct options {
 const char* to_string(fence_scope scope) noexcept;
 const char* to_string(empty_cache_mode mode) noexcept;
 const char* to_string(backend_kind kind) noexcept;
+const char* to_string(release_worker_mode mode) noexcept;
+const char* to_string(reuse_fence_scope scope) noexcept;
 
 }  // namespace streamsafe

@@ -43,9 +43,15 @@ struct statistics {
   std::uint64_t stream_waits = 0;         // cudaStreamWaitEvent issued to reuse a block
   std::uint64_t fence_waits = 0;          // host waits on a release fence event
   std::uint64_t fence_wait_ns = 0;        // host time spent in those waits
-  std::uint64_t releases_deferred = 0;    // release batches queued because a fence was pending
+  std::uint64_t releases_deferred = 0;    // release batches queued (a fence pending, or for the worker)
   std::uint64_t bytes_released = 0;       // bytes given back to the driver
   std::uint64_t segments_moved = 0;       // free segments moved to another stream's pool
+  // Release worker (options::release_worker): bytes queued behind fences (pending_release_bytes()
+  // less what is in flight), bytes the worker is giving back to the driver right now, and the
+  // release batches it has finished (each one or more unmap / free_segment calls).
+  std::uint64_t release_queued_bytes = 0;
+  std::uint64_t release_worker_bytes = 0;
+  std::uint64_t release_worker_releases = 0;
 
   std::string to_string() const;  // "key: value" lines, PyTorch's key names
 };

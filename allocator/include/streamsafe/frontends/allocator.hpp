@@ -65,6 +65,9 @@ struct platform {
   std::function<int(stream_handle)> stream_device;
   // The backend of one device; called once per device, under the allocator's creation mutex.
   std::function<std::unique_ptr<device_backend>(int device, const options& opts)> make_backend;
+  // True for real GPUs (platform::cuda()): options::release_worker auto then means on in
+  // empty_cache defer mode. Simulated platforms leave it false (auto means off).
+  bool real_device = false;
 
   // CUDA: cudaGetDeviceCount (0 without a GPU), cudaGetDevice, cudaStreamGetDevice, and
   // cuda_malloc_backend or expandable_backend as opts.backend says.
@@ -135,6 +138,9 @@ class allocator {
   // Note: CUDA's global capture mode forbids unsafe calls on every device of the process; only
   // the capturing stream's device is told here.
   std::uint64_t notify_capture_begin(cudaStream_t stream);
+  // The capture allocates into the private pool of graph share_pool_of_graph (same device; 0: a
+  // new pool), as torch.cuda.graph(pool=...) shares a pool (caching_allocator's contract).
+  std::uint64_t notify_capture_begin(cudaStream_t stream, std::uint64_t share_pool_of_graph);
   std::uint64_t notify_capture_end(cudaStream_t stream);
   void notify_graph_released(std::uint64_t graph, int device);
 

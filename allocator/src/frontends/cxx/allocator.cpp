@@ -71,6 +71,7 @@ platform platform::cuda() {
     if (opts.backend == backend_kind::expandable) return std::make_unique<expandable_backend>(device);
     return std::make_unique<cuda_malloc_backend>(device);
   };
+  p.real_device = true;
   return p;
 }
 
@@ -120,7 +121,17 @@ caching_allocator& allocator::get_or_create(int device) {
   if (caching_allocator* a = existing(device)) return *a;
   device_state& s = states_[static_cast<std::size_t>(device)];
   std::unique_ptr<device_backend> backend = platform_.make_backend(device, options_);
-  auto alloc = std::make_unique<caching_allocator>(*backend, options_);
+  // release_worker:auto: a worker thread gives memory back in defer mode on a real GPU (an
+  // empty_cache never runs the driver's unmaps on the caller's thread); off on simulated devices,
+  // whose tests expect the calling thread to release. config() keeps what was asked for; the
+  // device's caching_allocator::config() says what was resolved.
+  options resolved = options_;
+  if (resolved.release_worker == release_worker_mode::automatic) {
+    resolved.release_worker = platform_.real_device && resolved.empty_cache == empty_cache_mode::defer
+                                  ? release_worker_mode::on
+                                  : release_worker_mode::off;
+  }
+  auto alloc = std::make_unique<caching_allocator>(*backend, resolved);
   s.backend = std::move(backend);
   s.alloc = std::move(alloc);
   devices_[static_cast<std::size_t>(device)].store(s.alloc.get(), std::memory_order_release);
@@ -285,10 +296,12 @@ void allocator::notify_stream_destroyed(cudaStream_t stream, int device) {
   if (caching_allocator* a = existing(device)) a->notify_stream_destroyed(to_stream_handle(stream));
 }
 
-std::uint64_t allocator::notify_capture_begin(cudaStream_t stream) {
+std::uint64_t allocator::notify_capture_begin(cudaStream_t stream) { return notify_capture_begin(stream, 0); }
+
+std::uint64_t allocator::notify_capture_begin(cudaStream_t stream, std::uint64_t share_pool_of_graph) {
   const stream_handle h = to_stream_handle(stream);
-  if (h == 0) return device_allocator(current_device()).notify_capture_begin(h);  // throws: stream 0
-  return device_allocator(platform_.stream_device(h)).notify_capture_begin(h);
+  if (h == 0) return device_allocator(current_device()).notify_capture_begin(h, share_pool_of_graph);  // throws: stream 0
+  return device_allocator(platform_.stream_device(h)).notify_capture_begin(h, share_pool_of_graph);
 }
 
 std::uint64_t allocator::notify_capture_end(cudaStream_t stream) {

@@ -41,6 +41,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -738,8 +739,21 @@ void torch_allocator::beginAllocateToPool(c10::DeviceIndex device, MempoolId_t m
               "streamsafe: allocating to a memory pool outside a CUDA graph capture (torch.cuda.use_mem_pool, "
               "beginAllocateCurrentThreadToPool / CurrentStreamToPool, torch.compile cudagraph trees) is not "
               "supported; streamsafe keeps private pools for CUDA graph captures only (torch.cuda.graph)");
+  // Captures into one pool (torch.cuda.graph(pool=...), a MemPool) share streamsafe's private
+  // pool of the pool's first graph: blocks the earlier graphs freed serve the later ones.
+  std::uint64_t share = 0;
+  {
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    if (auto it = pools_.find(mempool_id); it != pools_.end() && !it->second.graphs.empty()) {
+      share = it->second.graphs.front();
+    } else {
+      for (const capture_state& c : captures_) {
+        if (c.pool == mempool_id && c.device == device) share = c.graph;
+      }
+    }
+  }
   std::uint64_t graph = 0;
-  guarded("CUDA graph capture begin", [&] { graph = ss_->notify_capture_begin(stream); });
+  guarded("CUDA graph capture begin", [&] { graph = ss_->notify_capture_begin(stream, share); });
   std::lock_guard<std::mutex> lock(pools_mu_);
   pool_state& pool = pools_[mempool_id];
   pool.device = device;
@@ -800,14 +814,19 @@ using streamsafe::torch_ext::g_allocator;
 STREAMSAFE_EXPORT const char* streamsafe_torch_ext_torch_version(void) { return TORCH_VERSION; }
 
 // Installs streamsafe as PyTorch's CUDA allocator with options `conf` ("key:value,..."; NULL or
-// "" reads STREAMSAFE_ALLOC_CONF). Returns 0 when installed now, 1 when it already was (conf is
+// "" reads STREAMSAFE_ALLOC_CONF), given on top of the PyTorch defaults k_torch_defaults
+// (empty_cache:defer with the release worker: torch.cuda.empty_cache() never runs the driver's
+// unmaps on the caller's thread; release_worker:auto is on for real GPUs in defer mode). Returns 0 when installed now, 1 when it already was (conf is
 // then ignored), -1 on error with the message in err (NUL-terminated, truncated to len): a bad
 // configuration, or PyTorch's allocator already holding memory.
 STREAMSAFE_EXPORT int streamsafe_torch_ext_install(const char* conf, char* err, size_t len) {
   namespace cca = c10::cuda::CUDACachingAllocator;
   try {
     if (g_allocator) return 1;
-    streamsafe::options opts = (conf && *conf) ? streamsafe::options::parse(conf) : streamsafe::options::from_environment();
+    static constexpr const char* k_torch_defaults = "empty_cache:defer,release_worker:auto";
+    const char* env = std::getenv("STREAMSAFE_ALLOC_CONF");
+    const std::string given = (conf && *conf) ? conf : (env ? env : "");
+    streamsafe::options opts = streamsafe::options::parse(std::string(k_torch_defaults) + "," + given);
     cca::CUDAAllocator* current = cca::allocator.load();
     if (current && current->initialized()) {
       int n = 0;
