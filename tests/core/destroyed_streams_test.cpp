@@ -11,6 +11,7 @@
 #include <chrono>
 #include <string>
 #include <set>
+#include <thread>
 #include <vector>
 
 using namespace streamsafe;
@@ -47,7 +48,7 @@ void churn(sim_env& env, int n, std::size_t bytes = 1 * MiB) {
 
 TEST_CASE("After 2,000 destroyed streams, one empty_cache queries and keeps events for the live streams only and "
           "releases the dead streams' pools",
-          "[destroyed-streams][K6][fixme14]") {
+          "[destroyed-streams][K6]") {
   sim_env env;
   const auto live = env.dev.create_stream();
   env.alloc.deallocate(env.alloc.allocate(4 * KiB, live));
@@ -67,11 +68,24 @@ TEST_CASE("After 2,000 destroyed streams, one empty_cache queries and keeps even
 
 TEST_CASE("The dead streams' cached memory serves a live stream at the limit, with stream waits and queries for "
           "the live streams only",
-          "[destroyed-streams][K6][fixme14]") {
+          "[destroyed-streams][K6]") {
   options o;
   o.memory_limit_bytes = 2000 * 2 * MiB;  // exactly the dead pools: no growth possible
   sim_env env(o);
-  churn(env, 2000);
+  // The 2,000 streams live at once (one after another, each would reuse its predecessor's
+  // segment behind the tombstone), then all destroyed.
+  std::vector<stream_handle> dying;
+  for (int i = 0; i < 2000; ++i) {
+    dying.push_back(env.dev.create_stream());
+    void* q = env.alloc.allocate(1 * MiB, dying.back());
+    env.dev.launch(dying.back(), 1, {writes(q, MiB)}, "task");
+    env.alloc.deallocate(q);
+  }
+  for (const auto s : dying) {
+    env.alloc.notify_stream_destroyed(s);
+    env.dev.destroy_stream(s);
+  }
+  env.dev.run_until_idle();
   REQUIRE(env.alloc.stats().reserved_bytes.current == static_cast<std::int64_t>(2000 * 2 * MiB));
   const auto live = env.dev.create_stream();
   const auto before = env.dev.counters();
@@ -118,7 +132,7 @@ TEST_CASE("Control: 200 streams that are never announced destroyed keep their po
 }
 
 TEST_CASE("100,000 streams created, used and destroyed: streams, events and reserved memory stay bounded",
-          "[destroyed-streams][K6][soak][fixme14]") {
+          "[destroyed-streams][K6][soak]") {
   options o;
   o.memory_limit_bytes = 256 * MiB;
   sim_env env(o);
@@ -148,5 +162,38 @@ TEST_CASE("100,000 streams created, used and destroyed: streams, events and rese
   CHECK(env.alloc.stats().reserved_bytes.peak <= static_cast<std::int64_t>(64 * MiB));
   CHECK(seconds < 20);
   CHECK(env.dev.fault_count() == 0);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("Destroyed streams' states are retired and reused while other threads allocate on their own streams",
+          "[destroyed-streams][K6][threads]") {
+  // Each thread churns short-lived streams and keeps one stream of its own; the states of the
+  // dead ones are retired and handed to new streams while the threads' stream caches still
+  // point at them (run under TSan and ASan).
+  sim_env env;
+  constexpr int k_threads = 3;
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(k_threads);
+  for (int t = 0; t < k_threads; ++t) {
+    threads.emplace_back([&, t] {
+      try {
+        const auto own = env.dev.create_stream();
+        for (int i = 0; i < 300; ++i) {
+          void* keep = env.alloc.allocate(8 * KiB, own);
+          churn(env, 3, 4 * KiB);
+          env.dev.launch(own, 1, {writes(keep, 8 * KiB)}, "own stream");
+          env.alloc.deallocate(keep);
+        }
+      } catch (const std::exception& e) {
+        errors[t] = e.what();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const auto& e : errors) CHECK(e.empty());
+  env.dev.run_until_idle();
+  env.alloc.empty_cache();
+  CHECK(env.dev.fault_count() == 0);
+  CHECK(live_events(env.dev) <= 64);
   env.alloc.check_invariants();
 }

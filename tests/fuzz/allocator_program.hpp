@@ -10,7 +10,7 @@
 // uses on other streams recorded with record_stream or left unrecorded and ordered by the
 // program as FSDP2 does, holds and their opening, clock advances, empty_cache in
 // both modes, reclaim, stream destruction announced with notify_stream_destroyed (handles may be
-// recycled), bad pointers, and backend failures injected into the next allocator call.
+// recycled; one at a time or in bursts of short-lived streams), bad pointers, and backend failures injected into the next allocator call.
 //
 // Checked after every step (or every `check_every` steps), any breach throws `violation`:
 //  * check_invariants() passes; allocated / requested bytes and the allocation count equal what
@@ -509,6 +509,7 @@ class program {
     if (op == 28) return op_bad_pointer(src);
     if (op == 29) return op_queries(src);
     if (op == 30) return op_record_only(src);
+    if (src.byte() % 8 == 0) return op_destroy_burst(src);
     return op_churn(src);
   }
 
@@ -819,6 +820,27 @@ class program {
   void op_destroy_stream(Source& src) {
     if (!config_.destroy_streams || streams_.size() < 2) return;
     const std::size_t i = 1 + pick(src, streams_.size() - 1);  // never the legacy default stream
+    destroy_slot(i, true);
+  }
+
+  // Stream destruction at scale: a burst of short-lived streams (a stream per task), each
+  // allocating, writing and freeing one block, then announced destroyed and destroyed; the
+  // next ones reuse the dead streams' memory behind their tombstone.
+  template <class Source>
+  void op_destroy_burst(Source& src) {
+    if (!config_.destroy_streams) return;
+    const int n = 4 + src.byte() % 16;
+    note("burst of " + std::to_string(n) + " short-lived streams");
+    for (int k = 0; k < n; ++k) {
+      streams_.push_back({next_uid_++, dev_.create_stream(), false});
+      const std::size_t slot = streams_.size() - 1;
+      if (auto i = allocate_on(slot, 1 + std::size_t{u16(src)} % 4096 * 64, 1)) free_block(*i, std::nullopt);
+      destroy_slot(slot, false);
+    }
+  }
+
+  // Announces streams_[i] destroyed and destroys it; `replace`: a new stream takes its place.
+  void destroy_slot(std::size_t i, bool replace) {
     stream_slot s = streams_[i];
     note("notify_stream_destroyed + destroy stream " + std::to_string(s.handle));
     const bool injected = armed_.has_value();
@@ -841,6 +863,7 @@ class program {
     dev_.destroy_stream(s.handle);
     ++stats_.streams_destroyed;
     streams_.erase(streams_.begin() + static_cast<std::ptrdiff_t>(i));
+    if (!replace) return;
     streams_.push_back({next_uid_++, dev_.create_stream(), false});
     introduce(streams_.size() - 1);
   }

@@ -110,11 +110,15 @@ struct caching_allocator::impl {
     // Mirrors of stats' current values, read without the lock to sample device-wide peaks.
     std::atomic<std::int64_t> cur_allocated{0}, cur_pending{0}, cur_requested{0};
     std::atomic<bool> alive{true};
+    // The handle this state serves, for the threads' stream caches: a retired state (reused
+    // for another stream later, never freed) holds k_tombstone_stream.
+    std::atomic<stream_handle> cache_key{0};
     // Non-zero: this is not a stream but the private pool of CUDA graph `graph` (capture.cpp),
     // keyed in streams_ by graph_key(graph); handle is the capturing stream.
     std::uint64_t graph = 0;
     bool graph_released = false;  // every graph of the pool released: its free segments may be released
     int pool_graphs = 0;          // graphs captured into this pool (shared pools) not released yet
+    std::size_t segments = 0;     // segments its pools own (also while released or deferred); under mu_
   };
 
   // A capture underway on one stream of the device.
@@ -182,8 +186,19 @@ struct caching_allocator::impl {
   // callback, K16); fence_unfenced_locked records their events from an ordinary call.
   std::vector<block*> unfenced_ STREAMSAFE_GUARDED_BY(mu_);
   bool empty_cache_requested_ STREAMSAFE_GUARDED_BY(mu_) = false;  // empty_cache asked for in a stream callback
-  // Events recorded on streams just before they were destroyed: part of every fence.
+  // The newest tombstone, an event recorded on a stream just before it was destroyed, after
+  // that stream waited on the previous tombstone: its completion proves every destroyed
+  // stream's work done. At most one entry; part of every fence; cleared once seen complete.
   std::vector<detail::pending_event> tombstones_ STREAMSAFE_GUARDED_BY(mu_);
+  // Superseded or completed tombstones still referenced (tombstone_refs_ > 0): back to the
+  // event pool once no pending block and no unlocked wait refers to a tombstone.
+  std::vector<event_handle> superseded_tombstones_ STREAMSAFE_GUARDED_BY(mu_);
+  std::atomic<std::int64_t> tombstone_refs_{0};  // tombstone entries of pending blocks and waits
+  // Destroyed streams whose states are still in streams_ (they own blocks, or their tombstone
+  // has not been seen complete); retired states wait in spare_states_ for reuse (never freed:
+  // other threads' stream caches may still point at them).
+  std::vector<stream_state*> dead_states_ STREAMSAFE_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<stream_state>> spare_states_ STREAMSAFE_GUARDED_BY(mu_);
   statistics stats_ STREAMSAFE_GUARDED_BY(mu_);  // device-level parts; per-stream parts live in stream_state::stats
 
   // CUDA graph capture (capture.cpp), guarded by mu_.
@@ -257,6 +272,13 @@ struct caching_allocator::impl {
   std::size_t map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk) STREAMSAFE_REQUIRES(mu_);  // bytes mapped
   block* expandable_fit_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
   block* steal_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  // A destroyed stream's whole free segment for p, behind the tombstone (before growing).
+  block* adopt_dead_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  // Moves a whole free segment to p; p's stream waits for every stream that may still touch it.
+  block* move_segment_locked(segment* seg, pool& p) STREAMSAFE_REQUIRES(mu_);
+  // Queries the tombstone; once complete, retires it and every destroyed stream owning nothing.
+  void retire_dead_streams_locked() STREAMSAFE_REQUIRES(mu_);
+  void drop_tombstone_locked(event_handle e) STREAMSAFE_REQUIRES(mu_);  // pooled unless referenced
   block* find_block_locked(stream_state& st, pool& p, std::size_t rounded, bool grow = true) STREAMSAFE_REQUIRES(mu_, st.mu);
   block* grow_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);  // step 3 of the allocation order
   bool growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
@@ -324,6 +346,7 @@ struct caching_allocator::impl {
   void check_releasing_segments_locked(census& c) const STREAMSAFE_REQUIRES(mu_);
   void check_held_frees_locked(const census& c) const STREAMSAFE_REQUIRES(mu_);
   void check_census_locked(const census& c) const STREAMSAFE_REQUIRES(mu_);  // the counts and statistics agree
+  void check_dead_streams_locked() const STREAMSAFE_REQUIRES(mu_);  // destroyed and retired stream states
 
   // ---- capture.cpp -------------------------------------------------------------------------
   bool capturing() const noexcept { return captures_underway_.load(std::memory_order_acquire) != 0; }

@@ -326,6 +326,7 @@ void caching_allocator::impl::release_released_pools_locked(device_lock& lk, str
       recycle_block(*st, seg->first);
       p->expandable = nullptr;
       stats_.segment.decrease(1);
+      --st->segments;
       delete seg;
     }
   }

@@ -78,7 +78,8 @@ void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) 
   st.pending.erase(b);
   trace(trace_action::free_completed, b->addr, b->size, b->seg->stream);
   for (auto& e : b->events) {
-    if (e.stream != detail::k_tombstone_stream) put_event(st, e.event);  // tombstones are not pooled
+    if (e.stream != detail::k_tombstone_stream) put_event(st, e.event);  // tombstones are not pooled here
+    else tombstone_refs_.fetch_sub(1, std::memory_order_acq_rel);
   }
   b->events.clear();
   st.stats.pending_bytes.sub(static_cast<std::int64_t>(b->size));

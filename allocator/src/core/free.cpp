@@ -168,15 +168,18 @@ bool caching_allocator::impl::record_use_events_locked(block* b, const stream_ha
   auto unwind = [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
     for (auto& e : events) {
       if (e.stream != detail::k_tombstone_stream) put_event(owner, e.event);
+      else tombstone_refs_.fetch_sub(1, std::memory_order_acq_rel);
     }
     events.clear();
   };
   auto record_on = [&](stream_handle s) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
     if (device_locked) {
       auto it = streams_.find(s);
-      if (it != streams_.end() && !it->second->alive.load(std::memory_order_acquire)) {
-        for (auto& t : tombstones_) {
-          if (t.stream == s) events.push_back({t.event, detail::k_tombstone_stream});
+      if (it == streams_.end()) return true;  // a destroyed stream gone: its work is done
+      if (!it->second->alive.load(std::memory_order_acquire)) {
+        for (auto& t : tombstones_) {  // proves s's last work (none: seen complete)
+          events.push_back({t.event, detail::k_tombstone_stream});
+          tombstone_refs_.fetch_add(1, std::memory_order_acq_rel);
         }
         return true;
       }
@@ -368,16 +371,25 @@ void caching_allocator::notify_stream_destroyed(stream_handle stream) {
   auto it = m.streams_.find(stream);
   if (it == m.streams_.end() || !it->second->alive.load()) return;
   m.fence_unfenced_locked();  // blocks freed with uses on this stream get their events while it lives
+  m.retire_dead_streams_locked();  // one query: the previous tombstone may be done
+  // One tombstone for every destroyed stream: the stream waits on the previous tombstone, then
+  // records the new one, whose completion proves both (the previous one is superseded).
   event_handle e = m.get_event();
   try {
+    if (!m.tombstones_.empty()) {
+      m.backend_.stream_wait_event(stream, m.tombstones_.front().event);
+      ++m.stats_.stream_waits;
+    }
     m.backend_.record_event(e, stream);
   } catch (...) {
     m.put_event(e);
     throw;
   }
   ++m.stats_.events_recorded;
-  m.tombstones_.push_back({e, stream});
+  if (!m.tombstones_.empty()) m.drop_tombstone_locked(m.tombstones_.front().event);
+  m.tombstones_.assign(1, {e, stream});
   it->second->alive.store(false, std::memory_order_release);
+  m.dead_states_.push_back(it->second.get());
 }
 
 }  // namespace streamsafe

@@ -30,6 +30,7 @@ block* caching_allocator::impl::add_segment_locked(pool& p, std::uintptr_t base,
   seg->small = p.small;
   seg->expandable = !mapped;
   seg->owner = &p;
+  ++state_of(p).segments;
   block* b = new_block(state_of(p));
   b->addr = base;
   b->size = size;
@@ -165,6 +166,10 @@ block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounde
       best = nullptr;
     }
   }
+  return move_segment_locked(best, p);
+}
+
+block* caching_allocator::impl::move_segment_locked(segment* best, pool& p) {
   // The new stream waits, on the device, for every stream that may still touch the segment.
   for (stream_handle s : fence_streams_locked(best)) {
     if (s == p.stream) continue;
@@ -175,6 +180,8 @@ block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounde
     ++stats_.stream_waits;
   }
   best->owner->mapped.erase(best->first);
+  --state_of(*best->owner).segments;
+  ++state_of(p).segments;
   best->owner = &p;
   best->stream = p.stream;
   best->used_streams.clear();
@@ -185,8 +192,41 @@ block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounde
   return best->first;
 }
 
+block* caching_allocator::impl::adopt_dead_segment_locked(pool& p, std::size_t rounded) {
+  // Before growing: a whole free segment of a destroyed stream, behind the tombstone (one
+  // stream wait, none once the tombstone is seen complete). The search follows the destroyed
+  // streams still holding memory, not the segments.
+  if (dead_states_.empty() || capturing() || opts_.release_fence == fence_scope::device) return nullptr;
+  if (state_of(p).graph != 0) return nullptr;
+  retire_dead_streams_locked();
+  segment* best = nullptr;
+  std::unique_lock<stream_lock> olk;
+  for (auto it = dead_states_.rbegin(); it != dead_states_.rend(); ++it) {  // the newest first
+    stream_state* st = *it;
+    std::unique_lock<stream_lock> lk(st->mu);
+    pool& q = pool_of(*st, p.small);
+    if (q.expandable) continue;
+    if (q.quick.count) flush_quick_locked(q);
+    segment* found = nullptr;
+    q.mapped.for_each([&](block* b) {
+      if (!b->prev && !b->next && b->size >= rounded && (!found || b->size < found->size)) found = b->seg;
+    });
+    if (found && (!best || found->size < best->size)) {
+      best = found;
+      olk = std::move(lk);
+      if (best->size == detail::segment_bytes_for(rounded)) break;
+    }
+  }
+  if (!best) return nullptr;
+  block* b = move_segment_locked(best, p);
+  olk.unlock();
+  if (tombstones_.empty()) retire_dead_streams_locked();  // the former owner may own nothing now
+  return b;
+}
+
 block* caching_allocator::impl::grow_locked(pool& p, std::size_t rounded) {
   if (opts_.backend == backend_kind::expandable) return expandable_fit_locked(p, rounded);
+  if (block* b = adopt_dead_segment_locked(p, rounded)) return b;
   if (block* b = new_segment_locked(p, rounded)) return b;
   // At the memory limit the whole-segment rule gives way: split the best fit rather than fail.
   return opts_.whole_segment_split_ratio != 0 ? fit_ignoring_whole_rule(p, rounded) : nullptr;

@@ -9,6 +9,9 @@
 #include "format.hpp"
 #include "size_classes.hpp"
 
+#include <algorithm>
+#include <unordered_map>
+
 namespace streamsafe {
 
 using detail::hex;
@@ -152,6 +155,32 @@ void caching_allocator::check_invariants() const {
   m.check_releasing_segments_locked(c);
   m.check_held_frees_locked(c);
   m.check_census_locked(c);
+  m.check_dead_streams_locked();
+}
+
+void caching_allocator::impl::check_dead_streams_locked() const {
+  // Each state's segment count; destroyed streams are in streams_ and dead_states_ alike; the
+  // tombstone is one event; retired states are out of streams_, own nothing, name no stream.
+  std::unordered_map<const stream_state*, std::size_t> owned;
+  for (auto& [base, seg] : segments_) ++owned[&state_of(*seg->owner)];
+  for (const segment* seg : releasing_segments_) ++owned[&state_of(*seg->owner)];
+  std::size_t dead = 0;
+  for (auto& [h, st] : streams_) {
+    if (owned[st.get()] != st->segments) fail("a stream's segment count disagrees with the segments");
+    if (!st->alive.load(std::memory_order_acquire)) {
+      ++dead;
+      if (std::find(dead_states_.begin(), dead_states_.end(), st.get()) == dead_states_.end()) {
+        fail("destroyed stream " + hex(h) + " missing from the destroyed streams");
+      }
+    }
+  }
+  if (dead != dead_states_.size()) fail("the destroyed streams disagree with the stream states");
+  if (tombstones_.size() > 1) fail("more than one tombstone");
+  for (const auto& st : spare_states_) {
+    if (st->segments != 0 || st->cache_key.load(std::memory_order_acquire) != detail::k_tombstone_stream) {
+      fail("a retired stream state owns segments or names a stream");
+    }
+  }
 }
 
 }  // namespace streamsafe

@@ -30,6 +30,21 @@ namespace {
 
 constexpr stream_handle k_tombstone = detail::k_tombstone_stream;  // marks tombstone entries of a fence
 
+// Counts n tombstone references for its lifetime (a wait with the device lock dropped).
+class tombstone_pin {
+ public:
+  tombstone_pin(std::atomic<std::int64_t>& refs, std::size_t n) : refs_(refs), n_(static_cast<std::int64_t>(n)) {
+    refs_.fetch_add(n_, std::memory_order_acq_rel);
+  }
+  ~tombstone_pin() { refs_.fetch_sub(n_, std::memory_order_acq_rel); }
+  tombstone_pin(const tombstone_pin&) = delete;
+  tombstone_pin& operator=(const tombstone_pin&) = delete;
+
+ private:
+  std::atomic<std::int64_t>& refs_;
+  std::int64_t n_;
+};
+
 }  // namespace
 
 std::vector<stream_handle> caching_allocator::impl::fence_streams_locked(const segment* seg) const {
@@ -232,6 +247,7 @@ std::size_t caching_allocator::impl::account_release_locked(block* b, bool relea
     detail::log().debug("device {}: segment_free {} bytes at {:#x}", backend_.device(), bytes, b->addr);
     stats_.segment.decrease(1);
     recycle_block(owner, b);
+    --owner.segments;
     delete seg;
   }
   return bytes;
@@ -257,6 +273,7 @@ std::size_t caching_allocator::impl::finish_deferred(device_lock& lk, bool wait)
       waiting.fence = front.fence;
       waiting.device_sync = front.device_sync;
       for (auto& t : tombstones_) waiting.fence.push_back({t.event, k_tombstone});
+      tombstone_pin pin(tombstone_refs_, tombstones_.size());  // not pooled while waited on unlocked
       driver_call_scope in_flight(*this, lk);
       wait_fence_unlocked(waiting);
       in_flight.relock();
@@ -341,6 +358,7 @@ std::size_t caching_allocator::impl::release_cached(device_lock& lk, empty_cache
   released += finish_deferred(lk, mode == empty_cache_mode::wait);
   // Wait mode gives everything back before returning: also what the worker has in flight.
   if (mode == empty_cache_mode::wait && stats_.release_worker_bytes != 0) wait_for_worker_locked(lk, nullptr);
+  retire_dead_streams_locked();  // destroyed streams whose memory went back
   return released;
 }
 
@@ -364,6 +382,7 @@ std::size_t caching_allocator::impl::trim_cached(device_lock& lk) {
   std::size_t released = release_safe_now(lk, batch);
   // The queue of earlier releases: the worker's job when it runs, else this call's (never waiting).
   if (!worker_releases_locked(empty_cache_mode::defer)) released += finish_deferred(lk, false);
+  retire_dead_streams_locked();  // destroyed streams whose memory went back
   return released;
 }
 
@@ -433,9 +452,14 @@ std::size_t caching_allocator::impl::release_collected(device_lock& lk, release_
       } else {
         if (!fence_done_locked(batch)) {
           for (auto& t : tombstones_) batch.fence.push_back({t.event, k_tombstone});
+          tombstone_pin pin(tombstone_refs_, tombstones_.size());  // not pooled while waited on unlocked
           driver_call_scope in_flight(*this, lk);
           wait_fence_unlocked(batch);
           in_flight.relock();
+          // Waited on: the tombstone entries go (a queued batch must not keep them).
+          batch.fence.erase(std::remove_if(batch.fence.begin(), batch.fence.end(),
+                                           [](const pending_event& e) { return e.stream == k_tombstone; }),
+                            batch.fence.end());
           detail::log().debug("device {}: waited on {} fence event(s) to release {} bytes", backend_.device(),
                               batch.fence.size(), batch.bytes);
           if (capturing()) queue_batch_locked(batch);  // a capture began meanwhile: release after it
@@ -501,6 +525,8 @@ void caching_allocator::impl::destroy_events_locked() {
   }
   for (auto& t : tombstones_) backend_.destroy_event(t.event);
   tombstones_.clear();
+  for (event_handle e : superseded_tombstones_) backend_.destroy_event(e);
+  superseded_tombstones_.clear();
 }
 
 void caching_allocator::impl::delete_host_bookkeeping() {

@@ -4,12 +4,16 @@
 // Invariants: streams_ maps each known stream handle (or graph_key(graph)) to its state, which
 // is never freed before the allocator; stream_table_[0, stream_count_) lists the first
 // k_sampled_streams states in creation order, written under mu_ and read without it. A state
-// whose alive flag is false belongs to a destroyed stream; a recycled handle revives it.
+// whose alive flag is false belongs to a destroyed stream (dead_states_); a recycled handle
+// revives it. Once the tombstone is seen complete, a destroyed stream owning no block leaves
+// streams_ for spare_states_ (cache_key k_tombstone_stream), reused by a later new stream; a
+// thread's cached pointer to it stays valid and is used only while cache_key names its stream.
 // Locks: new_state_locked, get_or_create_stream_locked and owner_locked need the device lock
 // (mu_); state_for takes it on a miss of the thread's cache; sample_peaks takes no lock (atomics).
 #include "allocator_state.hpp"
 #include "stream_cache.hpp"
 
+#include <algorithm>
 #include <atomic>
 
 namespace streamsafe {
@@ -21,9 +25,27 @@ thread_local detail::thread_cache detail::t_cache __attribute__((tls_model("init
 
 caching_allocator::impl::stream_state& caching_allocator::impl::new_state_locked(stream_handle key,
                                                                                  stream_handle handle) {
+  if (!spare_states_.empty()) {
+    // A retired state (retire_dead_streams_locked): empty, its counters folded into stats_.
+    std::unique_ptr<stream_state> state = std::move(spare_states_.back());
+    spare_states_.pop_back();
+    stream_state& st = *state;
+    {
+      detail::lock_guard<stream_lock> slk(st.mu);  // a stale stream cache entry may lock it
+      st.handle = handle;
+      st.small_pool.stream = st.large_pool.stream = handle;
+      st.process_at = k_pending_batch;
+      st.graph = 0;
+      st.graph_released = false;
+      st.alive.store(true, std::memory_order_release);
+      st.cache_key.store(key, std::memory_order_release);
+    }
+    return *streams_.emplace(key, std::move(state)).first->second;
+  }
   auto state = std::make_unique<stream_state>();
   state->event_cache.reserve(k_event_cache);
   state->handle = handle;
+  state->cache_key.store(key, std::memory_order_relaxed);
   state->small_pool.stream = state->large_pool.stream = handle;
   state->small_pool.small = true;
   state->small_pool.state = state->large_pool.state = state.get();
@@ -35,21 +57,76 @@ caching_allocator::impl::stream_state& caching_allocator::impl::new_state_locked
   return *streams_.emplace(key, std::move(state)).first->second;
 }
 
+void caching_allocator::impl::drop_tombstone_locked(event_handle e) {
+  if (tombstone_refs_.load(std::memory_order_acquire) == 0) put_event(e);
+  else superseded_tombstones_.push_back(e);
+}
+
+void caching_allocator::impl::retire_dead_streams_locked() {
+  if (capturing()) return;  // no event query during a graph capture
+  if (!tombstones_.empty()) {
+    if (!backend_.query_event(tombstones_.front().event)) return;
+    drop_tombstone_locked(tombstones_.front().event);  // every destroyed stream's work is done
+    tombstones_.clear();
+  }
+  if (!superseded_tombstones_.empty() && tombstone_refs_.load(std::memory_order_acquire) == 0) {
+    for (event_handle e : superseded_tombstones_) put_event(e);
+    superseded_tombstones_.clear();
+  }
+  // A destroyed stream owning no segment goes: its handle is forgotten (a recycled one starts
+  // afresh, with nothing to inherit) and its state waits in spare_states_ for reuse.
+  std::size_t kept = 0;
+  for (stream_state* st : dead_states_) {
+    bool empty = false;
+    {
+      detail::lock_guard<stream_lock> slk(st->mu);
+      empty = st->segments == 0 && st->stats.allocation.current == 0 && st->pending.empty();
+      if (empty) {
+        st->cache_key.store(detail::k_tombstone_stream, std::memory_order_release);
+        // Its totals stay in stats() (which sums streams_ and stats_); its peaks are in the
+        // device-wide sampled peaks already (sample_peaks runs whenever it passed its own).
+        auto fold = [](stat& to, const fast_stat& from) {
+          to.allocated += from.total;
+          to.freed += from.total - from.current;
+        };
+        const stream_stats& x = st->stats;
+        fold(stats_.allocated_bytes, x.allocated_bytes);
+        fold(stats_.requested_bytes, x.requested_bytes);
+        fold(stats_.allocation, x.allocation);
+        fold(stats_.active_bytes, x.allocated_bytes);
+        fold(stats_.active, x.allocation);
+        stats_.events_recorded += x.events_recorded;
+        stats_.stream_waits += x.stream_waits;
+        st->stats = stream_stats{};
+        for (event_handle e : st->event_cache) put_event(e);  // only streams_' caches are destroyed at the end
+        st->event_cache.clear();
+      }
+    }
+    if (!empty) {
+      dead_states_[kept++] = st;
+      continue;
+    }
+    auto it = streams_.find(st->handle);
+    spare_states_.push_back(std::move(it->second));
+    streams_.erase(it);
+  }
+  dead_states_.resize(kept);
+}
+
 caching_allocator::impl::stream_state& caching_allocator::impl::get_or_create_stream_locked(stream_handle stream) {
   auto it = streams_.find(stream);
   if (it == streams_.end()) {
     return new_state_locked(stream, stream);
   } else if (!it->second->alive.load(std::memory_order_acquire)) {
-    // A handle value recycled by the driver: the new stream inherits the old one's cached
-    // blocks, so it waits, on the device, for the old stream's last work (its tombstone) and,
-    // as for a segment moved between streams, for every stream the fence scope covers (uses
-    // that were legal without a record, FSDP2-style).
+    // A handle value recycled by the driver before the destroyed stream's state went: the new
+    // stream inherits the old one's cached blocks, so it waits, on the device, for the old
+    // stream's last work (the tombstone, which proves every destroyed stream's work) and, as
+    // for a segment moved between streams, for every stream the fence scope covers (uses that
+    // were legal without a record, FSDP2-style).
     const bool every_stream = opts_.release_fence != fence_scope::allocation_stream;
     for (auto& t : tombstones_) {
-      if (t.stream == stream || every_stream) {  // other dead streams may have used its blocks too
-        backend_.stream_wait_event(stream, t.event);
-        ++stats_.stream_waits;
-      }
+      backend_.stream_wait_event(stream, t.event);
+      ++stats_.stream_waits;
     }
     if (every_stream) {
       for (auto& [other, state] : streams_) {
@@ -57,6 +134,7 @@ caching_allocator::impl::stream_state& caching_allocator::impl::get_or_create_st
         order_after_locked(stream, other);
       }
     }
+    dead_states_.erase(std::find(dead_states_.begin(), dead_states_.end(), it->second.get()));
     it->second->alive.store(true, std::memory_order_release);
   }
   return *it->second;
@@ -67,7 +145,7 @@ caching_allocator::impl::stream_state& caching_allocator::impl::state_for(stream
   for (auto& e : tc.streams) {
     if (e.owner == id_ && e.stream == stream) {
       auto* st = static_cast<stream_state*>(e.state);
-      if (st->alive.load(std::memory_order_acquire)) return *st;
+      if (st->alive.load(std::memory_order_acquire) && st->cache_key.load(std::memory_order_acquire) == stream) return *st;
       break;
     }
   }
@@ -110,7 +188,8 @@ caching_allocator::impl::stream_state* caching_allocator::impl::cached_live_stat
   for (const auto& e : t_cache.streams) {
     if (e.owner == id_ && e.stream == stream) {
       auto* st = static_cast<stream_state*>(e.state);
-      return st->alive.load(std::memory_order_acquire) ? st : nullptr;
+      const bool live = st->alive.load(std::memory_order_acquire) && st->cache_key.load(std::memory_order_acquire) == stream;
+      return live ? st : nullptr;
     }
   }
   return nullptr;
