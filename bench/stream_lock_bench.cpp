@@ -1,11 +1,8 @@
 // The stream lock under a monitoring thread: scenarios 1 and 3 (same-stream 512 B pair; 4 KiB
 // pairs, one thread per stream) while another thread calls stats() every millisecond, as a
-// training loop's logger or a metrics exporter does.
-//
-// Why: the stream lock is biased toward the stream's own thread (src/core/biased_lock.hpp); a
-// stats() call from any other thread takes every stream lock and so revokes the biases, which
-// the owners then win back. Built with -DSTREAMSAFE_STREAM_LOCK=spin the same benchmarks measure
-// the plain spin lock; docs/benchmarks.md compares the two builds (interleaved runs, pinned).
+// training loop's logger or a metrics exporter does. stats() takes every stream lock, so this
+// is what a monitor costs the hot path. docs/benchmarks.md ("The stream lock") has the H200
+// figures with which a lock biased toward the stream's thread was measured and dropped.
 // Only streamsafe runs here: the baselines have no stream lock to compare.
 // Time: host wall-clock per pair (real_time). Counter: ns_per_pair, stats_calls (the monitor's).
 #ifdef STREAMSAFE_BENCH_SIM

@@ -6,10 +6,10 @@
 #   1. the [gpu] Catch2 suite                               -> gpu_tests.log
 #   2. the PyTorch pytest suite (tests/python)              -> pytest.log
 #   3. examples/pytorch/seed_race.py, signsgd rows          -> seed_race.log
-#   4. bench/stream_lock_compare.sh (biased vs spin lock)   -> lock_compare.md
-#   5. the hot path: same_stream_pair and random_allocations, streamsafe and baselines -> hot_path.log
-#   6. examples/race_repro (2 steps)                        -> race_repro.log
-#   7. compute-sanitizer memcheck on seed_race's streamsafe-defer row and on the [gpu] suite
+#   4. the hot path: same_stream_pair, random_allocations (streamsafe and baselines) and the
+#      stream lock under a stats() monitor (stream_lock_bench.cpp) -> hot_path.log
+#   5. examples/race_repro (2 steps)                        -> race_repro.log
+#   6. compute-sanitizer memcheck on seed_race's streamsafe-defer row and on the [gpu] suite
 #      (tests/gpu_sanitize.sh memcheck) with the time left  -> sanitize.log
 # A summary of every step (exit status, seconds) goes to summary.log. Files go to $OUT
 # (default ./out); at most eight, so that a device tool that returns eight files gets them all.
@@ -53,15 +53,6 @@ step "configure (gpu preset, PyTorch extension)" 60 "$OUT/build.log" \
   cmake --preset gpu -DSTREAMSAFE_TORCH_EXT=AUTO -DSTREAMSAFE_BENCH_TORCH=AUTO
 step "build" 150 "$OUT/build.log" cmake --build "$build" -j "$(nproc)"
 
-# The spin-lock benchmark builds in the background while the suites run (CPU only).
-export STREAMSAFE_LOCK_JSON_DIR=/tmp/streamsafe-lock
-mkdir -p "$STREAMSAFE_LOCK_JSON_DIR"
-(cmake -S . -B build-lock-spin -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-   -DSTREAMSAFE_BUILD_TESTS=OFF -DSTREAMSAFE_BUILD_EXAMPLES=OFF -DSTREAMSAFE_BUILD_BENCHMARKS=ON \
-   -DSTREAMSAFE_BENCH_TORCH=OFF -DSTREAMSAFE_TORCH_EXT=OFF -DSTREAMSAFE_STREAM_LOCK=spin &&
- cmake --build build-lock-spin -j 8 --target streamsafe_bench) > "$STREAMSAFE_LOCK_JSON_DIR/spin_build.log" 2>&1 &
-spin_build=$!
-
 step "[gpu] suite" 90 "$OUT/gpu_tests.log" "$build/tests/streamsafe_tests" "[gpu]"
 
 ext=$(find "$build" -name 'libstreamsafe_torch_ext.so' | head -1)
@@ -73,14 +64,10 @@ step "seed race (signsgd, busy 0 and 1)" 110 "$OUT/seed_race.log" \
   python3 examples/pytorch/seed_race.py --steps 3 --verbose --opts "${STREAMSAFE_SEED_OPTS:-signsgd}" \
   --rows "${STREAMSAFE_SEED_ROWS:-}"
 
-wait "$spin_build"
-echo "spin build exit $?" >> "$summary"
-export STREAMSAFE_LOCK_BIASED_BUILD=$build
-step "stream lock: biased vs spin" 100 "$OUT/lock_compare.md" bash bench/stream_lock_compare.sh
 step "hot path (same_stream_pair, random_allocations)" 40 "$OUT/hot_path.log" \
   "$build/bench/streamsafe_bench" --benchmark_min_time=0.05 --benchmark_repetitions=3 \
   --benchmark_report_aggregates_only=true \
-  --benchmark_filter='same_stream_pair/(streamsafe_expandable|streamsafe_cuda_malloc|cub|pytorch_c10)/|random_allocations/(streamsafe|cub|pytorch)'
+  --benchmark_filter='same_stream_pair/(streamsafe_expandable|streamsafe_cuda_malloc|cub|pytorch_c10)/|random_allocations/(streamsafe|cub|pytorch)|monitored_'
 step "race_repro (2 steps)" 60 "$OUT/race_repro.log" "$build/examples/race_repro/race_repro" --steps 2
 step "memcheck: seed race, streamsafe-defer" 60 "$OUT/sanitize.log" \
   compute-sanitizer --tool memcheck python3 examples/pytorch/seed_race.py --child streamsafe-defer \

@@ -284,11 +284,12 @@ busy.wait_stream(torch.cuda.current_stream())
 with torch.cuda.stream(busy):
     a @ a  # cuBLAS set up on this stream first
 torch.cuda.synchronize()
-with torch.cuda.stream(busy):  # about 0.5 s of work on the H200 (seed_race.py's busy stream)
+with torch.cuda.stream(busy):  # x written, then the stream spins about 1.5 s (3e9 cycles)
     x = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(300):
+    for _ in range(4):
         a @ a
     x.fill_(1)
+    torch.cuda._sleep(3_000_000_000)
 del x
 r0 = torch.cuda.memory_reserved()
 t = time.perf_counter(); torch.cuda.empty_cache(); dt = time.perf_counter() - t

@@ -82,9 +82,8 @@ struct caching_allocator::impl {
   static constexpr std::size_t k_pending_batch = 32;
   static constexpr std::size_t k_event_cache = 16;
 
-  // A stream the allocator has seen, with its two pools. Its lock (stream_lock.hpp) is by
-  // default biased toward the thread that uses the stream (biased_lock.hpp): that thread's
-  // acquires make no atomic read-modify-write.
+  // A stream the allocator has seen, with its two pools, under its own lock (stream_lock.hpp:
+  // a spin lock, one atomic exchange per acquire).
   using stream_lock = detail::stream_lock;
   // Cache-line aligned: threads on different streams write only their own stream_state, and no
   // two of them share a line (no false sharing on the fast path).
@@ -329,6 +328,8 @@ struct caching_allocator::impl {
                                                std::size_t size, std::size_t rounded, stream_handle stream,
                                                const stream_state* held, const std::string& note) STREAMSAFE_REQUIRES(mu_);
   [[noreturn]] void throw_invalid_pointer_locked(const void* ptr, const char* what) const STREAMSAFE_REQUIRES(mu_);
+  // True when this thread's last allocation was from this allocator (t_cache.last_used).
+  bool thread_allocated_here() const noexcept;
   void deallocate_impl(void* ptr, const stream_handle* stream);
 
   // ---- invariants.cpp (mu_ and every stream lock held) -------------------------------------

@@ -277,6 +277,12 @@ void caching_allocator::impl::fence_unfenced_locked() {
   unfenced_.clear();
 }
 
+bool caching_allocator::impl::thread_allocated_here() const noexcept {
+  // last_used is written by allocations only (a stream lookup fills t_cache.streams, which a
+  // stream-ordered free from a callback does too).
+  return t_cache.last_used.owner == id_;
+}
+
 void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* stream) {
   if (inherited()) return;  // a forked child: the parent's block is not the child's (fork.cpp)
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
@@ -330,7 +336,11 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   const auto per_thread = [&](stream_handle s) { return backend_.stream_is_per_thread(s); };
   if (b->uses.empty() && (!stream || *stream == b->seg->stream)) {
     free_same_stream_locked(*owner, b);
-  } else if ((stream && per_thread(*stream)) || std::any_of(b->uses.begin(), b->uses.end(), per_thread)) {
+  } else if ((stream && per_thread(*stream)) || std::any_of(b->uses.begin(), b->uses.end(), per_thread) ||
+             (!callback_scope::active() && thread_allocated_here())) {
+    // A thread that has allocated from this allocator is an ordinary thread (a CUDA host
+    // function thread that never allocated here is the case deferred below): its events are
+    // recorded now, as on the fast path, so the block is retired by the next event query.
     free_found_locked(*owner, b, stream);
   } else {
     defer_fence_locked(*owner, b, stream);

@@ -1,8 +1,7 @@
 // streamsafe core: the spin lock (internal). A test-and-test-and-set lock that spins briefly,
 // then yields: the fast path holds it for tens of nanoseconds, so an uncontended acquire must
-// cost one atomic exchange (std::mutex costs several times that). Slow paths may hold it across
-// a driver call; waiters then yield the CPU instead of spinning. Satisfies Lockable. The stream
-// lock (biased_lock.hpp) is built on it.
+// cost one atomic exchange. Slow paths may hold it across a driver call; waiters then yield the
+// CPU instead of spinning. Satisfies Lockable; the stream lock (stream_lock.hpp).
 #pragma once
 
 #include "thread_annotations.hpp"

@@ -1,19 +1,11 @@
-// streamsafe core: the stream lock type (internal), chosen at build time by the CMake option
-// STREAMSAFE_STREAM_LOCK: biased (default; biased_lock.hpp, no atomic read-modify-write for the
-// thread that keeps taking it) or spin (spin_lock.hpp, one atomic exchange per acquire). Both
-// satisfy Lockable and are clang thread-safety capabilities.
+// streamsafe core: the stream lock type (internal): spin_lock (spin_lock.hpp, one atomic
+// exchange per acquire), a Lockable clang thread-safety capability. A lock biased toward the
+// stream's thread was measured against it on the H200 and did not earn its place
+// (docs/benchmarks.md, "The stream lock").
 #pragma once
 
-#if defined(STREAMSAFE_STREAM_LOCK_SPIN)
 #include "spin_lock.hpp"
+
 namespace streamsafe::detail {
 using stream_lock = spin_lock;
-inline constexpr const char* k_stream_lock_name = "spin";
 }  // namespace streamsafe::detail
-#else
-#include "biased_lock.hpp"
-namespace streamsafe::detail {
-using stream_lock = biased_lock;
-inline constexpr const char* k_stream_lock_name = "biased";
-}  // namespace streamsafe::detail
-#endif

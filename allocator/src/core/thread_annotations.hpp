@@ -5,8 +5,8 @@
 // STREAMSAFE_GUARDED_BY(m) are only touched with m held (https://clang.llvm.org/docs/
 // ThreadSafetyAnalysis.html). Other compilers see empty macros. libstdc++'s std::mutex,
 // std::lock_guard and std::unique_lock carry no annotations, so the core uses mutex, lock_guard
-// and unique_lock from here (same behaviour, annotated); the stream locks (spin_lock,
-// biased_lock) are capabilities themselves.
+// and unique_lock from here (same behaviour, annotated); the stream lock (spin_lock)
+// is a capability itself.
 #pragma once
 
 #include <mutex>

@@ -21,8 +21,7 @@
 //
 // Alignment: every block is aligned to 512 bytes. Sizes are rounded up to a multiple of 512.
 // Thread safety: every public member may be called from any thread; one mutex guards the
-// allocator's state, one lock per stream its pools (biased toward the thread that uses the
-// stream; another thread revokes the bias with Linux membarrier(2), see docs/design.md), and
+// allocator's state, one lock per stream its pools (a spin lock), and
 // none is ever held across a host-blocking driver call (synchronize_event, synchronize_device,
 // a free_segment that synchronises).
 // Errors: see core/errors.hpp. Every throw leaves state and statistics unchanged.
