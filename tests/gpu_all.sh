@@ -68,7 +68,7 @@ ext=$(find "$build" -name 'libstreamsafe_torch_ext.so' | head -1)
 plug=$(find "$build" -name 'libstreamsafe_torch.so' | head -1)
 export PYTHONPATH=$root/allocator/python${PYTHONPATH:+:$PYTHONPATH}
 export STREAMSAFE_TORCH_EXT_LIB=$ext STREAMSAFE_TORCH_LIB=$plug
-step "pytest tests/python" 120 "$OUT/pytest.log" python3 -m pytest -q -x --timeout=120 tests/python
+step "pytest tests/python" 120 "$OUT/pytest.log" python3 -m pytest -q -rA --timeout=120 tests/python
 step "seed race (signsgd, busy 0 and 1)" 110 "$OUT/seed_race.log" \
   python3 examples/pytorch/seed_race.py --steps 3 --verbose --opts "${STREAMSAFE_SEED_OPTS:-signsgd}" \
   --rows "${STREAMSAFE_SEED_ROWS:-}"

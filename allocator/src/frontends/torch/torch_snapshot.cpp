@@ -1,0 +1,93 @@
+// streamsafe PyTorch extension: snapshot(), streamsafe's segments and blocks in PyTorch's
+// SnapshotInfo (torch.cuda.memory._snapshot(), memory_snapshot(), torch.cuda._memory_viz), with
+// the history's trace entries and the Python context of live blocks when history is on.
+#include "extension_allocator.hpp"
+
+namespace streamsafe::torch_ext {
+
+cca::SnapshotInfo torch_allocator::snapshot(MempoolId_t mempool_id, bool include_traces) {
+  TORCH_CHECK(mempool_id.first == 0 && mempool_id.second == 0,
+              "streamsafe: a snapshot of one memory pool (MemPool.snapshot(), snapshot(mempool_id)) is not "
+              "supported; torch.cuda.memory._snapshot() covers every pool");
+  cca::SnapshotInfo out;
+  std::unordered_map<void*, live_block> live;
+  if (history_enabled_.load()) {
+    std::lock_guard<std::mutex> lock(history_mu_);
+    live = live_;
+  }
+  for (int d = 0; d < ss_->device_count(); ++d) {
+    streamsafe::caching_allocator* a = ss_->find_device_allocator(d);
+    if (!a) continue;
+    const streamsafe::memory_snapshot snap = a->snapshot();
+    for (const auto& seg : snap.segments) {
+      // One SegmentInfo per run of mapped blocks (an expandable segment's unmapped address
+      // space is not memory; PyTorch's snapshot shows mapped ranges only).
+      cda::SegmentInfo cur;
+      bool open = false;
+      auto close = [&] {
+        if (open && cur.total_size > 0) out.segments.push_back(std::move(cur));
+        cur = cda::SegmentInfo();
+        open = false;
+      };
+      for (const auto& b : seg.blocks) {
+        if (b.state == streamsafe::snapshot_block_state::unmapped) {
+          close();
+          continue;
+        }
+        if (!open) {
+          cur.device = static_cast<c10::DeviceIndex>(d);
+          cur.address = b.address;
+          cur.stream = reinterpret_cast<void*>(seg.stream);
+          cur.is_large = seg.pool == streamsafe::snapshot_pool::large;
+          cur.is_expandable = seg.expandable;
+          open = true;
+        }
+        cda::BlockInfo bi;
+        bi.size = b.size_bytes;
+        bi.requested_size = b.requested_bytes;
+        bi.allocated = b.state == streamsafe::snapshot_block_state::active;
+        bi.active = bi.allocated || b.state == streamsafe::snapshot_block_state::pending_free;
+        if (bi.allocated) {
+          auto it = live.find(reinterpret_cast<void*>(b.address));
+          if (it != live.end()) bi.context_when_allocated = it->second.context;
+        }
+        cur.total_size += b.size_bytes;
+        cur.requested_size += b.requested_bytes;
+        if (bi.allocated) cur.allocated_size += b.size_bytes;
+        if (bi.active) cur.active_size += b.size_bytes;
+        cur.blocks.push_back(std::move(bi));
+      }
+      close();
+    }
+  }
+  if (include_traces) {
+    std::lock_guard<std::mutex> lock(history_mu_);
+    int n = 0;
+    for (int d = 0; d < max_devices; ++d)
+      if (!traces_[static_cast<std::size_t>(d)].empty()) n = d + 1;
+    n = std::max(n, ss_->device_count());
+    out.device_traces.resize(static_cast<std::size_t>(n));
+    for (int d = 0; d < n && d < max_devices; ++d) {
+      const auto& ring = traces_[static_cast<std::size_t>(d)];
+      out.device_traces[static_cast<std::size_t>(d)].assign(ring.begin(), ring.end());
+    }
+  }
+  auto& m = out.config_metadata;
+  m.garbage_collection_threshold = options_.garbage_collection_threshold;
+  m.max_split_size = options_.max_split_size_bytes ? options_.max_split_size_bytes : SIZE_MAX;
+  m.pinned_num_register_threads = 1;
+  m.expandable_segments = options_.backend == streamsafe::backend_kind::expandable;
+  m.release_lock_on_malloc = false;
+  m.pinned_use_host_register = false;
+  m.graph_capture_record_stream_reuse = false;
+  m.last_allocator_settings = "streamsafe:" + options_.to_string();
+  return out;
+}
+
+// CUDA graphs. PyTorch (CUDAGraph::capture_begin) calls beginAllocateToPool on the thread and
+// current stream that will capture, just before cudaStreamBeginCapture, with a filter that
+// matches streams capturing into this graph; torch.cuda.use_mem_pool (and cudagraph trees'
+// warm-up) call it with a filter on the calling thread or stream, outside any capture. The
+// first is streamsafe's notify_capture_begin; the second needs a pool that is not a graph's
+// and is refused by name.
+}  // namespace streamsafe::torch_ext
