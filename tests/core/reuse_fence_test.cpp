@@ -116,3 +116,30 @@ TEST_CASE("Control: by default same-stream host frees record no event", "[reuse-
   for (int i = 0; i < 100; ++i) env.alloc.deallocate(env.alloc.allocate(256 * KiB, s));
   CHECK(env.dev.counters().events_recorded == before);
 }
+
+TEST_CASE("Under reuse_fence:all_streams a host free on the device-locked path (the thread allocated last on "
+          "another stream) waits for the reuse fence too",
+          "[reuse-fence]") {
+  // The free's fast path serves only blocks of the stream this thread allocated from last; here
+  // the last allocation is on t, so the free of s's block takes the path under the device lock.
+  sim_env env(reuse_fenced());
+  const auto s = env.dev.create_stream();
+  const auto t = env.dev.create_stream();
+  void* p = env.alloc.allocate(512 * KiB, s);
+  env.dev.launch(s, 10, {writes(p, 512 * KiB, 0x01)}, "producer on s");
+  void* x = env.alloc.allocate(4 * KiB, t);  // t is known, and is this thread's last stream
+  auto ev = env.dev.create_event();
+  env.dev.record_event(ev, s);
+  env.dev.stream_wait_event(t, ev);
+  const auto h = env.dev.hold(t, "t busy");
+  env.dev.launch(t, 10, {reads(p, 512 * KiB)}, "device-to-host copy on t, no record_stream");
+  env.alloc.deallocate(p);
+  void* q = env.alloc.allocate(512 * KiB, s);
+  env.dev.launch(s, 10, {writes(q, 512 * KiB, 0x02)}, "next producer on s");
+  env.dev.open(h);
+  env.dev.run_until_idle();
+  CHECK(count_faults(env.dev, sim::fault_kind::cross_stream_race) == 0);
+  env.alloc.deallocate(q);
+  env.alloc.deallocate(x);
+  env.alloc.check_invariants();
+}

@@ -334,7 +334,9 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   // A per-thread stream handle (cudaStreamPerThread) names this thread's stream only here: its
   // event is recorded now, on this thread (in a stream callback the backend call then fails).
   const auto per_thread = [&](stream_handle s) { return backend_.stream_is_per_thread(s); };
-  if (b->uses.empty() && (!stream || *stream == b->seg->stream)) {
+  if (!stream && opts_.reuse_fence == reuse_fence_scope::all_streams && owner->graph == 0) {
+    free_unfenced_locked(*owner, b);  // as on the fast path: a host free waits for the reuse fence
+  } else if (b->uses.empty() && (!stream || *stream == b->seg->stream)) {
     free_same_stream_locked(*owner, b);
   } else if ((stream && per_thread(*stream)) || std::any_of(b->uses.begin(), b->uses.end(), per_thread) ||
              (!callback_scope::active() && thread_allocated_here())) {
