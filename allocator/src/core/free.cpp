@@ -329,9 +329,9 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   block* b = owner->active.find_active(addr);
   if (!b || b->free_held) throw_invalid_pointer_locked(ptr, what);
   if (capturing() && free_during_capture_locked(*owner, b, stream)) return;
-  // No backend call on this path (it may run in a stream callback, K16): uses on other streams
-  // get their events from the next ordinary call that reaches the driver.
-  // A per-thread stream handle (cudaStreamPerThread) names this thread's stream only here: its
+  // On a thread that never allocated here (it may be a stream callback, K16) or inside a
+  // callback_scope, no backend call: uses on other streams get their events from the next
+  // ordinary call that reaches the driver. A per-thread stream handle (cudaStreamPerThread) names this thread's stream only here: its
   // event is recorded now, on this thread (in a stream callback the backend call then fails).
   const auto per_thread = [&](stream_handle s) { return backend_.stream_is_per_thread(s); };
   if (!stream && opts_.reuse_fence == reuse_fence_scope::all_streams && owner->graph == 0) {
