@@ -296,3 +296,34 @@ TEST_CASE("Control: callback_backend fails a backend call made from a stream cal
   CHECK_THAT(r.error, Catch::Contains("cudaErrorNotPermitted"));
   CHECK(env.backend.calls_from_callbacks() == 1);
 }
+
+TEST_CASE("A free with a recorded use, from an ordinary thread whose last allocation was on a third stream, records "
+          "its events at the free (only a thread that never allocated here is treated as a callback)",
+          "[core][K16][callback]") {
+  // The PyTorch pattern behind this test: x allocated on s, y = f(x) allocated on t (so t is the
+  // thread's last stream), x.record_stream(t), del x. The free takes the device-locked path; the
+  // thread has allocated from the allocator, so it is not a stream callback and the use's event
+  // is recorded now, not at some later slow path.
+  sim_env env;
+  auto s = env.dev.create_stream();
+  auto t = env.dev.create_stream();
+  void* x = env.alloc.allocate(1 * MiB, s);
+  void* y = env.alloc.allocate(1 * MiB, t);
+  env.alloc.record_stream(x, t);
+  const auto before = env.alloc.stats().events_recorded;
+  env.alloc.deallocate(x);
+  CHECK(env.alloc.stats().events_recorded == before + 1);
+  // Control: the same free from a thread that never allocated here defers the event.
+  void* x2 = env.alloc.allocate(1 * MiB, s);
+  env.alloc.record_stream(x2, t);
+  const auto before2 = env.alloc.stats().events_recorded;
+  std::thread other([&] { env.alloc.deallocate(x2); });
+  other.join();
+  CHECK(env.alloc.stats().events_recorded == before2);
+  env.alloc.reclaim();  // an ordinary call records the deferred event
+  CHECK(env.alloc.stats().events_recorded == before2 + 1);
+  env.alloc.deallocate(y);
+  env.dev.run_until_idle();
+  env.alloc.check_invariants();
+  CHECK(env.dev.fault_count() == 0);
+}
