@@ -99,7 +99,7 @@ std::string show_number(T v) {
   return os.str();
 }
 
-constexpr std::size_t k_mib = 1024 * 1024;
+constexpr std::size_t k_mib = std::size_t{1024} * 1024;
 
 void set_memory_fraction(options& o, const option_spec& s, std::string_view v) {
   const double f = number(s, v);

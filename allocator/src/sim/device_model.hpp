@@ -287,7 +287,7 @@ struct simulated_device::impl {
     return text;
   }
 
-  void record_fault(fault_kind kind, std::string message) {
+  void record_fault(fault_kind kind, const std::string& message) {
     faults_.push_back(fault{kind, std::string(to_string(kind)) + ": " + message, now_});
   }
 
@@ -372,7 +372,7 @@ struct simulated_device::impl {
       message += (i == 0 ? "" : "; ") + offenders[i];
     }
     if (count > offenders.size()) message += "; ...";
-    record_fault(fault_kind::release_under_pending_work, std::move(message));
+    record_fault(fault_kind::release_under_pending_work, message);
   }
 
   // Writes value over [begin, end) of the contents model (nullopt: forgets what was there).
