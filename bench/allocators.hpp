@@ -19,22 +19,24 @@
 // user of that allocator writes by hand:
 //   allocate_owned(n, s) / deallocate_owned(p, s)   a block whose cross-stream use is recorded
 //                                                    (PyTorch: a DataPtr, the Tensor path)
-//   record_stream(p, alloc_s, use_s)                 p is used on use_s; later reuse on alloc_s must
+//   record_stream(p, alloc_s, use_s)                 p is used on use_s; later reuse on alloc_s
+//   must
 //                                                    wait for that use
-//   deallocate_on(p, alloc_s, last_use_s)            stream-ordered free: the last use is on last_use_s
+//   deallocate_on(p, alloc_s, last_use_s)            stream-ordered free: the last use is on
+//   last_use_s
 // Emulation (cub, and cuda_malloc_async's record_stream): cudaEventRecord(e, use_s) +
 // cudaStreamWaitEvent(alloc_s, e), then the free. cudaFree needs nothing: it synchronises.
 #pragma once
 
 #include "bench_common.hpp"
 
-#include <streamsafe/core/caching_allocator.hpp>
 #include <streamsafe/backends/cuda_malloc_backend.hpp>
 #include <streamsafe/backends/expandable_backend.hpp>
 #include <streamsafe/backends/gpu.hpp>
+#include <streamsafe/core/caching_allocator.hpp>
 
-#include <cub/util_allocator.cuh>
 #include <cuda_runtime_api.h>
+#include <cub/util_allocator.cuh>
 
 #if STREAMSAFE_BENCH_HAVE_C10
 #include "c10_baseline.hpp"
@@ -57,12 +59,12 @@ namespace streamsafe_bench {
                            cudaGetErrorString(status) + ")");
 }
 
-#define STREAMSAFE_BENCH_CUDA(call)                                                \
-  do {                                                                             \
-    const cudaError_t streamsafe_bench_status_ = (call);                           \
-    if (streamsafe_bench_status_ != cudaSuccess) {                                 \
-      ::streamsafe_bench::throw_cuda(streamsafe_bench_status_, #call);             \
-    }                                                                              \
+#define STREAMSAFE_BENCH_CUDA(call)                                    \
+  do {                                                                 \
+    const cudaError_t streamsafe_bench_status_ = (call);               \
+    if (streamsafe_bench_status_ != cudaSuccess) {                     \
+      ::streamsafe_bench::throw_cuda(streamsafe_bench_status_, #call); \
+    }                                                                  \
   } while (0)
 
 // Device 0 and its stream pool (non-blocking streams, created once, never destroyed).
@@ -73,7 +75,8 @@ struct gpu_env {
   }
 
   static void require() {
-    if (!available()) throw std::runtime_error("no CUDA device (streamsafe::cuda::device_count() == 0)");
+    if (!available())
+      throw std::runtime_error("no CUDA device (streamsafe::cuda::device_count() == 0)");
   }
 
   static cudaStream_t stream(stream_role role, int index = 0) {
@@ -98,7 +101,8 @@ struct gpu_env {
   // This thread's event for the hand-written cross-stream pattern (never destroyed).
   static cudaEvent_t emulation_event() {
     thread_local cudaEvent_t event = nullptr;
-    if (event == nullptr) STREAMSAFE_BENCH_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    if (event == nullptr)
+      STREAMSAFE_BENCH_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     return event;
   }
 
@@ -138,7 +142,9 @@ class streamsafe_adapter {
     return Kind == streamsafe::backend_kind::expandable ? "streamsafe_expandable"
                                                         : "streamsafe_cuda_malloc";
   }
-  static stream_type stream(stream_role role, int index = 0) { return gpu_env::stream(role, index); }
+  static stream_type stream(stream_role role, int index = 0) {
+    return gpu_env::stream(role, index);
+  }
   static void synchronize(stream_type s) { gpu_env::synchronize(s); }
   static streamsafe_adapter& get() {
     static streamsafe_adapter* a = [] {
@@ -153,7 +159,9 @@ class streamsafe_adapter {
   void deallocate(void* p, stream_type) { alloc_.deallocate(p); }
 
   void* allocate_owned(std::size_t bytes, stream_type s) { return allocate(bytes, s); }
-  void record_stream(void* p, stream_type, stream_type use) { alloc_.record_stream(p, to_handle(use)); }
+  void record_stream(void* p, stream_type, stream_type use) {
+    alloc_.record_stream(p, to_handle(use));
+  }
   void deallocate_owned(void* p, stream_type) { alloc_.deallocate(p); }
   void deallocate_on(void* p, stream_type, stream_type last_use) {
     alloc_.deallocate(p, to_handle(last_use));
@@ -162,7 +170,9 @@ class streamsafe_adapter {
   std::int64_t events_recorded() const {
     return static_cast<std::int64_t>(alloc_.stats().events_recorded);
   }
-  std::int64_t stream_waits() const { return static_cast<std::int64_t>(alloc_.stats().stream_waits); }
+  std::int64_t stream_waits() const {
+    return static_cast<std::int64_t>(alloc_.stats().stream_waits);
+  }
   void release_cached() { alloc_.empty_cache(streamsafe::empty_cache_mode::wait); }
   void reset_peak_reserved() { alloc_.reset_peak_stats(); }
   std::int64_t peak_reserved_bytes() { return alloc_.stats().reserved_bytes.peak; }
@@ -173,7 +183,8 @@ class streamsafe_adapter {
  private:
   streamsafe_adapter() : backend_(0), alloc_(backend_, make_options()) {
     if (Reuse == streamsafe::reuse_fence_scope::all_streams) {
-      alloc_.deallocate(alloc_.allocate(512, to_handle(stream(stream_role::other))));  // a second known stream
+      alloc_.deallocate(
+          alloc_.allocate(512, to_handle(stream(stream_role::other))));  // a second known stream
     }
   }
   static streamsafe::options make_options() {
@@ -189,8 +200,8 @@ class streamsafe_adapter {
 
 using streamsafe_cuda_malloc = streamsafe_adapter<streamsafe::backend_kind::cuda_malloc>;
 using streamsafe_expandable = streamsafe_adapter<streamsafe::backend_kind::expandable>;
-using streamsafe_cuda_malloc_reuse_fence =
-    streamsafe_adapter<streamsafe::backend_kind::cuda_malloc, streamsafe::reuse_fence_scope::all_streams>;
+using streamsafe_cuda_malloc_reuse_fence = streamsafe_adapter<
+    streamsafe::backend_kind::cuda_malloc, streamsafe::reuse_fence_scope::all_streams>;
 
 // ---- cudaMalloc / cudaFree ---------------------------------------------------------------------
 
@@ -198,10 +209,13 @@ class cuda_malloc_adapter {
  public:
   using stream_type = cudaStream_t;
   static constexpr bool caches = false;
-  static constexpr const char* cross_stream_method = "none needed: cudaFree synchronises the device";
+  static constexpr const char* cross_stream_method =
+      "none needed: cudaFree synchronises the device";
 
   static const char* name() { return "cuda_malloc"; }
-  static stream_type stream(stream_role role, int index = 0) { return gpu_env::stream(role, index); }
+  static stream_type stream(stream_role role, int index = 0) {
+    return gpu_env::stream(role, index);
+  }
   static void synchronize(stream_type s) { gpu_env::synchronize(s); }
   static cuda_malloc_adapter& get() {
     static cuda_malloc_adapter* a = [] {
@@ -241,7 +255,9 @@ class cuda_malloc_async_adapter {
       "record_stream emulated (event + stream wait); cudaFreeAsync on the other stream";
 
   static const char* name() { return "cuda_malloc_async"; }
-  static stream_type stream(stream_role role, int index = 0) { return gpu_env::stream(role, index); }
+  static stream_type stream(stream_role role, int index = 0) {
+    return gpu_env::stream(role, index);
+  }
   static void synchronize(stream_type s) { gpu_env::synchronize(s); }
   static cuda_malloc_async_adapter& get() {
     static cuda_malloc_async_adapter* a = [] {
@@ -259,7 +275,9 @@ class cuda_malloc_async_adapter {
   void deallocate(void* p, stream_type s) { STREAMSAFE_BENCH_CUDA(cudaFreeAsync(p, s)); }
 
   void* allocate_owned(std::size_t bytes, stream_type s) { return allocate(bytes, s); }
-  void record_stream(void*, stream_type alloc_s, stream_type use_s) { gpu_env::order_after(alloc_s, use_s); }
+  void record_stream(void*, stream_type alloc_s, stream_type use_s) {
+    gpu_env::order_after(alloc_s, use_s);
+  }
   void deallocate_owned(void* p, stream_type s) { deallocate(p, s); }
   void deallocate_on(void* p, stream_type, stream_type last_use) { deallocate(p, last_use); }
 
@@ -278,7 +296,8 @@ class cuda_malloc_async_adapter {
     STREAMSAFE_BENCH_CUDA(cudaSetDevice(0));
     STREAMSAFE_BENCH_CUDA(cudaDeviceGetDefaultMemPool(&pool_, 0));
     std::uint64_t threshold = std::numeric_limits<std::uint64_t>::max();
-    STREAMSAFE_BENCH_CUDA(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold));
+    STREAMSAFE_BENCH_CUDA(
+        cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &threshold));
   }
   std::int64_t attribute(cudaMemPoolAttr attr) {
     std::uint64_t value = 0;
@@ -295,10 +314,13 @@ class cub_adapter {
  public:
   using stream_type = cudaStream_t;
   static constexpr bool caches = true;
-  static constexpr const char* cross_stream_method = "emulated: event + stream wait, then DeviceFree";
+  static constexpr const char* cross_stream_method =
+      "emulated: event + stream wait, then DeviceFree";
 
   static const char* name() { return "cub"; }
-  static stream_type stream(stream_role role, int index = 0) { return gpu_env::stream(role, index); }
+  static stream_type stream(stream_role role, int index = 0) {
+    return gpu_env::stream(role, index);
+  }
   static void synchronize(stream_type s) { gpu_env::synchronize(s); }
   static cub_adapter& get() {
     static cub_adapter* a = [] {
@@ -317,7 +339,9 @@ class cub_adapter {
   void deallocate(void* p, stream_type) { STREAMSAFE_BENCH_CUDA(alloc_.DeviceFree(p)); }
 
   void* allocate_owned(std::size_t bytes, stream_type s) { return allocate(bytes, s); }
-  void record_stream(void*, stream_type alloc_s, stream_type use_s) { gpu_env::order_after(alloc_s, use_s); }
+  void record_stream(void*, stream_type alloc_s, stream_type use_s) {
+    gpu_env::order_after(alloc_s, use_s);
+  }
   void deallocate_owned(void* p, stream_type s) { deallocate(p, s); }
   void deallocate_on(void* p, stream_type alloc_s, stream_type last_use) {
     gpu_env::order_after(alloc_s, last_use);
@@ -343,17 +367,21 @@ class cub_adapter {
   cub::CachingDeviceAllocator alloc_;
 };
 
-// ---- PyTorch c10 ---------------------------------------------------------------------------------
+// ---- PyTorch c10
+// ---------------------------------------------------------------------------------
 
 #if STREAMSAFE_BENCH_HAVE_C10
 class pytorch_c10_adapter {
  public:
   using stream_type = cudaStream_t;
   static constexpr bool caches = true;
-  static constexpr const char* cross_stream_method = "native recordStream on a DataPtr (Tensor path)";
+  static constexpr const char* cross_stream_method =
+      "native recordStream on a DataPtr (Tensor path)";
 
   static const char* name() { return "pytorch_c10"; }
-  static stream_type stream(stream_role role, int index = 0) { return gpu_env::stream(role, index); }
+  static stream_type stream(stream_role role, int index = 0) {
+    return gpu_env::stream(role, index);
+  }
   static void synchronize(stream_type s) { gpu_env::synchronize(s); }
   static pytorch_c10_adapter& get() {
     static pytorch_c10_adapter* a = [] {
@@ -369,7 +397,9 @@ class pytorch_c10_adapter {
   void* allocate(std::size_t bytes, stream_type s) { return c10_baseline::allocate(bytes, s); }
   void deallocate(void* p, stream_type) { c10_baseline::deallocate(p); }
 
-  void* allocate_owned(std::size_t bytes, stream_type s) { return c10_baseline::allocate_owned(bytes, s); }
+  void* allocate_owned(std::size_t bytes, stream_type s) {
+    return c10_baseline::allocate_owned(bytes, s);
+  }
   void record_stream(void* p, stream_type, stream_type use) { c10_baseline::record_stream(p, use); }
   void deallocate_owned(void* p, stream_type) { c10_baseline::deallocate_owned(p); }
   // PyTorch has no stream-ordered free: the idiom is record_stream on the last stream, then free.

@@ -2,8 +2,8 @@
 // suite includes it too).
 //
 //  * tag<A>: passes an allocator adapter type through BENCHMARK_CAPTURE, which needs a plain
-//    identifier for the benchmark function: `BENCHMARK_CAPTURE(same_stream_pair, cub, tag<cub_adapter>{})`
-//    calls the function template same_stream_pair(state, tag<cub_adapter>).
+//    identifier for the benchmark function: `BENCHMARK_CAPTURE(same_stream_pair, cub,
+//    tag<cub_adapter>{})` calls the function template same_stream_pair(state, tag<cub_adapter>).
 //  * stream roles: which stream of an environment's pool a scenario uses (allocators see the
 //    same stream handles in every scenario, so per-stream pools stay warm).
 //  * the random operation table of scenario 2 (fixed seed: every allocator replays exactly the

@@ -26,8 +26,10 @@ void add_context() {
   benchmark::AddCustomContext("streamsafe_build_type", STREAMSAFE_BENCH_BUILD_TYPE);
   benchmark::AddCustomContext("trace", streamsafe_bench::detail::resolve_trace_path());
 #ifdef STREAMSAFE_BENCH_SIM
-  benchmark::AddCustomContext("streamsafe_suite", "simulated device (bookkeeping only, no CUDA call)");
-  benchmark::AddCustomContext("device", "streamsafe::sim::simulated_device (80 GiB, 2 MiB granularity)");
+  benchmark::AddCustomContext("streamsafe_suite",
+                              "simulated device (bookkeeping only, no CUDA call)");
+  benchmark::AddCustomContext("device",
+                              "streamsafe::sim::simulated_device (80 GiB, 2 MiB granularity)");
 #else
   benchmark::AddCustomContext("streamsafe_suite", "gpu");
 #if STREAMSAFE_BENCH_HAVE_C10
@@ -45,16 +47,20 @@ void add_context() {
     cudaDeviceProp prop{};
     if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) {
       benchmark::AddCustomContext("device", prop.name);
-      benchmark::AddCustomContext("device_memory_GiB",
-                                  std::to_string(static_cast<double>(prop.totalGlobalMem) / streamsafe_bench::k_gib));
-      benchmark::AddCustomContext("device_sm", std::to_string(prop.major) + "." + std::to_string(prop.minor));
-      benchmark::AddCustomContext("device_multiprocessors", std::to_string(prop.multiProcessorCount));
+      benchmark::AddCustomContext(
+          "device_memory_GiB",
+          std::to_string(static_cast<double>(prop.totalGlobalMem) / streamsafe_bench::k_gib));
+      benchmark::AddCustomContext("device_sm",
+                                  std::to_string(prop.major) + "." + std::to_string(prop.minor));
+      benchmark::AddCustomContext("device_multiprocessors",
+                                  std::to_string(prop.multiProcessorCount));
     }
   } else {
     (void)cudaGetLastError();
     benchmark::AddCustomContext("device", "none: every benchmark is skipped");
-    std::fprintf(stderr, "streamsafe_bench: no CUDA device here; every benchmark will be skipped "
-                         "(run streamsafe_bench_sim for the simulated device)\n");
+    std::fprintf(stderr,
+                 "streamsafe_bench: no CUDA device here; every benchmark will be skipped "
+                 "(run streamsafe_bench_sim for the simulated device)\n");
   }
 #endif
 }

@@ -36,8 +36,8 @@ bool has_primary_context(c10::DeviceIndex device) {
   static const primary_ctx_get_state_fn get_state = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
+    if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &fn, 12000,
+                                         cudaEnableDefault, &found) != cudaSuccess ||
         found != cudaDriverEntryPointSuccess) {
       (void)cudaGetLastError();
       return static_cast<primary_ctx_get_state_fn>(nullptr);
@@ -68,7 +68,8 @@ c10::DeviceIndex current_device_index() {
 }
 
 c10::cuda::CUDAStream external_stream(void* stream) {
-  return c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream), current_device_index());
+  return c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream),
+                                          current_device_index());
 }
 
 std::vector<owned_block>::iterator find_owned(void* ptr) {

@@ -97,8 +97,10 @@ struct driver_calls {
   static void* entry(const char* name) {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
-    STREAMSAFE_BENCH_CUDA(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found));
-    if (found != cudaDriverEntryPointSuccess) throw std::runtime_error(std::string(name) + " not found");
+    STREAMSAFE_BENCH_CUDA(
+        cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess)
+      throw std::runtime_error(std::string(name) + " not found");
     return fn;
   }
 };
@@ -121,7 +123,9 @@ void cu_event_record_wait(benchmark::State& state) {
 
 void cu_event_query_done(benchmark::State& state) {
   const driver_calls& cu = driver_calls::get();
-  driver_floor(state, [&cu](cudaStream_t, cudaStream_t, cudaEvent_t e) { benchmark::DoNotOptimize(cu.query(e)); });
+  driver_floor(state, [&cu](cudaStream_t, cudaStream_t, cudaEvent_t e) {
+    benchmark::DoNotOptimize(cu.query(e));
+  });
 }
 
 void event_query_done(benchmark::State& state) {

@@ -38,8 +38,8 @@ namespace {
 enum class release_mode { wait, defer, device_sync, native };
 
 template <class A>
-inline constexpr bool is_streamsafe_v =
-    std::is_same_v<A, streamsafe_cuda_malloc> || std::is_same_v<A, streamsafe_expandable>;
+inline constexpr bool is_streamsafe_v = std::is_same_v<A, streamsafe_cuda_malloc> ||
+                                        std::is_same_v<A, streamsafe_expandable>;
 
 struct timing_events {
   cudaEvent_t start = nullptr;
@@ -97,7 +97,9 @@ void empty_cache(benchmark::State& state, tag<A>, release_mode mode) {
       if constexpr (is_streamsafe_v<A>) {
         streamsafe::caching_allocator& alloc = a->allocator();
         switch (mode) {
-          case release_mode::defer: released = alloc.empty_cache(streamsafe::empty_cache_mode::defer); break;
+          case release_mode::defer:
+            released = alloc.empty_cache(streamsafe::empty_cache_mode::defer);
+            break;
           case release_mode::device_sync:
             STREAMSAFE_BENCH_CUDA(cudaDeviceSynchronize());
             released = alloc.empty_cache(streamsafe::empty_cache_mode::wait);
@@ -159,21 +161,28 @@ void empty_cache_args(benchmark::internal::Benchmark* b) {
       ->Unit(benchmark::kMicrosecond);
 }
 
-BENCHMARK_CAPTURE(empty_cache, streamsafe_cuda_malloc_wait, tag<streamsafe_cuda_malloc>{}, release_mode::wait)
+BENCHMARK_CAPTURE(empty_cache, streamsafe_cuda_malloc_wait, tag<streamsafe_cuda_malloc>{},
+                  release_mode::wait)
     ->Apply(empty_cache_args);
-BENCHMARK_CAPTURE(empty_cache, streamsafe_cuda_malloc_defer, tag<streamsafe_cuda_malloc>{}, release_mode::defer)
+BENCHMARK_CAPTURE(empty_cache, streamsafe_cuda_malloc_defer, tag<streamsafe_cuda_malloc>{},
+                  release_mode::defer)
     ->Apply(empty_cache_args);
-BENCHMARK_CAPTURE(empty_cache, streamsafe_cuda_malloc_device_sync, tag<streamsafe_cuda_malloc>{}, release_mode::device_sync)
+BENCHMARK_CAPTURE(empty_cache, streamsafe_cuda_malloc_device_sync, tag<streamsafe_cuda_malloc>{},
+                  release_mode::device_sync)
     ->Apply(empty_cache_args);
-BENCHMARK_CAPTURE(empty_cache, streamsafe_expandable_wait, tag<streamsafe_expandable>{}, release_mode::wait)
+BENCHMARK_CAPTURE(empty_cache, streamsafe_expandable_wait, tag<streamsafe_expandable>{},
+                  release_mode::wait)
     ->Apply(empty_cache_args);
-BENCHMARK_CAPTURE(empty_cache, streamsafe_expandable_defer, tag<streamsafe_expandable>{}, release_mode::defer)
+BENCHMARK_CAPTURE(empty_cache, streamsafe_expandable_defer, tag<streamsafe_expandable>{},
+                  release_mode::defer)
     ->Apply(empty_cache_args);
-BENCHMARK_CAPTURE(empty_cache, streamsafe_expandable_device_sync, tag<streamsafe_expandable>{}, release_mode::device_sync)
+BENCHMARK_CAPTURE(empty_cache, streamsafe_expandable_device_sync, tag<streamsafe_expandable>{},
+                  release_mode::device_sync)
     ->Apply(empty_cache_args);
 BENCHMARK_CAPTURE(empty_cache, cuda_malloc, tag<cuda_malloc_adapter>{}, release_mode::native)
     ->Apply(empty_cache_args);
-BENCHMARK_CAPTURE(empty_cache, cuda_malloc_async, tag<cuda_malloc_async_adapter>{}, release_mode::native)
+BENCHMARK_CAPTURE(empty_cache, cuda_malloc_async, tag<cuda_malloc_async_adapter>{},
+                  release_mode::native)
     ->Apply(empty_cache_args);
 BENCHMARK_CAPTURE(empty_cache, cub, tag<cub_adapter>{}, release_mode::native)
     ->Apply(empty_cache_args);

@@ -16,7 +16,8 @@ int main() {
   for (const int threads : {1, 2, 4, 8, 16}) {
     std::atomic<bool> go{false};
     std::atomic<bool> stop{false};
-    std::vector<std::uint64_t> iterations(static_cast<std::size_t>(threads) * 16, 0);  // a line each
+    std::vector<std::uint64_t> iterations(static_cast<std::size_t>(threads) * 16,
+                                          0);  // a line each
     std::vector<std::thread> pool;
     for (int t = 0; t < threads; ++t) {
       pool.emplace_back([&, t] {
@@ -40,9 +41,11 @@ int main() {
     std::this_thread::sleep_for(std::chrono::milliseconds(400));
     stop = true;
     for (auto& th : pool) th.join();
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     double total = 0;
-    for (int t = 0; t < threads; ++t) total += static_cast<double>(iterations[static_cast<std::size_t>(t) * 16]);
+    for (int t = 0; t < threads; ++t)
+      total += static_cast<double>(iterations[static_cast<std::size_t>(t) * 16]);
     std::printf("threads %2d: total %.0f M iterations/s, per thread %.0f M iterations/s\n", threads,
                 total / seconds / 1e6, total / seconds / 1e6 / threads);
   }

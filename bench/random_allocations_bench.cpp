@@ -85,7 +85,8 @@ BENCHMARK_CAPTURE(random_allocations, streamsafe_expandable, tag<streamsafe_expa
 // cudaMalloc costs ~80 us an operation and 10,000 live blocks take ~1 s to set up: a fixed count
 // keeps it to one run instead of Google Benchmark's 4-5 runs of growing length.
 BENCHMARK_CAPTURE(random_allocations, cuda_malloc, tag<cuda_malloc_adapter>{})
-    ->Apply(live_counts)->Iterations(2000);
+    ->Apply(live_counts)
+    ->Iterations(2000);
 BENCHMARK_CAPTURE(random_allocations, cuda_malloc_async, tag<cuda_malloc_async_adapter>{})
     ->Apply(live_counts);
 BENCHMARK_CAPTURE(random_allocations, cub, tag<cub_adapter>{})->Apply(live_counts);

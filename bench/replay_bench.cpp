@@ -7,9 +7,9 @@
 //      emptied and its peak statistics reset, then the whole trace runs once. Counters:
 //      cold_ns_per_event (includes the driver calls that grow the cache), peak_reserved_GiB,
 //      peak_allocated_GiB (from the trace itself: live requests rounded to 512 B) and
-//      reserved_over_allocated (peak reserved / peak allocated; PyTorch reached 1.079 by default and
-//      1.005 with expandable segments on this run). Allocators that keep no peak statistic (cub)
-//      get an extra untimed replay that reads their reserved bytes after every event.
+//      reserved_over_allocated (peak reserved / peak allocated; PyTorch reached 1.079 by default
+//      and 1.005 with expandable segments on this run). Allocators that keep no peak statistic
+//      (cub) get an extra untimed replay that reads their reserved bytes after every event.
 //   2. timed loop: warm replays of the whole trace (blocks still live at the end of the trace are
 //      freed with the timer paused). real_time is per replay; ns_per_event is the host time per
 //      trace event, from a steady clock around each replay (the paused part excluded).
@@ -74,7 +74,8 @@ void replay(benchmark::State& state, tag<A>) {
     const auto t1 = std::chrono::steady_clock::now();
     std::int64_t peak_reserved = a->peak_reserved_bytes();
     free_leftovers(*a, slots, s);
-    state.counters["cold_ns_per_event"] = std::chrono::duration<double, std::nano>(t1 - t0).count() / events;
+    state.counters["cold_ns_per_event"] =
+        std::chrono::duration<double, std::nano>(t1 - t0).count() / events;
     if (peak_reserved < 0 && a->reserved_bytes() >= 0) {
       A::synchronize(s);
       a->release_cached();
@@ -92,8 +93,8 @@ void replay(benchmark::State& state, tag<A>) {
     if (peak_reserved > 0) {
       state.counters["peak_reserved_GiB"] = static_cast<double>(peak_reserved) / k_gib;
       state.counters["peak_allocated_GiB"] = static_cast<double>(t.peak_allocated_bytes) / k_gib;
-      state.counters["reserved_over_allocated"] =
-          static_cast<double>(peak_reserved) / static_cast<double>(t.peak_allocated_bytes);
+      state.counters["reserved_over_allocated"] = static_cast<double>(peak_reserved) /
+                                                  static_cast<double>(t.peak_allocated_bytes);
     }
 
     // 2. warm replays, timed.
@@ -123,7 +124,9 @@ void replay(benchmark::State& state, tag<A>) {
   }
 }
 
-void replay_args(benchmark::internal::Benchmark* b) { b->UseRealTime()->Unit(benchmark::kMillisecond); }
+void replay_args(benchmark::internal::Benchmark* b) {
+  b->UseRealTime()->Unit(benchmark::kMillisecond);
+}
 
 #ifdef STREAMSAFE_BENCH_SIM
 BENCHMARK_CAPTURE(replay, sim_streamsafe_cuda_malloc, tag<sim_streamsafe_cuda_malloc>{})
@@ -136,7 +139,8 @@ BENCHMARK_CAPTURE(replay, streamsafe_cuda_malloc, tag<streamsafe_cuda_malloc>{})
 BENCHMARK_CAPTURE(replay, streamsafe_expandable, tag<streamsafe_expandable>{})->Apply(replay_args);
 // cudaMalloc: ~13,000 driver allocations per replay (seconds); one timed replay is enough.
 BENCHMARK_CAPTURE(replay, cuda_malloc, tag<cuda_malloc_adapter>{})
-    ->Apply(replay_args)->Iterations(1);
+    ->Apply(replay_args)
+    ->Iterations(1);
 BENCHMARK_CAPTURE(replay, cuda_malloc_async, tag<cuda_malloc_async_adapter>{})->Apply(replay_args);
 BENCHMARK_CAPTURE(replay, cub, tag<cub_adapter>{})->Apply(replay_args);
 #if STREAMSAFE_BENCH_HAVE_C10

@@ -54,16 +54,19 @@ BENCHMARK_CAPTURE(same_stream_pair, sim_streamsafe_cuda_malloc, tag<sim_streamsa
     ->Apply(pair_sizes);
 BENCHMARK_CAPTURE(same_stream_pair, sim_streamsafe_expandable, tag<sim_streamsafe_expandable>{})
     ->Apply(pair_sizes);
-BENCHMARK_CAPTURE(same_stream_pair, sim_streamsafe_cuda_malloc_reuse_fence, tag<sim_streamsafe_cuda_malloc_reuse_fence>{})
+BENCHMARK_CAPTURE(same_stream_pair, sim_streamsafe_cuda_malloc_reuse_fence,
+                  tag<sim_streamsafe_cuda_malloc_reuse_fence>{})
     ->Apply(pair_sizes);
-BENCHMARK_CAPTURE(same_stream_pair, sim_streamsafe_expandable_reuse_fence, tag<sim_streamsafe_expandable_reuse_fence>{})
+BENCHMARK_CAPTURE(same_stream_pair, sim_streamsafe_expandable_reuse_fence,
+                  tag<sim_streamsafe_expandable_reuse_fence>{})
     ->Apply(pair_sizes);
 #else
 BENCHMARK_CAPTURE(same_stream_pair, streamsafe_cuda_malloc, tag<streamsafe_cuda_malloc>{})
     ->Apply(pair_sizes);
 BENCHMARK_CAPTURE(same_stream_pair, streamsafe_expandable, tag<streamsafe_expandable>{})
     ->Apply(pair_sizes);
-BENCHMARK_CAPTURE(same_stream_pair, streamsafe_cuda_malloc_reuse_fence, tag<streamsafe_cuda_malloc_reuse_fence>{})
+BENCHMARK_CAPTURE(same_stream_pair, streamsafe_cuda_malloc_reuse_fence,
+                  tag<streamsafe_cuda_malloc_reuse_fence>{})
     ->Apply(pair_sizes);
 BENCHMARK_CAPTURE(same_stream_pair, cuda_malloc, tag<cuda_malloc_adapter>{})->Apply(pair_sizes);
 BENCHMARK_CAPTURE(same_stream_pair, cuda_malloc_async, tag<cuda_malloc_async_adapter>{})

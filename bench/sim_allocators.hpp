@@ -32,7 +32,8 @@ struct sim_env {
   static streamsafe::stream_handle stream(stream_role role, int index = 0) {
     static std::array<std::atomic<streamsafe::stream_handle>, k_stream_slots> slots{};
     static std::mutex create_mutex;
-    std::atomic<streamsafe::stream_handle>& slot = slots[static_cast<std::size_t>(stream_slot(role, index))];
+    std::atomic<streamsafe::stream_handle>& slot =
+        slots[static_cast<std::size_t>(stream_slot(role, index))];
     streamsafe::stream_handle s = slot.load(std::memory_order_acquire);
     if (s != 0) return s;
     std::lock_guard<std::mutex> lock(create_mutex);
@@ -55,13 +56,16 @@ class sim_streamsafe_adapter {
 
   static const char* name() {
     if (Reuse == streamsafe::reuse_fence_scope::all_streams) {
-      return Kind == streamsafe::backend_kind::expandable ? "sim_streamsafe_expandable_reuse_fence"
-                                                          : "sim_streamsafe_cuda_malloc_reuse_fence";
+      return Kind == streamsafe::backend_kind::expandable
+                 ? "sim_streamsafe_expandable_reuse_fence"
+                 : "sim_streamsafe_cuda_malloc_reuse_fence";
     }
     return Kind == streamsafe::backend_kind::expandable ? "sim_streamsafe_expandable"
                                                         : "sim_streamsafe_cuda_malloc";
   }
-  static stream_type stream(stream_role role, int index = 0) { return sim_env::stream(role, index); }
+  static stream_type stream(stream_role role, int index = 0) {
+    return sim_env::stream(role, index);
+  }
   static void synchronize(stream_type) {}  // nothing runs on the simulated streams here
   static sim_streamsafe_adapter& get() {
     static auto* a = new sim_streamsafe_adapter();
@@ -75,7 +79,9 @@ class sim_streamsafe_adapter {
   std::int64_t events_recorded() const {
     return static_cast<std::int64_t>(alloc_.stats().events_recorded);
   }
-  std::int64_t stream_waits() const { return static_cast<std::int64_t>(alloc_.stats().stream_waits); }
+  std::int64_t stream_waits() const {
+    return static_cast<std::int64_t>(alloc_.stats().stream_waits);
+  }
   void release_cached() { alloc_.empty_cache(streamsafe::empty_cache_mode::wait); }
   void reset_peak_reserved() { alloc_.reset_peak_stats(); }
   std::int64_t peak_reserved_bytes() { return alloc_.stats().reserved_bytes.peak; }
@@ -99,9 +105,9 @@ class sim_streamsafe_adapter {
 
 using sim_streamsafe_cuda_malloc = sim_streamsafe_adapter<streamsafe::backend_kind::cuda_malloc>;
 using sim_streamsafe_expandable = sim_streamsafe_adapter<streamsafe::backend_kind::expandable>;
-using sim_streamsafe_cuda_malloc_reuse_fence =
-    sim_streamsafe_adapter<streamsafe::backend_kind::cuda_malloc, streamsafe::reuse_fence_scope::all_streams>;
-using sim_streamsafe_expandable_reuse_fence =
-    sim_streamsafe_adapter<streamsafe::backend_kind::expandable, streamsafe::reuse_fence_scope::all_streams>;
+using sim_streamsafe_cuda_malloc_reuse_fence = sim_streamsafe_adapter<
+    streamsafe::backend_kind::cuda_malloc, streamsafe::reuse_fence_scope::all_streams>;
+using sim_streamsafe_expandable_reuse_fence = sim_streamsafe_adapter<
+    streamsafe::backend_kind::expandable, streamsafe::reuse_fence_scope::all_streams>;
 
 }  // namespace streamsafe_bench

@@ -22,13 +22,14 @@ namespace {
 template <class A>
 class stats_monitor {
  public:
-  explicit stats_monitor(A* a) : thread_([this, a] {
-      while (!stop_.load(std::memory_order_relaxed)) {
-        benchmark::DoNotOptimize(a->events_recorded());
-        calls_.fetch_add(1, std::memory_order_relaxed);
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-    }) {}
+  explicit stats_monitor(A* a)
+      : thread_([this, a] {
+          while (!stop_.load(std::memory_order_relaxed)) {
+            benchmark::DoNotOptimize(a->events_recorded());
+            calls_.fetch_add(1, std::memory_order_relaxed);
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
+        }) {}
   ~stats_monitor() {
     stop_.store(true);
     thread_.join();
@@ -105,12 +106,16 @@ void monitored_thread_counts(benchmark::internal::Benchmark* b) {
 }
 
 #ifdef STREAMSAFE_BENCH_SIM
-BENCHMARK_CAPTURE(monitored_pair, sim_streamsafe_expandable, tag<sim_streamsafe_expandable>{})->UseRealTime();
-BENCHMARK_CAPTURE(monitored_threads_own_stream, sim_streamsafe_expandable, tag<sim_streamsafe_expandable>{})
+BENCHMARK_CAPTURE(monitored_pair, sim_streamsafe_expandable, tag<sim_streamsafe_expandable>{})
+    ->UseRealTime();
+BENCHMARK_CAPTURE(monitored_threads_own_stream, sim_streamsafe_expandable,
+                  tag<sim_streamsafe_expandable>{})
     ->Apply(monitored_thread_counts);
 #else
-BENCHMARK_CAPTURE(monitored_pair, streamsafe_expandable, tag<streamsafe_expandable>{})->UseRealTime();
-BENCHMARK_CAPTURE(monitored_pair, streamsafe_cuda_malloc, tag<streamsafe_cuda_malloc>{})->UseRealTime();
+BENCHMARK_CAPTURE(monitored_pair, streamsafe_expandable, tag<streamsafe_expandable>{})
+    ->UseRealTime();
+BENCHMARK_CAPTURE(monitored_pair, streamsafe_cuda_malloc, tag<streamsafe_cuda_malloc>{})
+    ->UseRealTime();
 BENCHMARK_CAPTURE(monitored_threads_own_stream, streamsafe_expandable, tag<streamsafe_expandable>{})
     ->Apply(monitored_thread_counts);
 #endif

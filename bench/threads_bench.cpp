@@ -72,9 +72,11 @@ BENCHMARK_CAPTURE(threads_own_stream, sim_streamsafe_cuda_malloc, tag<sim_stream
     ->Apply(thread_counts);
 BENCHMARK_CAPTURE(threads_own_stream, sim_streamsafe_expandable, tag<sim_streamsafe_expandable>{})
     ->Apply(thread_counts);
-BENCHMARK_CAPTURE(threads_shared_stream, sim_streamsafe_cuda_malloc, tag<sim_streamsafe_cuda_malloc>{})
+BENCHMARK_CAPTURE(threads_shared_stream, sim_streamsafe_cuda_malloc,
+                  tag<sim_streamsafe_cuda_malloc>{})
     ->Apply(thread_counts);
-BENCHMARK_CAPTURE(threads_shared_stream, sim_streamsafe_expandable, tag<sim_streamsafe_expandable>{})
+BENCHMARK_CAPTURE(threads_shared_stream, sim_streamsafe_expandable,
+                  tag<sim_streamsafe_expandable>{})
     ->Apply(thread_counts);
 #else
 BENCHMARK_CAPTURE(threads_own_stream, streamsafe_cuda_malloc, tag<streamsafe_cuda_malloc>{})

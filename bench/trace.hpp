@@ -34,12 +34,12 @@ struct trace_op {
 
 struct trace {
   std::string path;
-  std::string error;               // empty when loaded
+  std::string error;  // empty when loaded
   std::vector<trace_op> ops;
   std::size_t slots = 0;
   std::size_t allocations = 0;
   std::size_t frees = 0;
-  std::size_t skipped_rows = 0;    // frees of unknown addresses, zero sizes, malformed rows
+  std::size_t skipped_rows = 0;  // frees of unknown addresses, zero sizes, malformed rows
   // Peak of the live bytes, each request rounded up to 512 (the allocated_bytes that PyTorch and
   // streamsafe report), reached by the program itself whatever the allocator.
   std::size_t peak_allocated_bytes = 0;
@@ -58,10 +58,11 @@ inline bool file_exists(const std::string& path) {
 }
 
 inline std::string resolve_trace_path() {
-  if (const char* env = std::getenv("STREAMSAFE_BENCH_TRACE"); env != nullptr && *env != '\0') return env;
+  if (const char* env = std::getenv("STREAMSAFE_BENCH_TRACE"); env != nullptr && *env != '\0')
+    return env;
   const std::string root = STREAMSAFE_BENCH_SOURCE_DIR;
-  for (const char* candidate : {"/../shared/traces/gpt2_fixed_adamw.csv.gz",
-                                "/shared/traces/gpt2_fixed_adamw.csv.gz"}) {
+  for (const char* candidate :
+       {"/../shared/traces/gpt2_fixed_adamw.csv.gz", "/shared/traces/gpt2_fixed_adamw.csv.gz"}) {
     if (file_exists(root + candidate)) return root + candidate;
   }
   return root + "/../shared/traces/gpt2_fixed_adamw.csv.gz";
@@ -93,7 +94,8 @@ inline trace parse_trace(const std::string& path) {
     return t;
   }
   const bool gz = path.size() > 3 && path.compare(path.size() - 3, 3, ".gz") == 0;
-  std::FILE* in = gz ? popen(("gzip -dc -- " + shell_quote(path)).c_str(), "r") : std::fopen(path.c_str(), "r");
+  std::FILE* in = gz ? popen(("gzip -dc -- " + shell_quote(path)).c_str(), "r")
+                     : std::fopen(path.c_str(), "r");
   if (in == nullptr) {
     t.error = "cannot read trace " + path;
     return t;
@@ -155,7 +157,8 @@ inline trace parse_trace(const std::string& path) {
     }
   }
   const int status = gz ? pclose(in) : std::fclose(in);
-  if (status != 0) t.error = "reading trace " + path + " failed (status " + std::to_string(status) + ")";
+  if (status != 0)
+    t.error = "reading trace " + path + " failed (status " + std::to_string(status) + ")";
   else if (t.ops.empty()) t.error = "trace " + path + " holds no alloc / free_requested rows";
   return t;
 }

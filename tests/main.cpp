@@ -1,9 +1,9 @@
 // Catch2 main. The "streamsafe" logger is quiet in tests (errors and the unsafe-scope warnings
 // are expected there) unless STREAMSAFE_LOG_LEVEL asks for it.
 #define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
+#include <catch2/catch.hpp>
 
 #include <cstdlib>
 

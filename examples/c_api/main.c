@@ -18,34 +18,35 @@
 
 static int failures = 0;
 
-#define CHECK(cond)                                                             \
-  do {                                                                          \
-    if (!(cond)) {                                                              \
+#define CHECK(cond)                                                              \
+  do {                                                                           \
+    if (!(cond)) {                                                               \
       fprintf(stderr, "CHECK failed at %s:%d: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                               \
-    }                                                                           \
+      ++failures;                                                                \
+    }                                                                            \
   } while (0)
 
 /* Calls that must succeed: print the error and count a failure otherwise. */
-#define OK(call)                                                                               \
-  do {                                                                                         \
-    streamsafe_status ok_status_ = (call);                                                     \
-    if (ok_status_ != STREAMSAFE_SUCCESS) {                                                    \
-      fprintf(stderr, "%s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #call,                      \
-              streamsafe_status_string(ok_status_), streamsafe_last_error());                  \
-      ++failures;                                                                              \
-    }                                                                                          \
+#define OK(call)                                                              \
+  do {                                                                        \
+    streamsafe_status ok_status_ = (call);                                    \
+    if (ok_status_ != STREAMSAFE_SUCCESS) {                                   \
+      fprintf(stderr, "%s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #call,     \
+              streamsafe_status_string(ok_status_), streamsafe_last_error()); \
+      ++failures;                                                             \
+    }                                                                         \
   } while (0)
 
 static void print_stats(int device) {
   streamsafe_stats s;
   OK(streamsafe_get_stats(device, &s));
-  printf("  device %d: allocated %lld B (peak %lld), reserved %lld B (peak %lld), "
-         "driver allocations %llu, driver frees %llu, events %llu\n",
-         device, (long long)s.allocated_bytes.current, (long long)s.allocated_bytes.peak,
-         (long long)s.reserved_bytes.current, (long long)s.reserved_bytes.peak,
-         (unsigned long long)s.num_device_alloc, (unsigned long long)s.num_device_free,
-         (unsigned long long)s.events_recorded);
+  printf(
+      "  device %d: allocated %lld B (peak %lld), reserved %lld B (peak %lld), "
+      "driver allocations %llu, driver frees %llu, events %llu\n",
+      device, (long long)s.allocated_bytes.current, (long long)s.allocated_bytes.peak,
+      (long long)s.reserved_bytes.current, (long long)s.reserved_bytes.peak,
+      (unsigned long long)s.num_device_alloc, (unsigned long long)s.num_device_free,
+      (unsigned long long)s.events_recorded);
 }
 
 /* On a GPU: fill with cudaMemsetAsync on `stream`, read back, compare. */
@@ -84,7 +85,8 @@ int main(int argc, char** argv) {
     }
   }
   if (simulated) OK(streamsafe_use_simulated_devices(2, (size_t)4 << 30));
-  printf("streamsafe C API on %s (%d device(s))\n", simulated ? "simulated devices" : "the GPU", devices);
+  printf("streamsafe C API on %s (%d device(s))\n", simulated ? "simulated devices" : "the GPU",
+         devices);
 
   /* Streams: simulated ones, or real ones. */
   if (simulated) {

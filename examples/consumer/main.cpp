@@ -3,8 +3,8 @@
 // devices. Exit status 0 when every check passed.
 #include <streamsafe/core/caching_allocator.hpp>
 #include <streamsafe/frontends/allocator.hpp>
-#include <streamsafe/sim/simulated_platform.hpp>
 #include <streamsafe/sim/simulated_device.hpp>
+#include <streamsafe/sim/simulated_platform.hpp>
 
 #include <cstdio>
 
@@ -19,7 +19,8 @@ int main() {
 
   // One device's caching allocator over a simulated device.
   streamsafe::sim::simulated_device device;
-  streamsafe::caching_allocator alloc(device, streamsafe::options::parse("release_fence:all_streams"));
+  streamsafe::caching_allocator alloc(device,
+                                      streamsafe::options::parse("release_fence:all_streams"));
   const streamsafe::stream_handle s = device.create_stream();
   void* p = alloc.allocate(1 << 20, s);
   alloc.deallocate(p);

@@ -13,12 +13,12 @@
 #include <streamsafe/frontends/cub_allocator.hpp>
 #include <streamsafe/frontends/memory_resource.hpp>
 
-#include <cub/device/device_radix_sort.cuh>
-#include <cub/device/device_reduce.cuh>
-#include <cub/util_allocator.cuh>
 #include <thrust/device_ptr.h>
 #include <thrust/execution_policy.h>
 #include <thrust/sort.h>
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_reduce.cuh>
+#include <cub/util_allocator.cuh>
 
 #include <cuda/memory_resource>
 
@@ -35,21 +35,22 @@ namespace {
 
 int failures = 0;
 
-#define CHECK(cond)                                                                  \
-  do {                                                                               \
-    if (!(cond)) {                                                                   \
+#define CHECK(cond)                                                                   \
+  do {                                                                                \
+    if (!(cond)) {                                                                    \
       std::fprintf(stderr, "CHECK failed at %s:%d: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                                    \
-    }                                                                                \
+      ++failures;                                                                     \
+    }                                                                                 \
   } while (0)
 
-#define CUDA_OK(call)                                                                      \
-  do {                                                                                     \
-    const cudaError_t e_ = (call);                                                         \
-    if (e_ != cudaSuccess) {                                                               \
-      std::fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
+#define CUDA_OK(call)                                                      \
+  do {                                                                     \
+    const cudaError_t e_ = (call);                                         \
+    if (e_ != cudaSuccess) {                                               \
+      std::fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #call, \
+                   cudaGetErrorString(e_));                                \
+      std::exit(1);                                                        \
+    }                                                                      \
   } while (0)
 
 struct workload {
@@ -75,18 +76,24 @@ void iteration(Allocator& alloc, const workload& w, cudaStream_t stream, bool ch
   const std::size_t n = w.keys.size();
   std::uint32_t *d_keys = nullptr, *d_sorted = nullptr;
   unsigned long long *d_values = nullptr, *d_sum = nullptr;
-  CUDA_OK(alloc.DeviceAllocate(reinterpret_cast<void**>(&d_keys), n * sizeof(std::uint32_t), stream));
-  CUDA_OK(alloc.DeviceAllocate(reinterpret_cast<void**>(&d_sorted), n * sizeof(std::uint32_t), stream));
-  CUDA_OK(alloc.DeviceAllocate(reinterpret_cast<void**>(&d_values), n * sizeof(unsigned long long), stream));
-  CUDA_OK(alloc.DeviceAllocate(reinterpret_cast<void**>(&d_sum), sizeof(unsigned long long), stream));
-  CUDA_OK(cudaMemcpyAsync(d_keys, w.keys.data(), n * sizeof(std::uint32_t), cudaMemcpyHostToDevice, stream));
+  CUDA_OK(
+      alloc.DeviceAllocate(reinterpret_cast<void**>(&d_keys), n * sizeof(std::uint32_t), stream));
+  CUDA_OK(
+      alloc.DeviceAllocate(reinterpret_cast<void**>(&d_sorted), n * sizeof(std::uint32_t), stream));
+  CUDA_OK(alloc.DeviceAllocate(reinterpret_cast<void**>(&d_values), n * sizeof(unsigned long long),
+                               stream));
+  CUDA_OK(
+      alloc.DeviceAllocate(reinterpret_cast<void**>(&d_sum), sizeof(unsigned long long), stream));
+  CUDA_OK(cudaMemcpyAsync(d_keys, w.keys.data(), n * sizeof(std::uint32_t), cudaMemcpyHostToDevice,
+                          stream));
 
   // Sum (as 64-bit values, to avoid wrap-around).
   thrust::device_ptr<std::uint32_t> keys_ptr(d_keys);
   thrust::device_ptr<unsigned long long> values_ptr(d_values);
   thrust::copy(thrust::cuda::par_nosync.on(stream), keys_ptr, keys_ptr + n, values_ptr);
   std::size_t temp_bytes = 0;
-  CUDA_OK(cub::DeviceReduce::Sum(nullptr, temp_bytes, d_values, d_sum, static_cast<int>(n), stream));
+  CUDA_OK(
+      cub::DeviceReduce::Sum(nullptr, temp_bytes, d_values, d_sum, static_cast<int>(n), stream));
   void* temp = nullptr;
   CUDA_OK(alloc.DeviceAllocate(&temp, temp_bytes, stream));
   CUDA_OK(cub::DeviceReduce::Sum(temp, temp_bytes, d_values, d_sum, static_cast<int>(n), stream));
@@ -94,16 +101,19 @@ void iteration(Allocator& alloc, const workload& w, cudaStream_t stream, bool ch
 
   // Sort.
   temp_bytes = 0;
-  CUDA_OK(cub::DeviceRadixSort::SortKeys(nullptr, temp_bytes, d_keys, d_sorted, static_cast<int>(n), 0, 32, stream));
+  CUDA_OK(cub::DeviceRadixSort::SortKeys(nullptr, temp_bytes, d_keys, d_sorted, static_cast<int>(n),
+                                         0, 32, stream));
   CUDA_OK(alloc.DeviceAllocate(&temp, temp_bytes, stream));
-  CUDA_OK(cub::DeviceRadixSort::SortKeys(temp, temp_bytes, d_keys, d_sorted, static_cast<int>(n), 0, 32, stream));
+  CUDA_OK(cub::DeviceRadixSort::SortKeys(temp, temp_bytes, d_keys, d_sorted, static_cast<int>(n), 0,
+                                         32, stream));
   CUDA_OK(alloc.DeviceFree(temp));
 
   if (check) {
     unsigned long long sum = 0;
     std::vector<std::uint32_t> sorted(n);
     CUDA_OK(cudaMemcpyAsync(&sum, d_sum, sizeof sum, cudaMemcpyDeviceToHost, stream));
-    CUDA_OK(cudaMemcpyAsync(sorted.data(), d_sorted, n * sizeof(std::uint32_t), cudaMemcpyDeviceToHost, stream));
+    CUDA_OK(cudaMemcpyAsync(sorted.data(), d_sorted, n * sizeof(std::uint32_t),
+                            cudaMemcpyDeviceToHost, stream));
     CUDA_OK(cudaStreamSynchronize(stream));
     CHECK(sum == w.sum);
     CHECK(sorted == w.sorted);
@@ -117,14 +127,17 @@ void iteration(Allocator& alloc, const workload& w, cudaStream_t stream, bool ch
 // Runs `iterations` iterations alternating between two streams; returns microseconds per
 // iteration (host time including the final synchronisation).
 template <class Allocator>
-double run(const char* name, Allocator& alloc, const workload& w, int iterations, cudaStream_t s1, cudaStream_t s2) {
+double run(const char* name, Allocator& alloc, const workload& w, int iterations, cudaStream_t s1,
+           cudaStream_t s2) {
   iteration(alloc, w, s1, true);  // warm-up and check
   iteration(alloc, w, s2, true);
   CUDA_OK(cudaDeviceSynchronize());
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < iterations; ++i) iteration(alloc, w, i % 2 ? s2 : s1, i + 1 == iterations);
   CUDA_OK(cudaDeviceSynchronize());
-  const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() / iterations;
+  const double us =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() /
+      iterations;
   std::printf("  %-34s %9.1f us per iteration\n", name, us);
   return us;
 }
@@ -161,26 +174,32 @@ int main(int argc, char** argv) {
     streamsafe::cuda::cub_allocator ss_alloc;  // the only change: the type
     run("streamsafe::cuda::cub_allocator", ss_alloc, w, iterations, s1, s2);
     const auto st = streamsafe::cuda::allocator::instance().stats(0);
-    std::printf("    streamsafe: %llu driver allocations, %llu events, %llu stream waits, peak reserved %.1f MiB\n",
-                static_cast<unsigned long long>(st.num_device_alloc),
-                static_cast<unsigned long long>(st.events_recorded),
-                static_cast<unsigned long long>(st.stream_waits), st.reserved_bytes.peak / 1048576.0);
+    std::printf(
+        "    streamsafe: %llu driver allocations, %llu events, %llu stream waits, peak reserved "
+        "%.1f MiB\n",
+        static_cast<unsigned long long>(st.num_device_alloc),
+        static_cast<unsigned long long>(st.events_recorded),
+        static_cast<unsigned long long>(st.stream_waits), st.reserved_bytes.peak / 1048576.0);
   }
 
   // Thrust: temporary storage of thrust::sort from streamsafe, stream-ordered on s1.
   {
     streamsafe::cuda::memory_resource mr;
     streamsafe::cuda::thrust_allocator<char> alloc(mr, s1);
-    std::uint32_t* d = static_cast<std::uint32_t*>(mr.allocate_async(items * sizeof(std::uint32_t), 256, s1));
-    CUDA_OK(cudaMemcpyAsync(d, w.keys.data(), items * sizeof(std::uint32_t), cudaMemcpyHostToDevice, s1));
+    std::uint32_t* d = static_cast<std::uint32_t*>(
+        mr.allocate_async(items * sizeof(std::uint32_t), 256, s1));
+    CUDA_OK(cudaMemcpyAsync(d, w.keys.data(), items * sizeof(std::uint32_t), cudaMemcpyHostToDevice,
+                            s1));
     thrust::device_ptr<std::uint32_t> p(d);
     thrust::sort(thrust::cuda::par_nosync(alloc).on(s1), p, p + items);
     std::vector<std::uint32_t> sorted(items);
-    CUDA_OK(cudaMemcpyAsync(sorted.data(), d, items * sizeof(std::uint32_t), cudaMemcpyDeviceToHost, s1));
+    CUDA_OK(cudaMemcpyAsync(sorted.data(), d, items * sizeof(std::uint32_t), cudaMemcpyDeviceToHost,
+                            s1));
     CUDA_OK(cudaStreamSynchronize(s1));
     CHECK(sorted == w.sorted);
     mr.deallocate_async(d, items * sizeof(std::uint32_t), 256, s1);
-    std::printf("  thrust::sort with streamsafe temporary storage: %s\n", sorted == w.sorted ? "sorted" : "WRONG");
+    std::printf("  thrust::sort with streamsafe temporary storage: %s\n",
+                sorted == w.sorted ? "sorted" : "WRONG");
   }
 
   // cuda::mr: a type-erased async resource reference, as CCCL APIs take it.

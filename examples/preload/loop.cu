@@ -25,13 +25,14 @@
 #include <cstring>
 #include <vector>
 
-#define CUDA_OK(call)                                                                           \
-  do {                                                                                          \
-    const cudaError_t e_ = (call);                                                              \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
+#define CUDA_OK(call)                                                      \
+  do {                                                                     \
+    const cudaError_t e_ = (call);                                         \
+    if (e_ != cudaSuccess) {                                               \
+      std::fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #call, \
+                   cudaGetErrorString(e_));                                \
+      std::exit(1);                                                        \
+    }                                                                      \
   } while (0)
 
 namespace {
@@ -50,7 +51,8 @@ __global__ void fill_kernel(std::uint32_t* a, std::size_t n, std::uint32_t c) {
   }
 }
 
-__global__ void transform_kernel(const std::uint32_t* a, std::uint64_t* b, std::size_t n, std::uint64_t i) {
+__global__ void transform_kernel(const std::uint32_t* a, std::uint64_t* b, std::size_t n,
+                                 std::uint64_t i) {
   for (std::size_t j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
     b[j] = 3ull * a[j] + i;
   }
@@ -59,7 +61,8 @@ __global__ void transform_kernel(const std::uint32_t* a, std::uint64_t* b, std::
 __global__ void sum_kernel(const std::uint64_t* b, std::size_t n, unsigned long long* sum) {
   __shared__ unsigned long long partial[256];
   unsigned long long local = 0;
-  for (std::size_t j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) local += b[j];
+  for (std::size_t j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x)
+    local += b[j];
   partial[threadIdx.x] = local;
   __syncthreads();
   for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
@@ -69,9 +72,11 @@ __global__ void sum_kernel(const std::uint64_t* b, std::size_t n, unsigned long 
   if (threadIdx.x == 0) atomicAdd(sum, partial[0]);
 }
 
-__global__ void count_ones_kernel(const std::uint32_t* x, std::size_t n, unsigned long long* count) {
+__global__ void count_ones_kernel(const std::uint32_t* x, std::size_t n,
+                                  unsigned long long* count) {
   unsigned long long local = 0;
-  for (std::size_t j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) local += x[j] == 1u;
+  for (std::size_t j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x)
+    local += x[j] == 1u;
   atomicAdd(count, local);
 }
 
@@ -115,7 +120,8 @@ int main(int argc, char** argv) {
     std::uint32_t* x = nullptr;
     CUDA_OK(cudaMalloc(&x, n * sizeof(std::uint32_t)));
     const std::vector<std::uint32_t> ones(n, 1u);
-    CUDA_OK(cudaMemcpyAsync(x, ones.data(), n * sizeof(std::uint32_t), cudaMemcpyHostToDevice, s[0]));
+    CUDA_OK(
+        cudaMemcpyAsync(x, ones.data(), n * sizeof(std::uint32_t), cudaMemcpyHostToDevice, s[0]));
     spin_kernel<<<1, 1, 0, s[0]>>>(100ull * 1000 * 1000);
     count_ones_kernel<<<1024, 256, 0, s[0]>>>(x, n, d_sum + 1);
     CUDA_OK(cudaFree(x));  // the read above may still be running
@@ -126,8 +132,9 @@ int main(int argc, char** argv) {
     unsigned long long ones_seen = 0;
     CUDA_OK(cudaMemcpy(&ones_seen, d_sum + 1, sizeof ones_seen, cudaMemcpyDeviceToHost));
     const bool ok = ones_seen == n;
-    std::printf("contract: memory freed under a pending read was %s: read saw %llu of %zu ones: %s\n",
-                y == x ? "reused after the read" : "not reused", ones_seen, n, ok ? "ok" : "CORRUPTED");
+    std::printf(
+        "contract: memory freed under a pending read was %s: read saw %llu of %zu ones: %s\n",
+        y == x ? "reused after the read" : "not reused", ones_seen, n, ok ? "ok" : "CORRUPTED");
     CUDA_OK(cudaFree(y));
     if (!ok) return 1;
   }
@@ -169,13 +176,17 @@ int main(int argc, char** argv) {
     expected += 3ull * (nn * c + nn * (nn - 1) / 2) + nn * static_cast<unsigned long long>(i);
   }
   CUDA_OK(cudaDeviceSynchronize());
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   unsigned long long checksum = 0;
   CUDA_OK(cudaMemcpy(&checksum, d_sum, sizeof checksum, cudaMemcpyDeviceToHost));
-  std::printf("checksum: %llu (expected %llu): %s\n", checksum, expected, checksum == expected ? "ok" : "WRONG");
-  std::printf("loop: %d iterations on %zu streams, %llu cudaMalloc + %llu cudaMallocAsync calls, %.3f s (%.1f us per iteration)\n",
-              iterations, s.size(), static_cast<unsigned long long>(mallocs),
-              static_cast<unsigned long long>(async_mallocs), seconds, seconds * 1e6 / iterations);
+  std::printf("checksum: %llu (expected %llu): %s\n", checksum, expected,
+              checksum == expected ? "ok" : "WRONG");
+  std::printf(
+      "loop: %d iterations on %zu streams, %llu cudaMalloc + %llu cudaMallocAsync calls, %.3f s "
+      "(%.1f us per iteration)\n",
+      iterations, s.size(), static_cast<unsigned long long>(mallocs),
+      static_cast<unsigned long long>(async_mallocs), seconds, seconds * 1e6 / iterations);
   print_preload_stats();
   CUDA_OK(cudaFree(d_sum));
   for (auto& st : s) CUDA_OK(cudaStreamDestroy(st));

@@ -24,7 +24,8 @@ class gpu_ops final : public device_ops {
     check(cudaSetDevice(device_), "cudaSetDevice");
     check(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
   }
-  ~gpu_ops() override = default;  // streams and events die with the process (context may be poisoned)
+  ~gpu_ops() override =
+      default;  // streams and events die with the process (context may be poisoned)
 
   streamsafe::device_backend& backend() override { return backend_; }
 
@@ -39,11 +40,13 @@ class gpu_ops final : public device_ops {
   void write_gradient(float* g, std::size_t n, stream_handle s) override {
     note(k::launch_fill(g, n * sizeof(float), 0xbc, cu(s)));  // bytes 0xbcbcbcbc: a negative float
   }
-  void optimizer_step(optimizer_kind kind, const std::vector<tensor>& tensors, int step, stream_handle s) override {
+  void optimizer_step(optimizer_kind kind, const std::vector<tensor>& tensors, int step,
+                      stream_handle s) override {
     const float lr = 1e-4f, wd = 0.01f;
     switch (kind) {
       case optimizer_kind::signsgd_per_parameter:
-        for (const auto& t : tensors) note(k::signsgd_step(t.param, k::dtype::f32, t.grad, t.n, lr, wd, cu(s)));
+        for (const auto& t : tensors)
+          note(k::signsgd_step(t.param, k::dtype::f32, t.grad, t.n, lr, wd, cu(s)));
         break;
       case optimizer_kind::signsgd_foreach: {
         k::tensor_list list(k::dtype::f32);
@@ -75,7 +78,9 @@ class gpu_ops final : public device_ops {
     return {};
   }
   double now_ms() override {
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    return std::chrono::duration<double, std::milli>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
   }
 
  private:
@@ -83,7 +88,8 @@ class gpu_ops final : public device_ops {
     if (e != cudaSuccess && first_error_ == cudaSuccess) first_error_ = e;
   }
   static void check(cudaError_t e, const char* what) {
-    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+    if (e != cudaSuccess)
+      throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
   }
 
   int device_;

@@ -16,12 +16,12 @@
 
 #include <cuda_runtime_api.h>
 
+#include <unistd.h>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <sstream>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 using namespace race_repro;
@@ -53,7 +53,8 @@ std::string problem_args(const problem& p) {
 }
 
 run_result run_child(optimizer_kind k, release_variant v, const problem& p) {
-  const std::string cmd = "'" + self_path() + "' --child " + to_string(k) + " " + to_string(v) + problem_args(p) + " 2>&1";
+  const std::string cmd = "'" + self_path() + "' --child " + to_string(k) + " " + to_string(v) +
+                          problem_args(p) + " 2>&1";
   run_result r;
   r.clean = false;
   r.outcome = "child process gave no result";
@@ -77,7 +78,8 @@ run_result run_child(optimizer_kind k, release_variant v, const problem& p) {
   }
   const int status = pclose(pipe);
   if (!got) {
-    r.outcome = "child exited with status " + std::to_string(status) + (last.empty() ? "" : ": " + last);
+    r.outcome = "child exited with status " + std::to_string(status) +
+                (last.empty() ? "" : ": " + last);
   }
   return r;
 }
@@ -99,9 +101,11 @@ const char* variant_title(release_variant v) {
 }
 
 void usage() {
-  std::cerr << "usage: race_repro [--sim] [--steps N] [--params N] [--shard-floats N] [--unrelated-ms MS]\n"
-               "                  [--optimizers signsgd_per_parameter,signsgd_foreach,adamw_foreach]\n"
-               "                  [--variants pytorch,pytorch_synchronize,streamsafe,streamsafe_defer]\n";
+  std::cerr
+      << "usage: race_repro [--sim] [--steps N] [--params N] [--shard-floats N] [--unrelated-ms "
+         "MS]\n"
+         "                  [--optimizers signsgd_per_parameter,signsgd_foreach,adamw_foreach]\n"
+         "                  [--variants pytorch,pytorch_synchronize,streamsafe,streamsafe_defer]\n";
 }
 
 }  // namespace
@@ -109,10 +113,12 @@ void usage() {
 int main(int argc, char** argv) {
   problem p;
   bool force_sim = false;
-  std::vector<optimizer_kind> optimizers = {optimizer_kind::signsgd_per_parameter, optimizer_kind::signsgd_foreach,
+  std::vector<optimizer_kind> optimizers = {optimizer_kind::signsgd_per_parameter,
+                                            optimizer_kind::signsgd_foreach,
                                             optimizer_kind::adamw_foreach};
-  std::vector<release_variant> variants = {release_variant::pytorch, release_variant::pytorch_synchronize,
-                                           release_variant::streamsafe_wait, release_variant::streamsafe_defer};
+  std::vector<release_variant> variants = {
+      release_variant::pytorch, release_variant::pytorch_synchronize,
+      release_variant::streamsafe_wait, release_variant::streamsafe_defer};
   bool child = false;
   optimizer_kind child_kind{};
   release_variant child_variant{};
@@ -130,7 +136,8 @@ int main(int argc, char** argv) {
       else if (a == "--unrelated-ms") p.unrelated_ms = std::stod(next());
       else if (a == "--optimizers" || a == "--variants") {
         auto items = split(next());
-        if (a == "--optimizers") optimizers.clear(); else variants.clear();
+        if (a == "--optimizers") optimizers.clear();
+        else variants.clear();
         for (auto& item : items) {
           optimizer_kind k;
           release_variant v;
@@ -140,7 +147,8 @@ int main(int argc, char** argv) {
         }
       } else if (a == "--child") {
         child = true;
-        if (!parse(next(), child_kind) || !parse(next(), child_variant)) throw std::invalid_argument("bad --child");
+        if (!parse(next(), child_kind) || !parse(next(), child_variant))
+          throw std::invalid_argument("bad --child");
       } else if (a == "--help" || a == "-h") {
         usage();
         return 0;
@@ -148,7 +156,8 @@ int main(int argc, char** argv) {
         throw std::invalid_argument("unknown option " + a);
       }
     }
-    if (p.steps < 1 || p.params < 1 || p.shard_floats < 1) throw std::invalid_argument("sizes must be positive");
+    if (p.steps < 1 || p.params < 1 || p.shard_floats < 1)
+      throw std::invalid_argument("sizes must be positive");
   } catch (const std::exception& e) {
     std::cerr << "race_repro: " << e.what() << "\n";
     usage();
@@ -173,7 +182,8 @@ int main(int argc, char** argv) {
   if (gpus > 0) {
     cudaDeviceProp prop{};
     cudaGetDeviceProperties(&prop, 0);
-    where = std::string("GPU: ") + prop.name + " (device 0); each configuration runs in its own process";
+    where = std::string("GPU: ") + prop.name +
+            " (device 0); each configuration runs in its own process";
   } else {
     where = force_sim ? "simulated device (--sim)"
                       : "simulated device: no GPU found here (cudaGetDeviceCount reported none); "
@@ -181,9 +191,11 @@ int main(int argc, char** argv) {
   }
   std::cout << "streamsafe race reproduction on the " << where << "\n"
             << "problem: " << p.params << " parameters x " << p.shard_floats << " floats ("
-            << gib_text(static_cast<std::uint64_t>(p.params) * p.shard_floats * 4) << " of gradients per step), "
-            << p.steps << " steps, unrelated kernel: "
-            << (p.unrelated_ms > 0 ? std::to_string(p.unrelated_ms) + " ms per step on a third stream" : "none")
+            << gib_text(static_cast<std::uint64_t>(p.params) * p.shard_floats * 4)
+            << " of gradients per step), " << p.steps << " steps, unrelated kernel: "
+            << (p.unrelated_ms > 0
+                    ? std::to_string(p.unrelated_ms) + " ms per step on a third stream"
+                    : "none")
             << "\n\n";
   std::printf("%-22s %-33s %5s %9s %15s %10s %8s  %s\n", "optimizer", "release", "steps", "step ms",
               "empty_cache ms", "released", "deferred", "outcome");
@@ -202,22 +214,29 @@ int main(int argc, char** argv) {
           r.outcome = std::string("exception: ") + e.what();
         }
       }
-      std::printf("%-22s %-33s %5d %9.2f %15.3f %10s %8llu  %s\n", to_string(k), variant_title(v), r.steps_completed,
-                  r.median_step_ms, r.median_empty_cache_ms, gib_text(r.bytes_released).c_str(),
-                  static_cast<unsigned long long>(r.releases_deferred), r.clean ? "clean" : ("FAULT: " + r.outcome).c_str());
+      std::printf("%-22s %-33s %5d %9.2f %15.3f %10s %8llu  %s\n", to_string(k), variant_title(v),
+                  r.steps_completed, r.median_step_ms, r.median_empty_cache_ms,
+                  gib_text(r.bytes_released).c_str(),
+                  static_cast<unsigned long long>(r.releases_deferred),
+                  r.clean ? "clean" : ("FAULT: " + r.outcome).c_str());
       if (r.clean && p.steps >= 4) {
-        std::printf("%-22s   peak reserved per step: %.1f MiB (steps 2-%d), %.1f MiB (steps %d-%d); allocated drift %lld bytes\n",
-                    "", static_cast<double>(r.peak_reserved_first_half) / 1048576.0, p.steps / 2,
-                    static_cast<double>(r.peak_reserved_second_half) / 1048576.0, p.steps / 2 + 1, p.steps,
-                    static_cast<long long>(r.allocated_drift));
+        std::printf(
+            "%-22s   peak reserved per step: %.1f MiB (steps 2-%d), %.1f MiB (steps %d-%d); "
+            "allocated drift %lld bytes\n",
+            "", static_cast<double>(r.peak_reserved_first_half) / 1048576.0, p.steps / 2,
+            static_cast<double>(r.peak_reserved_second_half) / 1048576.0, p.steps / 2 + 1, p.steps,
+            static_cast<long long>(r.allocated_drift));
       }
       std::fflush(stdout);
-      if (!r.clean && (v == release_variant::streamsafe_wait || v == release_variant::streamsafe_defer)) {
+      if (!r.clean &&
+          (v == release_variant::streamsafe_wait || v == release_variant::streamsafe_defer)) {
         streamsafe_clean = false;
       }
     }
   }
-  std::cout << "\n" << (streamsafe_clean ? "every streamsafe configuration ran clean" : "A STREAMSAFE CONFIGURATION FAULTED")
+  std::cout << "\n"
+            << (streamsafe_clean ? "every streamsafe configuration ran clean"
+                                 : "A STREAMSAFE CONFIGURATION FAULTED")
             << "\n";
   return streamsafe_clean ? 0 : 1;
 }

@@ -28,7 +28,8 @@ const char* to_string(release_variant v) {
 }
 
 bool parse(const std::string& s, optimizer_kind& out) {
-  for (auto k : {optimizer_kind::signsgd_per_parameter, optimizer_kind::signsgd_foreach, optimizer_kind::adamw_foreach}) {
+  for (auto k : {optimizer_kind::signsgd_per_parameter, optimizer_kind::signsgd_foreach,
+                 optimizer_kind::adamw_foreach}) {
     if (s == to_string(k)) {
       out = k;
       return true;
@@ -38,8 +39,8 @@ bool parse(const std::string& s, optimizer_kind& out) {
 }
 
 bool parse(const std::string& s, release_variant& out) {
-  for (auto v : {release_variant::pytorch, release_variant::pytorch_synchronize, release_variant::streamsafe_wait,
-                 release_variant::streamsafe_defer}) {
+  for (auto v : {release_variant::pytorch, release_variant::pytorch_synchronize,
+                 release_variant::streamsafe_wait, release_variant::streamsafe_defer}) {
     if (s == to_string(v)) {
       out = v;
       return true;
@@ -64,8 +65,7 @@ streamsafe::options options_for(release_variant v) {
     case release_variant::pytorch_synchronize:
       o.release_fence = streamsafe::fence_scope::allocation_stream;
       break;
-    case release_variant::streamsafe_wait:
-      break;
+    case release_variant::streamsafe_wait: break;
     case release_variant::streamsafe_defer:
       o.empty_cache = streamsafe::empty_cache_mode::defer;
       break;
@@ -133,17 +133,20 @@ run_result run(device_ops& ops, optimizer_kind kind, release_variant variant, co
     const auto step_stats = alloc.stats();
     const auto peak = static_cast<std::uint64_t>(step_stats.reserved_bytes.peak);
     if (step == 1) allocated_after_first = step_stats.allocated_bytes.current;
-    if (step > 1 && 2 * step <= p.steps) result.peak_reserved_first_half = std::max(result.peak_reserved_first_half, peak);
-    if (2 * step > p.steps) result.peak_reserved_second_half = std::max(result.peak_reserved_second_half, peak);
+    if (step > 1 && 2 * step <= p.steps)
+      result.peak_reserved_first_half = std::max(result.peak_reserved_first_half, peak);
+    if (2 * step > p.steps)
+      result.peak_reserved_second_half = std::max(result.peak_reserved_second_half, peak);
     result.allocated_drift = step_stats.allocated_bytes.current - allocated_after_first;
   }
   const auto stats = alloc.stats();
   result.bytes_released = stats.bytes_released;
   result.releases_deferred = stats.releases_deferred;
   result.fence_waits = stats.fence_waits;
-  result.device_syncs = stats.num_sync_all_streams + (variant == release_variant::pytorch_synchronize
-                                                          ? static_cast<std::uint64_t>(result.steps_completed)
-                                                          : 0);
+  result.device_syncs = stats.num_sync_all_streams +
+                        (variant == release_variant::pytorch_synchronize
+                             ? static_cast<std::uint64_t>(result.steps_completed)
+                             : 0);
   result.median_step_ms = median(step_ms);
   result.median_empty_cache_ms = median(empty_cache_ms);
   if (!error.empty()) {
@@ -164,9 +167,9 @@ run_result run(device_ops& ops, optimizer_kind kind, release_variant variant, co
 std::string encode(const run_result& r) {
   std::ostringstream os;
   os << "RESULT|" << (r.clean ? 1 : 0) << '|' << r.steps_completed << '|' << r.median_step_ms << '|'
-     << r.median_empty_cache_ms << '|' << r.bytes_released << '|' << r.releases_deferred << '|' << r.fence_waits
-     << '|' << r.device_syncs << '|' << r.peak_reserved_first_half << '|' << r.peak_reserved_second_half << '|'
-     << r.allocated_drift << '|' << r.outcome;
+     << r.median_empty_cache_ms << '|' << r.bytes_released << '|' << r.releases_deferred << '|'
+     << r.fence_waits << '|' << r.device_syncs << '|' << r.peak_reserved_first_half << '|'
+     << r.peak_reserved_second_half << '|' << r.allocated_drift << '|' << r.outcome;
   return os.str();
 }
 

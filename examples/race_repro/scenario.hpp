@@ -29,10 +29,10 @@ bool parse(const std::string& s, optimizer_kind& out);
 bool parse(const std::string& s, release_variant& out);
 
 struct problem {
-  int params = 1536;                           // parameter tensors (one launch each per-parameter)
+  int params = 1536;  // parameter tensors (one launch each per-parameter)
   std::size_t shard_floats = std::size_t{4} << 20;  // elements per tensor
   int steps = 4;
-  double unrelated_ms = 0;                     // a kernel this long on a third stream each step
+  double unrelated_ms = 0;  // a kernel this long on a third stream each step
 };
 
 struct tensor {

@@ -20,7 +20,8 @@ constexpr std::uint64_t k_min_kernel_us = 3;
 constexpr std::size_t k_chunk = 65536, k_max_chunks = 320;
 
 std::uint64_t kernel_us(double bytes) {
-  return std::max<std::uint64_t>(k_min_kernel_us, static_cast<std::uint64_t>(bytes / k_bytes_per_us));
+  return std::max<std::uint64_t>(k_min_kernel_us,
+                                 static_cast<std::uint64_t>(bytes / k_bytes_per_us));
 }
 
 sim::range rd(const void* p, std::size_t bytes) {
@@ -47,11 +48,12 @@ class sim_ops final : public device_ops {
   void write_gradient(float* g, std::size_t n, stream_handle s) override {
     launch(s, kernel_us(static_cast<double>(n * 4)), {wr(g, n * 4)}, "reduce_scatter(grad)");
   }
-  void optimizer_step(optimizer_kind kind, const std::vector<tensor>& tensors, int, stream_handle s) override {
+  void optimizer_step(optimizer_kind kind, const std::vector<tensor>& tensors, int,
+                      stream_handle s) override {
     if (kind == optimizer_kind::signsgd_per_parameter) {
       for (const auto& t : tensors) {
-        launch(s, kernel_us(12.0 * static_cast<double>(t.n)), {wr(t.param, t.n * 4), rd(t.grad, t.n * 4)},
-               "signsgd_step");
+        launch(s, kernel_us(12.0 * static_cast<double>(t.n)),
+               {wr(t.param, t.n * 4), rd(t.grad, t.n * 4)}, "signsgd_step");
       }
       return;
     }
@@ -98,7 +100,8 @@ class sim_ops final : public device_ops {
   sim::simulated_device dev_;
 
  private:
-  void launch(stream_handle s, std::uint64_t us, std::vector<sim::range> ranges, const char* label) {
+  void launch(stream_handle s, std::uint64_t us, std::vector<sim::range> ranges,
+              const char* label) {
     dev_.advance(k_host_launch_us);
     dev_.launch(s, us, std::move(ranges), label);
   }

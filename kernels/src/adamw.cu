@@ -90,8 +90,8 @@ template <typename P>
 __global__ void __launch_bounds__(detail::foreach_block_threads)
     adamw_foreach_kernel(const adamw_args args, const adamw_consts c) {
   const int t = args.block_tensor[blockIdx.x];
-  const std::uint64_t start =
-      static_cast<std::uint64_t>(args.block_chunk[blockIdx.x]) * foreach_chunk_elements;
+  const std::uint64_t start = static_cast<std::uint64_t>(args.block_chunk[blockIdx.x]) *
+                              foreach_chunk_elements;
   const std::uint64_t rest = args.sizes[t] - start;
   const std::uint64_t n = rest < foreach_chunk_elements ? rest : foreach_chunk_elements;
   P* p = static_cast<P*>(args.ptrs[0][t]) + start;

@@ -32,9 +32,10 @@ __global__ void exchange_flags_kernel(unsigned* flags, int self, int peer, unsig
 
 }  // namespace
 
-cudaError_t launch_exchange_flags(unsigned* flags, int self, int peer, unsigned generation, double timeout_ms,
-                                  int* arrived, cudaStream_t stream) {
-  if (flags == nullptr || arrived == nullptr || self < 0 || peer < 0 || self == peer) return cudaErrorInvalidValue;
+cudaError_t launch_exchange_flags(unsigned* flags, int self, int peer, unsigned generation,
+                                  double timeout_ms, int* arrived, cudaStream_t stream) {
+  if (flags == nullptr || arrived == nullptr || self < 0 || peer < 0 || self == peer)
+    return cudaErrorInvalidValue;
   if (!(timeout_ms >= 0.0 && timeout_ms <= 3.6e6)) return cudaErrorInvalidValue;
   const auto ns = static_cast<std::uint64_t>(std::llround(timeout_ms * 1e6));
   exchange_flags_kernel<<<1, 1, 0, stream>>>(flags, self, peer, generation, ns, arrived);

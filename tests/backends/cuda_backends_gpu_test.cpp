@@ -9,12 +9,12 @@
 // state.
 #include "support/gpu.hpp"
 
-#include <streamsafe/core/errors.hpp>
 #include <streamsafe/backends/cuda_malloc_backend.hpp>
 #include <streamsafe/backends/device_guard.hpp>
 #include <streamsafe/backends/driver_api.hpp>
 #include <streamsafe/backends/expandable_backend.hpp>
 #include <streamsafe/backends/gpu.hpp>
+#include <streamsafe/core/errors.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -94,8 +94,10 @@ bool all_bytes_are(const void* device_ptr, std::size_t size, unsigned char value
 
 }  // namespace
 
-TEST_CASE("device_count returns zero without a GPU and the CUDA backends refuse a missing "
-          "device with backend_error instead of crashing", "[backends]") {
+TEST_CASE(
+    "device_count returns zero without a GPU and the CUDA backends refuse a missing "
+    "device with backend_error instead of crashing",
+    "[backends]") {
   const int count = streamsafe::cuda::device_count();
   REQUIRE(count == streamsafe::test::gpu_count());
   // Without a driver the runtime's initialisation error stays sticky (every call, even
@@ -120,9 +122,10 @@ TEST_CASE("device_count returns zero without a GPU and the CUDA backends refuse 
   if (count > 0) REQUIRE(cudaGetLastError() == cudaSuccess);
 }
 
-TEMPLATE_TEST_CASE("A CUDA backend hands out segments that the device can write and the host "
-                   "can read back",
-                   "[gpu][backends]", cuda_malloc_backend, expandable_backend) {
+TEMPLATE_TEST_CASE(
+    "A CUDA backend hands out segments that the device can write and the host "
+    "can read back",
+    "[gpu][backends]", cuda_malloc_backend, expandable_backend) {
   STREAMSAFE_REQUIRE_GPU();
   TestType backend(0);
   REQUIRE(backend.device() == 0);
@@ -143,9 +146,10 @@ TEMPLATE_TEST_CASE("A CUDA backend hands out segments that the device can write 
   REQUIRE(cudaGetLastError() == cudaSuccess);
 }
 
-TEMPLATE_TEST_CASE("A CUDA backend returns nullptr for an impossible segment size and leaves no "
-                   "error behind",
-                   "[gpu][backends]", cuda_malloc_backend, expandable_backend) {
+TEMPLATE_TEST_CASE(
+    "A CUDA backend returns nullptr for an impossible segment size and leaves no "
+    "error behind",
+    "[gpu][backends]", cuda_malloc_backend, expandable_backend) {
   STREAMSAFE_REQUIRE_GPU();
   TestType backend(0);
   std::size_t free_bytes = 0;
@@ -163,9 +167,10 @@ TEMPLATE_TEST_CASE("A CUDA backend returns nullptr for an impossible segment siz
   backend.free_segment(segment, mib);
 }
 
-TEMPLATE_TEST_CASE("A CUDA backend's events record, report pending work as incomplete, "
-                   "synchronize and then report completion",
-                   "[gpu][backends]", cuda_malloc_backend, expandable_backend) {
+TEMPLATE_TEST_CASE(
+    "A CUDA backend's events record, report pending work as incomplete, "
+    "synchronize and then report completion",
+    "[gpu][backends]", cuda_malloc_backend, expandable_backend) {
   STREAMSAFE_REQUIRE_GPU();
   TestType backend(0);
   test_stream stream;
@@ -191,9 +196,10 @@ TEMPLATE_TEST_CASE("A CUDA backend's events record, report pending work as incom
   REQUIRE(cudaGetLastError() == cudaSuccess);
 }
 
-TEMPLATE_TEST_CASE("A CUDA backend's stream_wait_event orders work on one stream after an event "
-                   "recorded on another without blocking the host",
-                   "[gpu][backends]", cuda_malloc_backend, expandable_backend) {
+TEMPLATE_TEST_CASE(
+    "A CUDA backend's stream_wait_event orders work on one stream after an event "
+    "recorded on another without blocking the host",
+    "[gpu][backends]", cuda_malloc_backend, expandable_backend) {
   STREAMSAFE_REQUIRE_GPU();
   TestType backend(0);
   const std::size_t size = 8 * mib;
@@ -225,9 +231,10 @@ TEMPLATE_TEST_CASE("A CUDA backend's stream_wait_event orders work on one stream
   REQUIRE(cudaGetLastError() == cudaSuccess);
 }
 
-TEST_CASE("The expandable backend maps and unmaps several chunks, and data in the chunks that "
-          "stay mapped survives",
-          "[gpu][backends]") {
+TEST_CASE(
+    "The expandable backend maps and unmaps several chunks, and data in the chunks that "
+    "stay mapped survives",
+    "[gpu][backends]") {
   STREAMSAFE_REQUIRE_GPU();
   expandable_backend backend(0);
   REQUIRE(backend.supports_expandable());
@@ -257,8 +264,8 @@ TEST_CASE("The expandable backend maps and unmaps several chunks, and data in th
   REQUIRE(all_bytes_are(at(base, g), 2 * g, 0x21));
   REQUIRE(all_bytes_are(at(base, 3 * g), g, 0x13));
 
-  REQUIRE_THROWS_AS(backend.map(at(base, g), g), backend_error);        // already mapped
-  REQUIRE_THROWS_AS(backend.unmap(at(base, 512), g), backend_error);    // not aligned
+  REQUIRE_THROWS_AS(backend.map(at(base, g), g), backend_error);                 // already mapped
+  REQUIRE_THROWS_AS(backend.unmap(at(base, 512), g), backend_error);             // not aligned
   REQUIRE_THROWS_AS(backend.release_address_range(base, 4 * g), backend_error);  // still mapped
   REQUIRE_THROWS_AS(backend.unmap(at(base, g), g), backend_error);  // half of a mapped range
   REQUIRE(backend.mapped_chunk_count() == 3);
@@ -280,9 +287,10 @@ TEST_CASE("The expandable backend maps and unmaps several chunks, and data in th
   REQUIRE(cudaGetLastError() == cudaSuccess);
 }
 
-TEST_CASE("The expandable backend's map returns false and leaves nothing mapped when physical "
-          "memory runs out partway through",
-          "[gpu][backends]") {
+TEST_CASE(
+    "The expandable backend's map returns false and leaves nothing mapped when physical "
+    "memory runs out partway through",
+    "[gpu][backends]") {
   STREAMSAFE_REQUIRE_GPU();
   expandable_backend backend(0);
   const std::size_t g = backend.map_granularity_bytes();
@@ -320,9 +328,10 @@ TEST_CASE("The expandable backend's map returns false and leaves nothing mapped 
   backend.release_address_range(base, size);
 }
 
-TEST_CASE("The cuda_malloc backend refuses reserve, map and unmap because it has no expandable "
-          "segments",
-          "[gpu][backends]") {
+TEST_CASE(
+    "The cuda_malloc backend refuses reserve, map and unmap because it has no expandable "
+    "segments",
+    "[gpu][backends]") {
   STREAMSAFE_REQUIRE_GPU();
   cuda_malloc_backend backend(0);
   REQUIRE(std::string(backend.name()) == "cuda_malloc");
@@ -333,9 +342,10 @@ TEST_CASE("The cuda_malloc backend refuses reserve, map and unmap because it has
   REQUIRE_THROWS_AS(backend.unmap(nullptr, 2 * mib), backend_error);
 }
 
-TEST_CASE("A device guard makes a device current and restores the previous one, and backend "
-          "calls leave the caller's current device as it was",
-          "[gpu][backends]") {
+TEST_CASE(
+    "A device guard makes a device current and restores the previous one, and backend "
+    "calls leave the caller's current device as it was",
+    "[gpu][backends]") {
   STREAMSAFE_REQUIRE_GPU();
   const int count = streamsafe::cuda::device_count();
   REQUIRE(cudaSetDevice(0) == cudaSuccess);

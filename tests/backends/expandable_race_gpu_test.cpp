@@ -5,8 +5,8 @@
 // scope empty_cache waits for exactly that stream, or defers.
 #include "support/gpu.hpp"
 
-#include <streamsafe/core/caching_allocator.hpp>
 #include <streamsafe/backends/expandable_backend.hpp>
+#include <streamsafe/core/caching_allocator.hpp>
 #include <streamsafe/kernels/optimizers.hpp>
 
 #include <catch2/catch.hpp>
@@ -99,15 +99,17 @@ TEST_CASE("On the GPU empty_cache waits for exactly the stream that still uses t
   // Load the kernels' module before the unrelated kernel runs (lazy loading would wait for it).
   REQUIRE(kernels::launch_fill(p, 512, 0, env.s) == cudaSuccess);
   REQUIRE(cudaStreamSynchronize(env.s) == cudaSuccess);
-  REQUIRE(kernels::launch_spin(unrelated, 1000) == cudaSuccess);  // 1 s on a stream the allocator never saw
+  REQUIRE(kernels::launch_spin(unrelated, 1000) ==
+          cudaSuccess);  // 1 s on a stream the allocator never saw
   env.pending_write_on_t(alloc, p, 100);
   alloc.deallocate(p);  // no record_stream, as FSDP2
   const auto t0 = std::chrono::steady_clock::now();
   CHECK(alloc.empty_cache() >= k_bytes);
   const double waited = ms_since(t0);
   const auto st = alloc.stats();
-  WARN("empty_cache took " << waited << " ms, of which fence waits " << st.fence_wait_ns / 1e6 << " ms ("
-                           << st.fence_waits << " events), released " << st.bytes_released << " bytes");
+  WARN("empty_cache took " << waited << " ms, of which fence waits " << st.fence_wait_ns / 1e6
+                           << " ms (" << st.fence_waits << " events), released "
+                           << st.bytes_released << " bytes");
   CHECK(waited > 50);   // waited for the write on t
   CHECK(waited < 900);  // but not for the unrelated kernel
   CHECK(cudaStreamSynchronize(env.t) == cudaSuccess);

@@ -7,9 +7,9 @@
 // eager work on another stream runs beside it. Every host wait is bounded.
 #include "support/gpu.hpp"
 
-#include <streamsafe/core/caching_allocator.hpp>
 #include <streamsafe/backends/cuda_malloc_backend.hpp>
 #include <streamsafe/backends/expandable_backend.hpp>
+#include <streamsafe/core/caching_allocator.hpp>
 #include <streamsafe/kernels/optimizers.hpp>
 
 #include <cuda_runtime_api.h>
@@ -29,12 +29,12 @@ namespace {
 
 constexpr std::size_t mib = std::size_t{1} << 20;
 
-#define GRAPH_CUDA_OK(call)                                                              \
-  do {                                                                                   \
-    const cudaError_t graph_cuda_ok_result = (call);                                     \
-    INFO(#call << ": " << cudaGetErrorName(graph_cuda_ok_result) << " "                  \
-               << cudaGetErrorString(graph_cuda_ok_result));                             \
-    REQUIRE(graph_cuda_ok_result == cudaSuccess);                                        \
+#define GRAPH_CUDA_OK(call)                                             \
+  do {                                                                  \
+    const cudaError_t graph_cuda_ok_result = (call);                    \
+    INFO(#call << ": " << cudaGetErrorName(graph_cuda_ok_result) << " " \
+               << cudaGetErrorString(graph_cuda_ok_result));            \
+    REQUIRE(graph_cuda_ok_result == cudaSuccess);                       \
   } while (0)
 
 stream_handle h(cudaStream_t s) { return reinterpret_cast<stream_handle>(s); }
@@ -60,9 +60,11 @@ std::unique_ptr<device_backend> make_backend(backend_kind kind) {
 
 }  // namespace
 
-TEST_CASE("K11 on the GPU: a graph that allocates, frees and launches kernels is captured while empty_cache runs, "
-          "and replays exactly",
-          "[gpu][core][graph][cases][K11]") {
+TEST_CASE(
+    "K11 on the GPU: a graph that allocates, frees and launches kernels is captured while "
+    "empty_cache runs, "
+    "and replays exactly",
+    "[gpu][core][graph][cases][K11]") {
   STREAMSAFE_REQUIRE_GPU();
   const backend_kind kind = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
   INFO("backend " << (kind == backend_kind::expandable ? "expandable" : "cuda_malloc"));
@@ -98,13 +100,14 @@ TEST_CASE("K11 on the GPU: a graph that allocates, frees and launches kernels is
   std::atomic<int> rounds{0};
   std::atomic<bool> other_failed{false};
   std::string other_error;  // written by the other thread, read after the join
-  std::thread other([&] {  // another thread: empty_cache, reclaim, eager work on t
+  std::thread other([&] {   // another thread: empty_cache, reclaim, eager work on t
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
     try {
       while (!stop.load() && std::chrono::steady_clock::now() < deadline) {
         alloc->empty_cache();
         alloc->reclaim();
-        void* p = alloc->allocate(4 * mib + static_cast<std::size_t>(rounds.load() % 4) * mib, h(t));
+        void* p = alloc->allocate(4 * mib + static_cast<std::size_t>(rounds.load() % 4) * mib,
+                                  h(t));
         if (kernels::launch_fill(p, 4 * mib, 0x55, t) != cudaSuccess) {
           other_error = "launch_fill on t failed";
           other_failed = true;

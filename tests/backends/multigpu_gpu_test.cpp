@@ -5,10 +5,10 @@
 // driver thread is joined with a time limit, so that a hang becomes a failure.
 #include "support/gpu.hpp"
 
+#include <streamsafe/backends/expandable_backend.hpp>
 #include <streamsafe/core/caching_allocator.hpp>
 #include <streamsafe/core/errors.hpp>
 #include <streamsafe/frontends/allocator.hpp>
-#include <streamsafe/backends/expandable_backend.hpp>
 #include <streamsafe/kernels/collective.hpp>
 #include <streamsafe/kernels/optimizers.hpp>
 
@@ -101,9 +101,11 @@ void warm_up(int device, shared_flags& f) {
   auto* sum = static_cast<unsigned long long*>(scratch);
   REQUIRE(kernels::launch_spin(nullptr, 0) == cudaSuccess);
   REQUIRE(kernels::launch_fill(static_cast<char*>(scratch) + 512, 512, 1, nullptr) == cudaSuccess);
-  REQUIRE(kernels::launch_read_sum(static_cast<char*>(scratch) + 512, 512, sum, nullptr) == cudaSuccess);
+  REQUIRE(kernels::launch_read_sum(static_cast<char*>(scratch) + 512, 512, sum, nullptr) ==
+          cudaSuccess);
   // Generation 0: every flag already holds it, so the exchange returns at once.
-  REQUIRE(kernels::launch_exchange_flags(f.flags(), 2, 3, 0, 0, f.arrived(3), nullptr) == cudaSuccess);
+  REQUIRE(kernels::launch_exchange_flags(f.flags(), 2, 3, 0, 0, f.arrived(3), nullptr) ==
+          cudaSuccess);
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   REQUIRE(cudaFree(scratch) == cudaSuccess);
 }
@@ -124,9 +126,11 @@ bool default_stream_idle(int device) {
 
 }  // namespace
 
-TEST_CASE("K1 on two GPUs: empty_cache with device 0 current waits on device 1's default stream before releasing "
-          "device 1's segment",
-          "[gpu][multigpu][backends][cases][K1]") {
+TEST_CASE(
+    "K1 on two GPUs: empty_cache with device 0 current waits on device 1's default stream before "
+    "releasing "
+    "device 1's segment",
+    "[gpu][multigpu][backends][cases][K1]") {
   STREAMSAFE_REQUIRE_GPUS(2);
   shared_flags f;
   warm_up(1, f);
@@ -136,7 +140,8 @@ TEST_CASE("K1 on two GPUs: empty_cache with device 0 current waits on device 1's
     REQUIRE(cudaSetDevice(1) == cudaSuccess);
     void* p = alloc.allocate(64 * MiB, 1, nullptr);  // device 1's legacy default stream
     REQUIRE(kernels::launch_spin(nullptr, 300) == cudaSuccess);
-    REQUIRE(kernels::launch_fill(p, 64 * MiB, 0x5A, nullptr) == cudaSuccess);  // writes p behind the spin
+    REQUIRE(kernels::launch_fill(p, 64 * MiB, 0x5A, nullptr) ==
+            cudaSuccess);  // writes p behind the spin
     alloc.deallocate(p);
     REQUIRE(cudaSetDevice(0) == cudaSuccess);
     const std::size_t released = alloc.empty_cache();
@@ -155,9 +160,11 @@ TEST_CASE("K1 on two GPUs: empty_cache with device 0 current waits on device 1's
   }
 }
 
-TEST_CASE("K1 on two GPUs: with empty_cache:defer and device 0 current, device 1's segment waits in the queue "
-          "until device 1's default stream has passed it",
-          "[gpu][multigpu][backends][cases][K1]") {
+TEST_CASE(
+    "K1 on two GPUs: with empty_cache:defer and device 0 current, device 1's segment waits in the "
+    "queue "
+    "until device 1's default stream has passed it",
+    "[gpu][multigpu][backends][cases][K1]") {
   STREAMSAFE_REQUIRE_GPUS(2);
   {
     shared_flags warm;
@@ -168,14 +175,15 @@ TEST_CASE("K1 on two GPUs: with empty_cache:defer and device 0 current, device 1
     INFO("backend " << to_string(backend));
     shared_flags f;  // fresh flags: the hold below waits until the host sets flag 1
     options o = with(backend, empty_cache_mode::defer);
-    o.release_worker = release_worker_mode::off;  // reclaim on this thread gives it back (no worker)
+    o.release_worker =
+        release_worker_mode::off;  // reclaim on this thread gives it back (no worker)
     cuda::allocator alloc(o);
     open_on_exit opener{f, 1};
     REQUIRE(cudaSetDevice(1) == cudaSuccess);
     void* p = alloc.allocate(64 * MiB, 1, nullptr);
     // A hold: device 1's default stream waits until the host sets flag 1.
-    REQUIRE(kernels::launch_exchange_flags(f.flags(), 0, 1, generation, k_wait_limit_ms, f.arrived(0), nullptr) ==
-            cudaSuccess);
+    REQUIRE(kernels::launch_exchange_flags(f.flags(), 0, 1, generation, k_wait_limit_ms,
+                                           f.arrived(0), nullptr) == cudaSuccess);
     REQUIRE(kernels::launch_fill(p, 64 * MiB, 0x5A, nullptr) == cudaSuccess);
     alloc.deallocate(p);
     REQUIRE(cudaSetDevice(0) == cudaSuccess);
@@ -198,16 +206,19 @@ TEST_CASE("K1 on two GPUs: with empty_cache:defer and device 0 current, device 1
   }
 }
 
-TEST_CASE("On two GPUs, record_stream and frees of a device 1 block run on device 1 while device 0 is current, "
-          "and its reuse is ordered after the recorded use (K7)",
-          "[gpu][multigpu][backends][cases][K7]") {
+TEST_CASE(
+    "On two GPUs, record_stream and frees of a device 1 block run on device 1 while device 0 is "
+    "current, "
+    "and its reuse is ordered after the recorded use (K7)",
+    "[gpu][multigpu][backends][cases][K7]") {
   STREAMSAFE_REQUIRE_GPUS(2);
   shared_flags f;
   warm_up(1, f);
   device_stream s1(1), t1(1);
   {
     cuda::allocator alloc;
-    constexpr std::size_t bytes = 32 * MiB;  // a whole segment: a reuse on s1 takes exactly this block
+    constexpr std::size_t bytes = 32 *
+                                  MiB;  // a whole segment: a reuse on s1 takes exactly this block
     void* p = alloc.allocate(bytes, 1, s1.s);
     REQUIRE(cudaSetDevice(1) == cudaSuccess);
     REQUIRE(kernels::launch_fill(p, bytes, 0x21, s1.s) == cudaSuccess);
@@ -227,7 +238,8 @@ TEST_CASE("On two GPUs, record_stream and frees of a device 1 block run on devic
     REQUIRE(cudaStreamSynchronize(t1.s) == cudaSuccess);
     unsigned char first = 0, last = 0;
     REQUIRE(cudaMemcpy(&first, q, 1, cudaMemcpyDeviceToHost) == cudaSuccess);
-    REQUIRE(cudaMemcpy(&last, static_cast<char*>(q) + bytes - 1, 1, cudaMemcpyDeviceToHost) == cudaSuccess);
+    REQUIRE(cudaMemcpy(&last, static_cast<char*>(q) + bytes - 1, 1, cudaMemcpyDeviceToHost) ==
+            cudaSuccess);
     INFO("the new block " << (q == p ? "reuses" : "differs from") << " the freed one");
     CHECK(first == 0x63);  // s1's write landed after t1's
     CHECK(last == 0x63);
@@ -243,9 +255,11 @@ TEST_CASE("On two GPUs, record_stream and frees of a device 1 block run on devic
   }
 }
 
-TEST_CASE("On two GPUs, a kernel on device 1 reads and writes blocks of device 0's expandable segment, including "
-          "chunks mapped after the first",
-          "[gpu][multigpu][backends][expandable]") {
+TEST_CASE(
+    "On two GPUs, a kernel on device 1 reads and writes blocks of device 0's expandable segment, "
+    "including "
+    "chunks mapped after the first",
+    "[gpu][multigpu][backends][expandable]") {
   STREAMSAFE_REQUIRE_GPUS(2);
   int can_access = 0;
   REQUIRE(cudaDeviceCanAccessPeer(&can_access, 1, 0) == cudaSuccess);
@@ -295,7 +309,8 @@ TEST_CASE("On two GPUs, a kernel on device 1 reads and writes blocks of device 0
       for (const auto& x : on) {  // device 0 sees what device 1 wrote
         unsigned char first = 0, last = 0;
         REQUIRE(cudaMemcpy(&first, x.p, 1, cudaMemcpyDeviceToHost) == cudaSuccess);
-        REQUIRE(cudaMemcpy(&last, static_cast<char*>(x.p) + x.bytes - 1, 1, cudaMemcpyDeviceToHost) == cudaSuccess);
+        REQUIRE(cudaMemcpy(&last, static_cast<char*>(x.p) + x.bytes - 1, 1,
+                           cudaMemcpyDeviceToHost) == cudaSuccess);
         CHECK(first == x.value);
         CHECK(last == x.value);
       }
@@ -314,9 +329,11 @@ TEST_CASE("On two GPUs, a kernel on device 1 reads and writes blocks of device 0
   REQUIRE(cudaSetDevice(0) == cudaSuccess);
 }
 
-TEST_CASE("K8 on two GPUs: one thread enqueues half of a collective on device 0, allocates through the "
-          "out-of-memory path with empty_cache:defer, then enqueues the other half on device 1, without a hang",
-          "[gpu][multigpu][backends][cases][K8]") {
+TEST_CASE(
+    "K8 on two GPUs: one thread enqueues half of a collective on device 0, allocates through the "
+    "out-of-memory path with empty_cache:defer, then enqueues the other half on device 1, without "
+    "a hang",
+    "[gpu][multigpu][backends][cases][K8]") {
   STREAMSAFE_REQUIRE_GPUS(2);
   {
     shared_flags warm;
@@ -332,7 +349,8 @@ TEST_CASE("K8 on two GPUs: one thread enqueues half of a collective on device 0,
     o.memory_limit_bytes = 256 * MiB;  // forces the out-of-memory path without filling the GPU
     cuda::allocator alloc(o);
     open_on_exit open_device0_half{f, 1};
-    void* on_c0 = alloc.allocate(4096, 0, c0.s);  // the collective's stream is one the allocator has seen
+    void* on_c0 = alloc.allocate(4096, 0,
+                                 c0.s);  // the collective's stream is one the allocator has seen
     alloc.deallocate(on_c0);
     void* a = alloc.allocate(160 * MiB, 0, t0.s);  // another stream's pool: s0 cannot grow into it
     REQUIRE(cudaSetDevice(0) == cudaSuccess);
@@ -349,14 +367,16 @@ TEST_CASE("K8 on two GPUs: one thread enqueues half of a collective on device 0,
     std::future<void> finished = done.get_future();
     std::thread driver([&] {
       cudaSetDevice(0);
-      launch0 = kernels::launch_exchange_flags(f.flags(), 0, 1, generation, k_wait_limit_ms, f.arrived(0), c0.s);
+      launch0 = kernels::launch_exchange_flags(f.flags(), 0, 1, generation, k_wait_limit_ms,
+                                               f.arrived(0), c0.s);
       try {
         got = alloc.allocate(200 * MiB, 0, s0.s);
       } catch (const std::exception& e) {
         error = e.what();
       }
       cudaSetDevice(1);
-      launch1 = kernels::launch_exchange_flags(f.flags(), 1, 0, generation, k_wait_limit_ms, f.arrived(1), c1.s);
+      launch1 = kernels::launch_exchange_flags(f.flags(), 1, 0, generation, k_wait_limit_ms,
+                                               f.arrived(1), c1.s);
       sync1 = cudaStreamSynchronize(c1.s);
       cudaSetDevice(0);
       sync0 = cudaStreamSynchronize(c0.s);
@@ -373,10 +393,12 @@ TEST_CASE("K8 on two GPUs: one thread enqueues half of a collective on device 0,
     REQUIRE(launch1 == cudaSuccess);
     CHECK(sync0 == cudaSuccess);
     CHECK(sync1 == cudaSuccess);
-    CHECK(f.arrived_value(0) == 1);  // device 0's half saw device 1's: the host never blocked in between
+    CHECK(f.arrived_value(0) ==
+          1);  // device 0's half saw device 1's: the host never blocked in between
     CHECK(f.arrived_value(1) == 1);
     INFO(error);
-    CHECK(got == nullptr);  // every cached byte is fenced by the busy collective stream (all_streams)
+    CHECK(got ==
+          nullptr);  // every cached byte is fenced by the busy collective stream (all_streams)
     CHECK(error.find("out of memory on device 0") != std::string::npos);
     CHECK(error.find("waiting behind release fences") != std::string::npos);
     CHECK(alloc.device_allocator(0).pending_release_bytes() >= 160 * MiB);

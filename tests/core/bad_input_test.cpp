@@ -8,15 +8,15 @@
 
 #include <streamsafe/core/errors.hpp>
 
+#include <sys/wait.h>
+#include <unistd.h>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <limits>
 #include <optional>
 #include <string>
-#include <sys/wait.h>
 #include <thread>
-#include <unistd.h>
 #include <vector>
 
 using namespace streamsafe;
@@ -26,11 +26,18 @@ namespace {
 
 constexpr std::size_t size_max = std::numeric_limits<std::size_t>::max();
 
-const sim::call every_call[] = {
-    sim::call::allocate_segment, sim::call::free_segment, sim::call::reserve_address_range,
-    sim::call::release_address_range, sim::call::map, sim::call::unmap, sim::call::create_event,
-    sim::call::record_event, sim::call::query_event, sim::call::synchronize_event,
-    sim::call::stream_wait_event, sim::call::synchronize_device};
+const sim::call every_call[] = {sim::call::allocate_segment,
+                                sim::call::free_segment,
+                                sim::call::reserve_address_range,
+                                sim::call::release_address_range,
+                                sim::call::map,
+                                sim::call::unmap,
+                                sim::call::create_event,
+                                sim::call::record_event,
+                                sim::call::query_event,
+                                sim::call::synchronize_event,
+                                sim::call::stream_wait_event,
+                                sim::call::synchronize_device};
 
 // Runs body in a child process (fork) and returns how it ended: "exit N", "signal N" or
 // "hang" (killed after timeout). For calls that may hang or crash the process.
@@ -85,11 +92,11 @@ TEST_CASE("K7: every kind of bad free and record_stream is invalid_pointer and c
       const char* says;
     };
     const bad cases[] = {
-        {p, "double free"},                                   // cached
-        {pending, "double free"},                             // waiting for its stream uses
-        {static_cast<char*>(q) + 512, "interior pointer"},    // inside a live block
-        {static_cast<char*>(q) + 1, "interior pointer"},      // unaligned, inside
-        {static_cast<char*>(q) + 4 * KiB, ""},                // one past the end: not q's
+        {p, "double free"},                                 // cached
+        {pending, "double free"},                           // waiting for its stream uses
+        {static_cast<char*>(q) + 512, "interior pointer"},  // inside a live block
+        {static_cast<char*>(q) + 1, "interior pointer"},    // unaligned, inside
+        {static_cast<char*>(q) + 4 * KiB, ""},              // one past the end: not q's
         {reinterpret_cast<void*>(0x1234000), "unknown pointer"},
         {reinterpret_cast<void*>(size_max & ~std::uintptr_t{511}), "unknown pointer"},
     };
@@ -108,7 +115,8 @@ TEST_CASE("K7: every kind of bad free and record_stream is invalid_pointer and c
         CHECK(env.alloc.stats().to_string() == before);
       }
     }
-    // nullptr: rejected as unknown, or ignored as cudaFree and free() do; either way nothing changes.
+    // nullptr: rejected as unknown, or ignored as cudaFree and free() do; either way nothing
+    // changes.
     for (int call = 0; call < 3; ++call) {
       try {
         if (call == 0) env.alloc.deallocate(nullptr);
@@ -147,8 +155,9 @@ TEST_CASE("K7: a stream-ordered double free is rejected like a host double free"
   env.alloc.check_invariants();
 }
 
-TEST_CASE("K7: a pointer of one device's allocator is unknown to another's, and the owner still frees it",
-          "[core][bad-input][cases][K7]") {
+TEST_CASE(
+    "K7: a pointer of one device's allocator is unknown to another's, and the owner still frees it",
+    "[core][bad-input][cases][K7]") {
   sim::simulated_device dev0(sim_config(8 * GiB, 0));
   sim::simulated_device dev1(sim_config(8 * GiB, 1));
   caching_allocator a0(dev0, options{});
@@ -156,8 +165,10 @@ TEST_CASE("K7: a pointer of one device's allocator is unknown to another's, and 
   void* p0 = a0.allocate(1 * MiB, 0);
   void* p1 = a1.allocate(1 * MiB, 0);
   const std::string s0 = a0.stats().to_string(), s1 = a1.stats().to_string();
-  REQUIRE_THROWS_WITH(a1.deallocate(p0), Catch::Contains("unknown pointer") && Catch::Contains("device 1"));
-  REQUIRE_THROWS_WITH(a0.deallocate(p1), Catch::Contains("unknown pointer") && Catch::Contains("device 0"));
+  REQUIRE_THROWS_WITH(a1.deallocate(p0),
+                      Catch::Contains("unknown pointer") && Catch::Contains("device 1"));
+  REQUIRE_THROWS_WITH(a0.deallocate(p1),
+                      Catch::Contains("unknown pointer") && Catch::Contains("device 0"));
   REQUIRE_THROWS_AS(a1.record_stream(p0, 0), invalid_pointer);
   CHECK(a0.stats().to_string() == s0);
   CHECK(a1.stats().to_string() == s1);
@@ -183,8 +194,9 @@ TEST_CASE("Size 0 is invalid_size on every stream and backend, and changes nothi
   }
 }
 
-TEST_CASE("Sizes near SIZE_MAX and beyond the limit are out_of_memory on both backends, without overflow",
-          "[core][bad-input]") {
+TEST_CASE(
+    "Sizes near SIZE_MAX and beyond the limit are out_of_memory on both backends, without overflow",
+    "[core][bad-input]") {
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     INFO(to_string(backend));
     options o = make_options(backend);
@@ -192,9 +204,10 @@ TEST_CASE("Sizes near SIZE_MAX and beyond the limit are out_of_memory on both ba
     o.expandable_chunk_bytes = 2 * MiB;  // the limit is a whole number of chunks
     sim_env env(o);
     auto s = env.dev.create_stream();
-    const std::size_t sizes[] = {size_max,      size_max - 1,      size_max - 511, size_max - 512,
-                                 size_max / 2,  size_max / 2 + 1,  size_max / 4,   std::size_t{1} << 48,
-                                 1 * GiB + 1,   1 * GiB + 512,     8 * GiB,        8 * GiB + 1};
+    const std::size_t sizes[] = {
+        size_max,     size_max - 1,     size_max - 511, size_max - 512,
+        size_max / 2, size_max / 2 + 1, size_max / 4,   std::size_t{1} << 48,
+        1 * GiB + 1,  1 * GiB + 512,    8 * GiB,        8 * GiB + 1};
     for (std::size_t size : sizes) {
       INFO("size " << size);
       for (stream_handle st : {stream_handle{0}, s}) {
@@ -248,8 +261,10 @@ TEST_CASE("A memory fraction caps reserved bytes below the device total", "[core
 
 // ---- K6: destroyed and recycled streams -------------------------------------------------------
 
-TEST_CASE("K6: streams destroyed while their kernels run; recycled handles inherit nothing without a wait",
-          "[core][bad-input][cases][K6]") {
+TEST_CASE(
+    "K6: streams destroyed while their kernels run; recycled handles inherit nothing without a "
+    "wait",
+    "[core][bad-input][cases][K6]") {
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     for (auto mode : {empty_cache_mode::wait, empty_cache_mode::defer}) {
       INFO(to_string(backend) << "/" << to_string(mode));
@@ -264,7 +279,8 @@ TEST_CASE("K6: streams destroyed while their kernels run; recycled handles inher
         env.dev.launch(s, 1000000, {}, "a 1 s kernel, still running when the stream goes");
         for (int j = 0; j < 3; ++j) {
           void* p = env.alloc.allocate((1 + static_cast<std::size_t>(j)) * MiB, s);
-          env.dev.launch(s, 100, {writes(p, (1 + static_cast<std::size_t>(j)) * MiB, 0x11)}, "old stream writes");
+          env.dev.launch(s, 100, {writes(p, (1 + static_cast<std::size_t>(j)) * MiB, 0x11)},
+                         "old stream writes");
           env.alloc.deallocate(p);
         }
       }
@@ -312,8 +328,9 @@ TEST_CASE("K6: streams destroyed while their kernels run; recycled handles inher
   }
 }
 
-TEST_CASE("K6: the default stream takes a destroyed stream's cached segment only behind its last work",
-          "[core][bad-input][cases][K6]") {
+TEST_CASE(
+    "K6: the default stream takes a destroyed stream's cached segment only behind its last work",
+    "[core][bad-input][cases][K6]") {
   options o;
   o.memory_limit_bytes = 64 * MiB;
   sim_env env(o);
@@ -324,7 +341,7 @@ TEST_CASE("K6: the default stream takes a destroyed stream's cached segment only
   env.alloc.deallocate(p);
   env.alloc.notify_stream_destroyed(s);
   env.dev.destroy_stream(s);
-  env.alloc.notify_stream_destroyed(s);  // twice: a no-op
+  env.alloc.notify_stream_destroyed(s);       // twice: a no-op
   void* q = env.alloc.allocate(40 * MiB, 0);  // only reachable through the dead stream's pool
   env.dev.launch(0, 10, {writes(q, 40 * MiB, 0x22)}, "default stream writes");
   CHECK(env.dev.fault_count() == 0);
@@ -346,8 +363,9 @@ TEST_CASE("K6: notify_stream_destroyed of a stream the allocator never saw is a 
   CHECK(env.dev.counters().events_recorded == 0);
 }
 
-TEST_CASE("K6: a host free after the recorded stream was destroyed makes no call on the dead stream",
-          "[core][bad-input][cases][K6]") {
+TEST_CASE(
+    "K6: a host free after the recorded stream was destroyed makes no call on the dead stream",
+    "[core][bad-input][cases][K6]") {
   // The dead stream's tombstone event stands in for its use (record_event on a destroyed handle
   // would fail, or hit a recycled handle).
   sim_env env;
@@ -364,8 +382,9 @@ TEST_CASE("K6: a host free after the recorded stream was destroyed makes no call
   CHECK(env.dev.fault_count() == 0);
 }
 
-TEST_CASE("K6: a recycled stream handle does not inherit a block behind another stream's unrecorded use",
-          "[core][bad-input][cases][K6]") {
+TEST_CASE(
+    "K6: a recycled stream handle does not inherit a block behind another stream's unrecorded use",
+    "[core][bad-input][cases][K6]") {
   // With the all_streams scope a use on another stream may go unrecorded (FSDP2) as long as the
   // program orders that stream before the next use on the allocation stream s. After s is
   // destroyed and the driver recycles its handle value, the new stream takes s's cached blocks:
@@ -396,16 +415,19 @@ TEST_CASE("K6: a recycled stream handle does not inherit a block behind another 
   env.alloc.deallocate(q);
 }
 
-TEST_CASE("The device fence scope in defer mode: empty_cache(wait) finishes the deferred release instead of "
-          "spinning",
-          "[core][bad-input]") {
+TEST_CASE(
+    "The device fence scope in defer mode: empty_cache(wait) finishes the deferred release instead "
+    "of "
+    "spinning",
+    "[core][bad-input]") {
   // A release batch of the device scope is never complete by polling; finish_deferred(wait) once
   // synchronised the device and then looped for ever on the same batch (found by the fuzzer,
   // fixed in the core). Run in a child process with a time limit, so a regression fails
   // instead of hanging.
   const std::string how = run_in_child(
       [] {
-        sim_env env(make_options(backend_kind::cuda_malloc, fence_scope::device, empty_cache_mode::defer));
+        sim_env env(
+            make_options(backend_kind::cuda_malloc, fence_scope::device, empty_cache_mode::defer));
         void* p = env.alloc.allocate(4 * KiB, 0);
         env.alloc.deallocate(p);
         env.alloc.empty_cache();  // deferred
@@ -418,9 +440,11 @@ TEST_CASE("The device fence scope in defer mode: empty_cache(wait) finishes the 
 
 // ---- process exit -----------------------------------------------------------------------------
 
-TEST_CASE("After the runtime unloads (every backend call fails), frees without driver work still succeed and "
-          "the destructor neither throws nor crashes",
-          "[core][bad-input][exit]") {
+TEST_CASE(
+    "After the runtime unloads (every backend call fails), frees without driver work still succeed "
+    "and "
+    "the destructor neither throws nor crashes",
+    "[core][bad-input][exit]") {
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     for (auto mode : {empty_cache_mode::wait, empty_cache_mode::defer}) {
       INFO(to_string(backend) << "/" << to_string(mode));
@@ -436,9 +460,9 @@ TEST_CASE("After the runtime unloads (every backend call fails), frees without d
       alloc->record_stream(cross, s2);
       dev.launch(s2, 100, {reads(cross, 1 * MiB)});
       alloc->deallocate(cached);
-      alloc->empty_cache(empty_cache_mode::defer);  // maybe a deferred batch
+      alloc->empty_cache(empty_cache_mode::defer);               // maybe a deferred batch
       for (sim::call c : every_call) dev.fail_next(c, 1 << 30);  // "the runtime is unloading"
-      alloc->deallocate(same);  // same-stream free: no driver call
+      alloc->deallocate(same);                                   // same-stream free: no driver call
       try {
         alloc->deallocate(cross);  // needs an event record: a clear error is acceptable
       } catch (const backend_error&) {
@@ -454,9 +478,11 @@ TEST_CASE("After the runtime unloads (every backend call fails), frees without d
   }
 }
 
-TEST_CASE("An allocator with static storage duration is destroyed cleanly at process exit after the runtime "
-          "unloaded",
-          "[core][bad-input][exit]") {
+TEST_CASE(
+    "An allocator with static storage duration is destroyed cleanly at process exit after the "
+    "runtime "
+    "unloaded",
+    "[core][bad-input][exit]") {
   const std::string how = run_in_child(
       [] {
         static sim::simulated_device dev(sim_config());
@@ -478,15 +504,18 @@ TEST_CASE("An allocator with static storage duration is destroyed cleanly at pro
 
 // ---- defects found by the fuzz runs, now fixed -------------------------------------------------
 
-TEST_CASE("K6: a recycled stream handle does not inherit a block behind an unrecorded use on a stream that is "
-          "gone too",
-          "[core][bad-input][cases][K6]") {
-  // Was a bug (fixed in get_or_create_stream_locked): when a recycled handle revived, the new stream waited on its own old
-  // tombstone and on an event of every *live* stream, but not on the tombstones of other
-  // destroyed streams. If the stream t that used a block of s without a record (FSDP2, legal
-  // under all_streams) is destroyed too, before s's handle is recycled, the new stream takes the
-  // block while t's last work is still pending: cross_stream_race. Waiting on every tombstone
-  // (as steal_segment_locked does) fixes it. Found while checking the fix of seed 47.
+TEST_CASE(
+    "K6: a recycled stream handle does not inherit a block behind an unrecorded use on a stream "
+    "that is "
+    "gone too",
+    "[core][bad-input][cases][K6]") {
+  // Was a bug (fixed in get_or_create_stream_locked): when a recycled handle revived, the new
+  // stream waited on its own old tombstone and on an event of every *live* stream, but not on the
+  // tombstones of other destroyed streams. If the stream t that used a block of s without a record
+  // (FSDP2, legal under all_streams) is destroyed too, before s's handle is recycled, the new
+  // stream takes the block while t's last work is still pending: cross_stream_race. Waiting on
+  // every tombstone (as steal_segment_locked does) fixes it. Found while checking the fix of
+  // seed 47.
   sim_env env;
   env.dev.set_reuse_stream_handles(true);
   auto s = env.dev.create_stream();

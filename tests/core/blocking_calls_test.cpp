@@ -68,7 +68,8 @@ struct blocking_device {
 };
 
 // Allocates, or notes what was thrown in `error` (Catch2 assertions are not thread-safe).
-void* try_allocate(caching_allocator& alloc, std::size_t size, stream_handle stream, std::string& error) {
+void* try_allocate(caching_allocator& alloc, std::size_t size, stream_handle stream,
+                   std::string& error) {
   try {
     return alloc.allocate(size, stream);
   } catch (const std::exception& e) {
@@ -91,7 +92,8 @@ void read_on(blocking_device& d, void* p, std::size_t size, stream_handle after,
 // One thread: holds stream c (the waiting half of a collective), allocates 70 MiB on stream 0
 // (the result or the error goes to got / error), then opens the hold (the other half arrives).
 // Returns whether that thread finished in time.
-bool allocate_during_collective(blocking_device& d, stream_handle c, void*& got, std::string& error) {
+bool allocate_during_collective(blocking_device& d, stream_handle c, void*& got,
+                                std::string& error) {
   const std::uint64_t collective = d.dev.hold(c, "collective: waits for another device");
   return finishes_within(
       10s,
@@ -110,9 +112,11 @@ options k8_options(backend_kind backend, fence_scope scope, empty_cache_mode mod
 
 }  // namespace
 
-TEST_CASE("K8: with empty_cache:defer, an allocation that needs the cache released returns out_of_memory without "
-          "waiting on a stream held by a collective",
-          "[core][cases][K8]") {
+TEST_CASE(
+    "K8: with empty_cache:defer, an allocation that needs the cache released returns out_of_memory "
+    "without "
+    "waiting on a stream held by a collective",
+    "[core][cases][K8]") {
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     INFO("backend " << to_string(backend));
     const options o = k8_options(backend, fence_scope::all_streams, empty_cache_mode::defer);
@@ -120,7 +124,8 @@ TEST_CASE("K8: with empty_cache:defer, an allocation that needs the cache releas
     const auto s = d0.dev.create_stream();
     const auto c0 = d0.dev.create_stream();  // device 0's collective stream
     const auto c1 = d1.dev.create_stream();  // device 1's
-    void* on_c0 = d0.alloc.allocate(4 * KiB, c0);  // the collective's stream is one the allocator has seen
+    void* on_c0 = d0.alloc.allocate(4 * KiB,
+                                    c0);  // the collective's stream is one the allocator has seen
     d0.alloc.deallocate(on_c0);
     void* a = d0.alloc.allocate(60 * MiB, s);
     d0.dev.launch(s, 10, {writes(a, 60 * MiB, 0x11)}, "compute");
@@ -137,7 +142,8 @@ TEST_CASE("K8: with empty_cache:defer, an allocation that needs the cache releas
         10s,
         [&] {
           got = try_allocate(d0.alloc, 70 * MiB, 0, oom);
-          d1.dev.launch(c1, 10, {reads(peer_buffer, 8 * MiB)}, "collective on device 1: signals device 0");
+          d1.dev.launch(c1, 10, {reads(peer_buffer, 8 * MiB)},
+                        "collective on device 1: signals device 0");
           d0.dev.open(wait_half);  // device 1's signal arrives
         },
         [&] { d0.dev.open(wait_half); });
@@ -146,7 +152,8 @@ TEST_CASE("K8: with empty_cache:defer, an allocation that needs the cache releas
     CHECK(got == nullptr);
     INFO(oom);
     CHECK(oom.find("out of memory on device 0") != std::string::npos);
-    CHECK(oom.find("62.00 MiB (65011712 bytes) waiting behind release fences") != std::string::npos);
+    CHECK(oom.find("62.00 MiB (65011712 bytes) waiting behind release fences") !=
+          std::string::npos);
     CHECK(oom.find("reclaim()") != std::string::npos);
     CHECK(oom.find("empty_cache:wait") != std::string::npos);
     CHECK(d0.alloc.pending_release_bytes() == 62 * MiB);
@@ -168,15 +175,17 @@ TEST_CASE("K8: with empty_cache:defer, an allocation that needs the cache releas
   }
 }
 
-TEST_CASE("K8: with empty_cache:defer, the out-of-memory path releases what is already safe and queues the rest, "
-          "without waiting",
-          "[core][cases][K8]") {
+TEST_CASE(
+    "K8: with empty_cache:defer, the out-of-memory path releases what is already safe and queues "
+    "the rest, "
+    "without waiting",
+    "[core][cases][K8]") {
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     INFO("backend " << to_string(backend));
     blocking_device d(k8_options(backend, fence_scope::used_streams, empty_cache_mode::defer), 0);
     const auto s = d.dev.create_stream();
     const auto t = d.dev.create_stream();
-    const auto c = d.dev.create_stream();  // the collective's stream
+    const auto c = d.dev.create_stream();     // the collective's stream
     void* a = d.alloc.allocate(60 * MiB, s);  // never touched by c: safe to release once s is idle
     void* b = d.alloc.allocate(20 * MiB, t);  // read on c once: its segment's fence covers c
     read_on(d, b, 20 * MiB, t, c);
@@ -203,9 +212,11 @@ TEST_CASE("K8: with empty_cache:defer, the out-of-memory path releases what is a
   }
 }
 
-TEST_CASE("K8: with empty_cache:wait, the out-of-memory path waits on exactly the fenced streams and another "
-          "thread keeps using the allocator meanwhile",
-          "[core][cases][K8]") {
+TEST_CASE(
+    "K8: with empty_cache:wait, the out-of-memory path waits on exactly the fenced streams and "
+    "another "
+    "thread keeps using the allocator meanwhile",
+    "[core][cases][K8]") {
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     INFO("backend " << to_string(backend));
     blocking_device d(k8_options(backend, fence_scope::used_streams, empty_cache_mode::wait), 0);
@@ -224,7 +235,8 @@ TEST_CASE("K8: with empty_cache:wait, the out-of-memory path waits on exactly th
     void* got = nullptr;
     std::string error;
     std::thread allocating([&] {
-      got = try_allocate(d.alloc, 70 * MiB, 0, error);  // 62 + 70 > 100: a's segment must go, behind s and c
+      got = try_allocate(d.alloc, 70 * MiB, 0,
+                         error);  // 62 + 70 > 100: a's segment must go, behind s and c
     });
     const bool blocked = d.host.wait_until_blocked(10s);
     // Meanwhile another thread allocates (slow path, a new stream), frees and reads statistics:
@@ -244,7 +256,8 @@ TEST_CASE("K8: with empty_cache:wait, the out-of-memory path waits on exactly th
           [&] { d.dev.open(on_c); });
     }
     d.dev.open(on_c);  // the collective on c completes; the one on u is still held
-    const bool returned = finishes_within(10s, [&] { allocating.join(); }, [&] { d.dev.open(on_u); });
+    const bool returned = finishes_within(
+        10s, [&] { allocating.join(); }, [&] { d.dev.open(on_u); });
     CHECK(blocked);
     CHECK(others_ran);
     CHECK(returned);
@@ -266,12 +279,15 @@ TEST_CASE("K8: with empty_cache:wait, the out-of-memory path waits on exactly th
   }
 }
 
-TEST_CASE("K8: with empty_cache:defer and a free_segment that waits for the whole device (cudaFree), no segment "
-          "is freed while a collective runs on a stream the allocator knows",
-          "[core][cases][K8]") {
+TEST_CASE(
+    "K8: with empty_cache:defer and a free_segment that waits for the whole device (cudaFree), no "
+    "segment "
+    "is freed while a collective runs on a stream the allocator knows",
+    "[core][cases][K8]") {
   for (auto scope : {fence_scope::used_streams, fence_scope::all_streams}) {
     INFO("release_fence " << to_string(scope));
-    blocking_device d(k8_options(backend_kind::cuda_malloc, scope, empty_cache_mode::defer), 0, true);
+    blocking_device d(k8_options(backend_kind::cuda_malloc, scope, empty_cache_mode::defer), 0,
+                      true);
     const auto s = d.dev.create_stream();
     const auto c = d.dev.create_stream();  // the collective's stream
     void* on_c = d.alloc.allocate(4 * KiB, c);

@@ -119,7 +119,7 @@ TEST_CASE("A block used on another stream waits for that stream's event before r
   auto s = env.alloc.stats();
   CHECK(s.events_recorded == 1);
   CHECK(s.allocated_bytes.current == 0);
-  CHECK(s.active_bytes.current == 20 * MiB);  // still pending on s2
+  CHECK(s.active_bytes.current == 20 * MiB);   // still pending on s2
   void* q = env.alloc.allocate(20 * MiB, s1);  // served with a stream wait, not a new segment
   CHECK(q == p);
   CHECK(env.alloc.stats().stream_waits == 1);
@@ -169,8 +169,9 @@ TEST_CASE("Allocating 0 bytes throws invalid_size and changes nothing", "[core][
   CHECK(env.alloc.stats().to_string() == before.to_string());
 }
 
-TEST_CASE("Sizes near SIZE_MAX throw out_of_memory naming the request and leave the allocator usable",
-          "[core][bad-input]") {
+TEST_CASE(
+    "Sizes near SIZE_MAX throw out_of_memory naming the request and leave the allocator usable",
+    "[core][bad-input]") {
   sim_env env;
   const std::size_t max = std::numeric_limits<std::size_t>::max();
   for (std::size_t size : {max, max - 1, max - 511, max / 2 + 1, 9 * GiB}) {
@@ -197,7 +198,7 @@ TEST_CASE("Out of memory releases the cache safely, retries, then reports the st
   sim_env env(o);
   auto s1 = env.dev.create_stream();
   void* a = env.alloc.allocate(60 * MiB, s1);
-  env.alloc.deallocate(a);  // cached on s1
+  env.alloc.deallocate(a);                    // cached on s1
   void* b = env.alloc.allocate(70 * MiB, 0);  // needs the cached 60 MiB back
   CHECK(env.alloc.stats().num_alloc_retries == 1);
   CHECK(env.alloc.stats().reserved_bytes.current == 70 * MiB);
@@ -266,8 +267,10 @@ TEST_CASE("A backend that cannot map refuses the expandable setting with a clear
   REQUIRE_THROWS_AS(caching_allocator(dev, make_options(backend_kind::expandable)), config_error);
 }
 
-TEST_CASE("A stream announced as destroyed is fenced by its last event and a recycled handle waits for it",
-          "[core][cases][K6]") {
+TEST_CASE(
+    "A stream announced as destroyed is fenced by its last event and a recycled handle waits for "
+    "it",
+    "[core][cases][K6]") {
   sim_env env;
   env.dev.set_reuse_stream_handles(true);
   auto s1 = env.dev.create_stream();
@@ -290,8 +293,10 @@ TEST_CASE("A stream announced as destroyed is fenced by its last event and a rec
   env.alloc.check_invariants();
 }
 
-TEST_CASE("A snapshot shows every segment and block with its state and the streams a pending block waits for",
-          "[core][snapshot]") {
+TEST_CASE(
+    "A snapshot shows every segment and block with its state and the streams a pending block waits "
+    "for",
+    "[core][snapshot]") {
   sim_env env;
   auto s1 = env.dev.create_stream();
   auto s2 = env.dev.create_stream();
@@ -326,9 +331,11 @@ TEST_CASE("A snapshot shows every segment and block with its state and the strea
   env.alloc.deallocate(b);
 }
 
-TEST_CASE("The trace records allocations, frees, segment operations, deferred releases and out of memory",
-          "[core][trace]") {
-  options o = make_options(backend_kind::expandable, fence_scope::all_streams, empty_cache_mode::defer);
+TEST_CASE(
+    "The trace records allocations, frees, segment operations, deferred releases and out of memory",
+    "[core][trace]") {
+  options o = make_options(backend_kind::expandable, fence_scope::all_streams,
+                           empty_cache_mode::defer);
   o.trace_capacity = 64;
   o.memory_limit_bytes = 100 * MiB;
   sim_env env(o);
@@ -352,7 +359,9 @@ TEST_CASE("The trace records allocations, frees, segment operations, deferred re
   REQUIRE(env.alloc.trace() != nullptr);
   std::vector<trace_action> actions;
   for (const auto& e : env.alloc.trace()->events()) actions.push_back(e.action);
-  auto has = [&](trace_action a) { return std::find(actions.begin(), actions.end(), a) != actions.end(); };
+  auto has = [&](trace_action a) {
+    return std::find(actions.begin(), actions.end(), a) != actions.end();
+  };
   CHECK(has(trace_action::alloc));
   CHECK(has(trace_action::free_requested));
   CHECK(has(trace_action::free_completed));
@@ -377,20 +386,24 @@ TEST_CASE("roundup_power2_divisions rounds sizes to a few steps per power of two
   void* r = env.alloc.allocate(700, 0);  // small steps never go below 512 B
   CHECK(env.alloc.find_block(r).size_bytes == 1024);
   for (void* x : {p, q, r}) env.alloc.deallocate(x);
-  REQUIRE_THROWS_WITH(options::parse("roundup_power2_divisions:3"), Catch::Contains("power of two"));
+  REQUIRE_THROWS_WITH(options::parse("roundup_power2_divisions:3"),
+                      Catch::Contains("power of two"));
 }
 
-TEST_CASE("garbage_collection_threshold and max_cached_bytes give cached segments back before growing",
-          "[core][config]") {
-  for (const char* conf : {"memory_limit:100MB,garbage_collection_threshold:0.5", "max_cached_bytes:10MB"}) {
+TEST_CASE(
+    "garbage_collection_threshold and max_cached_bytes give cached segments back before growing",
+    "[core][config]") {
+  for (const char* conf :
+       {"memory_limit:100MB,garbage_collection_threshold:0.5", "max_cached_bytes:10MB"}) {
     INFO(conf);
     sim_env env(options::parse(conf));
     auto s1 = env.dev.create_stream();
     auto s2 = env.dev.create_stream();
     void* a = env.alloc.allocate(30 * MiB, s1);
     env.dev.launch(s1, 100, {writes(a, 30 * MiB)});
-    env.alloc.deallocate(a);  // 30 MiB cached on s1, unusable by s2
-    env.dev.run_until_idle();  // the trim releases only what is safe now: it never waits (issue 14 item 3)
+    env.alloc.deallocate(a);   // 30 MiB cached on s1, unusable by s2
+    env.dev.run_until_idle();  // the trim releases only what is safe now: it never waits (issue 14
+                               // item 3)
     void* b = env.alloc.allocate(30 * MiB, s2);
     CHECK(env.alloc.stats().reserved_bytes.current == 30 * MiB);  // s1's segment went back first
     CHECK(env.dev.counters().segment_frees == 1);
@@ -398,5 +411,6 @@ TEST_CASE("garbage_collection_threshold and max_cached_bytes give cached segment
     env.alloc.deallocate(b);
     env.alloc.check_invariants();
   }
-  REQUIRE_THROWS_WITH(options::parse("garbage_collection_threshold:1.5"), Catch::Contains("fraction"));
+  REQUIRE_THROWS_WITH(options::parse("garbage_collection_threshold:1.5"),
+                      Catch::Contains("fraction"));
 }

@@ -25,10 +25,13 @@ TEST_CASE("K2: unmap on free never runs before the stream's work, 200 times", "[
   CHECK(env.alloc.stats().num_sync_all_streams == 0);
 }
 
-TEST_CASE("K2: the same release under the allocation_stream scope faults when another stream uses the memory",
-          "[core][cases][K2]") {
+TEST_CASE(
+    "K2: the same release under the allocation_stream scope faults when another stream uses the "
+    "memory",
+    "[core][cases][K2]") {
   // Proof that the K2 check can fail: a use on a second stream, without record_stream.
-  sim_env env(make_options(backend_kind::expandable, fence_scope::allocation_stream), sim_config(4 * GiB));
+  sim_env env(make_options(backend_kind::expandable, fence_scope::allocation_stream),
+              sim_config(4 * GiB));
   auto s = env.dev.create_stream();
   auto t = env.dev.create_stream();
   env.alloc.allocate(4 * KiB, t);  // t is a stream the allocator has seen
@@ -43,10 +46,12 @@ TEST_CASE("K2: the same release under the allocation_stream scope faults when an
   CHECK(env.dev.faults().front().kind == sim::fault_kind::release_under_pending_work);
 }
 
-TEST_CASE("K2: a bulk release twice in a row under a hold defers, then is a no-op, never a driver error",
-          "[core][cases][K2]") {
-  sim_env env(make_options(backend_kind::expandable, fence_scope::all_streams, empty_cache_mode::defer),
-              sim_config(4 * GiB));
+TEST_CASE(
+    "K2: a bulk release twice in a row under a hold defers, then is a no-op, never a driver error",
+    "[core][cases][K2]") {
+  sim_env env(
+      make_options(backend_kind::expandable, fence_scope::all_streams, empty_cache_mode::defer),
+      sim_config(4 * GiB));
   auto s = env.dev.create_stream();
   auto t = env.dev.create_stream();
   env.alloc.allocate(4 * KiB, t);
@@ -149,10 +154,12 @@ TEST_CASE("K7: bad frees are clear errors that change nothing, and the allocator
   const std::string before = a0.stats().to_string();
   REQUIRE_THROWS_AS(a0.deallocate(p), invalid_pointer);
   REQUIRE_THROWS_WITH(a0.deallocate(p), Catch::Contains("double free"));
-  REQUIRE_THROWS_WITH(a0.deallocate(static_cast<char*>(q) + 256), Catch::Contains("interior pointer") &&
-                                                                      Catch::Contains("256 bytes into"));
-  REQUIRE_THROWS_WITH(a0.deallocate(reinterpret_cast<void*>(0x1234000)), Catch::Contains("unknown pointer"));
-  REQUIRE_THROWS_WITH(a1.deallocate(q), Catch::Contains("unknown pointer") && Catch::Contains("device 1"));
+  REQUIRE_THROWS_WITH(a0.deallocate(static_cast<char*>(q) + 256),
+                      Catch::Contains("interior pointer") && Catch::Contains("256 bytes into"));
+  REQUIRE_THROWS_WITH(a0.deallocate(reinterpret_cast<void*>(0x1234000)),
+                      Catch::Contains("unknown pointer"));
+  REQUIRE_THROWS_WITH(a1.deallocate(q),
+                      Catch::Contains("unknown pointer") && Catch::Contains("device 1"));
   REQUIRE_THROWS_AS(a0.record_stream(p, 0), invalid_pointer);
   CHECK(a0.stats().to_string() == before);
   a0.check_invariants();
@@ -233,7 +240,8 @@ TEST_CASE("K10: synchronising the stream never releases cache; empty_cache costs
     const auto frees_before = env.dev.counters().segment_frees;
     CHECK(env.alloc.empty_cache() == reserved);
     CHECK(env.alloc.stats().reserved_bytes.current == 0);
-    CHECK(env.dev.counters().segment_frees - frees_before == static_cast<std::uint64_t>(env.alloc.stats().segment.freed) - released);
+    CHECK(env.dev.counters().segment_frees - frees_before ==
+          static_cast<std::uint64_t>(env.alloc.stats().segment.freed) - released);
     released = static_cast<std::uint64_t>(env.alloc.stats().segment.freed);
   }
   CHECK(env.dev.fault_count() == 0);
@@ -241,7 +249,8 @@ TEST_CASE("K10: synchronising the stream never releases cache; empty_cache costs
 
 TEST_CASE("K10: empty_cache under a hold skips the busy blocks and never releases them early",
           "[core][cases][K10]") {
-  sim_env env(make_options(backend_kind::cuda_malloc, fence_scope::all_streams, empty_cache_mode::defer));
+  sim_env env(
+      make_options(backend_kind::cuda_malloc, fence_scope::all_streams, empty_cache_mode::defer));
   auto s = env.dev.create_stream();
   auto busy = env.dev.create_stream();
   std::vector<void*> blocks;

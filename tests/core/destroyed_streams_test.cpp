@@ -9,8 +9,8 @@
 
 #include <algorithm>
 #include <chrono>
-#include <string>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -46,9 +46,11 @@ void churn(sim_env& env, int n, std::size_t bytes = 1 * MiB) {
 
 }  // namespace
 
-TEST_CASE("After 2,000 destroyed streams, one empty_cache queries and keeps events for the live streams only and "
-          "releases the dead streams' pools",
-          "[destroyed-streams][K6]") {
+TEST_CASE(
+    "After 2,000 destroyed streams, one empty_cache queries and keeps events for the live streams "
+    "only and "
+    "releases the dead streams' pools",
+    "[destroyed-streams][K6]") {
   sim_env env;
   const auto live = env.dev.create_stream();
   env.alloc.deallocate(env.alloc.allocate(4 * KiB, live));
@@ -57,7 +59,8 @@ TEST_CASE("After 2,000 destroyed streams, one empty_cache queries and keeps even
   env.alloc.empty_cache();
   const auto after = env.dev.counters();
   INFO("event queries " << after.event_queries - before.event_queries << ", stream waits "
-                        << after.stream_waits - before.stream_waits << ", live events " << live_events(env.dev));
+                        << after.stream_waits - before.stream_waits << ", live events "
+                        << live_events(env.dev));
   CHECK(after.event_queries - before.event_queries <= 8);
   CHECK(live_events(env.dev) <= 16);
   CHECK(env.alloc.stats().reserved_bytes.current == 0);
@@ -66,9 +69,11 @@ TEST_CASE("After 2,000 destroyed streams, one empty_cache queries and keeps even
   env.alloc.check_invariants();
 }
 
-TEST_CASE("The dead streams' cached memory serves a live stream at the limit, with stream waits and queries for "
-          "the live streams only",
-          "[destroyed-streams][K6]") {
+TEST_CASE(
+    "The dead streams' cached memory serves a live stream at the limit, with stream waits and "
+    "queries for "
+    "the live streams only",
+    "[destroyed-streams][K6]") {
   options o;
   o.memory_limit_bytes = 2000 * 2 * MiB;  // exactly the dead pools: no growth possible
   sim_env env(o);
@@ -99,8 +104,10 @@ TEST_CASE("The dead streams' cached memory serves a live stream at the limit, wi
   CHECK(after.events_recorded - before.events_recorded <= 8);
   env.dev.launch(live, 1, {writes(p, MiB)}, "use on the live stream");
   std::vector<void*> more;
-  for (int i = 0; i < 100; ++i) more.push_back(env.alloc.allocate(1 * MiB, live));  // no out_of_memory
-  CHECK(env.alloc.stats().reserved_bytes.current <= static_cast<std::int64_t>(o.memory_limit_bytes));
+  for (int i = 0; i < 100; ++i)
+    more.push_back(env.alloc.allocate(1 * MiB, live));  // no out_of_memory
+  CHECK(env.alloc.stats().reserved_bytes.current <=
+        static_cast<std::int64_t>(o.memory_limit_bytes));
   env.alloc.deallocate(p);
   for (void* q : more) env.alloc.deallocate(q);
   env.dev.run_until_idle();
@@ -110,8 +117,10 @@ TEST_CASE("The dead streams' cached memory serves a live stream at the limit, wi
   env.alloc.check_invariants();
 }
 
-TEST_CASE("Control: 200 streams that are never announced destroyed keep their pools, as they may still run",
-          "[destroyed-streams][K6]") {
+TEST_CASE(
+    "Control: 200 streams that are never announced destroyed keep their pools, as they may still "
+    "run",
+    "[destroyed-streams][K6]") {
   // The other side of the rule: without notify_stream_destroyed a stream is live, its
   // pool's segments are fenced on it and released by empty_cache only behind that fence.
   sim_env env;
@@ -131,8 +140,9 @@ TEST_CASE("Control: 200 streams that are never announced destroyed keep their po
   CHECK(env.dev.fault_count() == 0);
 }
 
-TEST_CASE("100,000 streams created, used and destroyed: streams, events and reserved memory stay bounded",
-          "[destroyed-streams][K6][soak]") {
+TEST_CASE(
+    "100,000 streams created, used and destroyed: streams, events and reserved memory stay bounded",
+    "[destroyed-streams][K6][soak]") {
   options o;
   o.memory_limit_bytes = 256 * MiB;
   sim_env env(o);
@@ -152,7 +162,8 @@ TEST_CASE("100,000 streams created, used and destroyed: streams, events and rese
   } catch (const std::exception& e) {
     error = e.what();
   }
-  const auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const auto seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   INFO(done << " streams in " << seconds << " s; most live events " << max_live_events
             << "; most streams holding segments " << max_streams << "; " << error);
   CHECK(error.empty());
@@ -165,8 +176,10 @@ TEST_CASE("100,000 streams created, used and destroyed: streams, events and rese
   env.alloc.check_invariants();
 }
 
-TEST_CASE("Destroyed streams' states are retired and reused while other threads allocate on their own streams",
-          "[destroyed-streams][K6][threads]") {
+TEST_CASE(
+    "Destroyed streams' states are retired and reused while other threads allocate on their own "
+    "streams",
+    "[destroyed-streams][K6][threads]") {
   // Each thread churns short-lived streams and keeps one stream of its own; the states of the
   // dead ones are retired and handed to new streams while the threads' stream caches still
   // point at them (run under TSan and ASan).

@@ -27,7 +27,8 @@ options limited(backend_kind backend, std::size_t limit_bytes) {
 struct holes_env : sim_env {
   stream_handle s;
   std::vector<void*> blocks;
-  explicit holes_env(backend_kind backend) : sim_env(limited(backend, 1 * GiB)), s(dev.create_stream()) {
+  explicit holes_env(backend_kind backend)
+      : sim_env(limited(backend, 1 * GiB)), s(dev.create_stream()) {
     for (int i = 0; i < 5; ++i) {
       blocks.push_back(alloc.allocate(200 * MiB, s));
       dev.launch(s, 10, {writes(blocks.back(), 200 * MiB, static_cast<std::uint8_t>(i))}, "fill");
@@ -40,8 +41,10 @@ struct holes_env : sim_env {
 
 }  // namespace
 
-TEST_CASE("Expandable, 1 GiB limit: five 200 MiB blocks, free the 2nd and 4th, empty_cache, 300 MiB is served",
-          "[expandable-ranges][expandable]") {
+TEST_CASE(
+    "Expandable, 1 GiB limit: five 200 MiB blocks, free the 2nd and 4th, empty_cache, 300 MiB is "
+    "served",
+    "[expandable-ranges][expandable]") {
   holes_env env(backend_kind::expandable);
   CHECK(env.alloc.stats().allocated_bytes.current == static_cast<std::int64_t>(600 * MiB));
   void* p = nullptr;
@@ -66,9 +69,11 @@ TEST_CASE("Expandable, 1 GiB limit: five 200 MiB blocks, free the 2nd and 4th, e
   env.alloc.check_invariants();
 }
 
-TEST_CASE("Control: cuda_malloc, 1 GiB limit: five 200 MiB blocks, free the 2nd and 4th, empty_cache, 300 MiB is "
-          "served",
-          "[expandable-ranges]") {
+TEST_CASE(
+    "Control: cuda_malloc, 1 GiB limit: five 200 MiB blocks, free the 2nd and 4th, empty_cache, "
+    "300 MiB is "
+    "served",
+    "[expandable-ranges]") {
   holes_env env(backend_kind::cuda_malloc);
   void* p = env.alloc.allocate(300 * MiB, env.s);
   CHECK(p != nullptr);
@@ -83,9 +88,11 @@ TEST_CASE("Expandable, 1 GiB limit: a request beyond the memory really free is s
   env.alloc.check_invariants();
 }
 
-TEST_CASE("Expandable, long random runs with many sizes never run out of memory while allocated + request stays "
-          "under the limit minus the stated slack",
-          "[expandable-ranges][expandable]") {
+TEST_CASE(
+    "Expandable, long random runs with many sizes never run out of memory while allocated + "
+    "request stays "
+    "under the limit minus the stated slack",
+    "[expandable-ranges][expandable]") {
   // Slack: two mapping chunks (20 MiB each) per live block plus two, for chunks shared with
   // live neighbours, and 8 MiB for the small pool. Sizes 1-300 MiB (large pool) and some
   // 4 KiB-1 MiB (small pool), 3,000 operations per seed, up to 12 live blocks.
@@ -131,8 +138,10 @@ TEST_CASE("Expandable, long random runs with many sizes never run out of memory 
   env.alloc.check_invariants();
 }
 
-TEST_CASE("Expandable: idle mapped chunks are unmapped before a large growth past the peak that they cover",
-          "[expandable-ranges][expandable][corpus-policy]") {
+TEST_CASE(
+    "Expandable: idle mapped chunks are unmapped before a large growth past the peak that they "
+    "cover",
+    "[expandable-ranges][expandable][corpus-policy]") {
   // A 100 MiB, B 20 MiB, C 100 MiB; A and C freed: 200 MiB idle. 150 MiB would map 60 MiB more
   // after C (peak 280 MiB); unmapping A and C first keeps the peak at 220 MiB.
   sim_env env(make_options(backend_kind::expandable));

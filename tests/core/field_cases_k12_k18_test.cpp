@@ -27,9 +27,13 @@ using namespace streamsafe::test;
 
 namespace {
 
-const char* name_of(backend_kind b) { return b == backend_kind::expandable ? "expandable" : "cuda_malloc"; }
+const char* name_of(backend_kind b) {
+  return b == backend_kind::expandable ? "expandable" : "cuda_malloc";
+}
 
-std::uint64_t driver_calls(const sim::counters& c) { return c.segment_allocs + c.segment_frees + c.maps + c.unmaps; }
+std::uint64_t driver_calls(const sim::counters& c) {
+  return c.segment_allocs + c.segment_frees + c.maps + c.unmaps;
+}
 
 // ---- K12 ------------------------------------------------------------------------------------
 
@@ -92,30 +96,36 @@ k12_result run_k12(backend_kind backend, k12_variant variant) {
 
 }  // namespace
 
-TEST_CASE("K12: 2,000 requests growing by 64 KiB under a 512 MiB cap: no out_of_memory, reserved about twice the "
-          "largest request, driver calls per step tend to zero",
-          "[cases][K12][fixme14]") {
+TEST_CASE(
+    "K12: 2,000 requests growing by 64 KiB under a 512 MiB cap: no out_of_memory, reserved about "
+    "twice the "
+    "largest request, driver calls per step tend to zero",
+    "[cases][K12][fixme14]") {
   const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
   const k12_variant variant = GENERATE(k12_variant::plain, k12_variant::live_block);
-  INFO("backend " << name_of(backend) << (variant == k12_variant::live_block ? ", a 16 MiB block live" : ""));
+  INFO("backend " << name_of(backend)
+                  << (variant == k12_variant::live_block ? ", a 16 MiB block live" : ""));
   const auto r = run_k12(backend, variant);
   constexpr std::int64_t largest = 64 * MiB + 1999 * 64 * KiB;
-  INFO("out_of_memory " << r.ooms << " (first " << r.first_oom << "), reserved peak " << r.reserved_peak / MiB
-                        << " MiB, driver calls in the last 1,000 steps " << r.late_driver_calls);
+  INFO("out_of_memory " << r.ooms << " (first " << r.first_oom << "), reserved peak "
+                        << r.reserved_peak / MiB << " MiB, driver calls in the last 1,000 steps "
+                        << r.late_driver_calls);
   CHECK(r.ooms == 0);
   CHECK(r.reserved_peak <= 2 * largest + static_cast<std::int64_t>(40 * MiB));
   CHECK(r.late_driver_calls <= 100);  // at most one driver call per ten steps
   CHECK(r.faults == 0);
 }
 
-TEST_CASE("K12: each growing step captured in a graph, replayed once and released: no out_of_memory, nothing a "
-          "graph references released",
-          "[cases][K12][graph]") {
+TEST_CASE(
+    "K12: each growing step captured in a graph, replayed once and released: no out_of_memory, "
+    "nothing a "
+    "graph references released",
+    "[cases][K12][graph]") {
   const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
   INFO("backend " << name_of(backend));
   const auto r = run_k12(backend, k12_variant::graphs);
-  INFO("out_of_memory " << r.ooms << " (first " << r.first_oom << "), reserved peak " << r.reserved_peak / MiB
-                        << " MiB");
+  INFO("out_of_memory " << r.ooms << " (first " << r.first_oom << "), reserved peak "
+                        << r.reserved_peak / MiB << " MiB");
   CHECK(r.ooms == 0);
   CHECK(r.faults == 0);
   CHECK(r.reserved_peak <= static_cast<std::int64_t>(512 * MiB));
@@ -135,8 +145,9 @@ TEST_CASE("K12: each growing step captured in a graph, replayed once and release
 
 // ---- K14 ------------------------------------------------------------------------------------
 
-TEST_CASE("K14: a free goes to the allocator instance that made the block, whatever instance is asked",
-          "[cases][K14]") {
+TEST_CASE(
+    "K14: a free goes to the allocator instance that made the block, whatever instance is asked",
+    "[cases][K14]") {
   sim::simulated_device dev(sim_config());
   caching_allocator whole(dev, make_options(backend_kind::cuda_malloc));
   caching_allocator expandable(dev, make_options(backend_kind::expandable));
@@ -146,9 +157,10 @@ TEST_CASE("K14: a free goes to the allocator instance that made the block, whate
   void* b2 = expandable.allocate(4 * MiB, s);  // in b's segment
   const auto whole_before = whole.stats().to_string();
   const auto expandable_before = expandable.stats().to_string();
-  CHECK_THROWS_AS(whole.deallocate(b), invalid_pointer);        // another instance's block
+  CHECK_THROWS_AS(whole.deallocate(b), invalid_pointer);  // another instance's block
   CHECK_THROWS_AS(expandable.deallocate(a), invalid_pointer);
-  CHECK_THROWS_AS(expandable.deallocate(static_cast<char*>(b) + 4096), invalid_pointer);  // interior
+  CHECK_THROWS_AS(expandable.deallocate(static_cast<char*>(b) + 4096),
+                  invalid_pointer);  // interior
   CHECK_THROWS_AS(whole.deallocate(static_cast<char*>(b2) + 512), invalid_pointer);
   CHECK(whole.stats().to_string() == whole_before);
   CHECK(expandable.stats().to_string() == expandable_before);
@@ -159,7 +171,8 @@ TEST_CASE("K14: a free goes to the allocator instance that made the block, whate
   expandable.empty_cache();
   CHECK(whole.stats().reserved_bytes.current == 0);
   CHECK(expandable.stats().reserved_bytes.current == 0);
-  CHECK(dev.counters().segment_frees == dev.counters().segment_allocs);  // each by its own primitive
+  CHECK(dev.counters().segment_frees ==
+        dev.counters().segment_allocs);  // each by its own primitive
   CHECK(dev.counters().unmaps >= 1);
   CHECK(dev.fault_count() == 0);
 }
@@ -197,12 +210,16 @@ class fork_watch final : public forwarding_device {
     return dev_.allocate_segment(n);
   }
   void free_segment(void* b, std::size_t n) override { note(), dev_.free_segment(b, n); }
-  void release_address_range(void* b, std::size_t n) override { note(), dev_.release_address_range(b, n); }
+  void release_address_range(void* b, std::size_t n) override {
+    note(), dev_.release_address_range(b, n);
+  }
   void unmap(void* p, std::size_t n) override { note(), dev_.unmap(p, n); }
   void record_event(event_handle e, stream_handle s) override { note(), dev_.record_event(e, s); }
   bool query_event(event_handle e) override { return note(), dev_.query_event(e); }
   void synchronize_event(event_handle e) override { note(), dev_.synchronize_event(e); }
-  void stream_wait_event(stream_handle s, event_handle e) override { note(), dev_.stream_wait_event(s, e); }
+  void stream_wait_event(stream_handle s, event_handle e) override {
+    note(), dev_.stream_wait_event(s, e);
+  }
   bool query_stream(stream_handle s) override { return note(), dev_.query_stream(s); }
   void synchronize_device() override { note(), dev_.synchronize_device(); }
 
@@ -239,7 +256,8 @@ int run_in_child(Child child) {
 
 std::string describe(int status) {
   if (WIFEXITED(status)) return "exit status " + std::to_string(WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status)) + " (14: the 5 s alarm: a hang)";
+  if (WIFSIGNALED(status))
+    return "killed by signal " + std::to_string(WTERMSIG(status)) + " (14: the 5 s alarm: a hang)";
   return "status " + std::to_string(status);
 }
 
@@ -247,28 +265,34 @@ std::string describe(int status) {
 struct fork_env {
   sim::simulated_device dev{sim_config()};
   fork_watch backend{dev};
-  std::unique_ptr<caching_allocator> alloc = std::make_unique<caching_allocator>(backend, options{});
+  std::unique_ptr<caching_allocator> alloc = std::make_unique<caching_allocator>(backend,
+                                                                                 options{});
   std::vector<stream_handle> streams;
   fork_env() {
     for (int i = 0; i < 3; ++i) streams.push_back(dev.create_stream());
     std::vector<void*> blocks;
     for (int i = 0; i < 200; ++i) {
-      blocks.push_back(alloc->allocate((1 + i % 7) * 512 * KiB, streams[static_cast<std::size_t>(i % 3)]));
+      blocks.push_back(
+          alloc->allocate((1 + i % 7) * 512 * KiB, streams[static_cast<std::size_t>(i % 3)]));
     }
-    dev.launch(streams[0], 100, {writes(blocks[0], 512 * KiB, 0x15)}, "kernel writing a cached block");
+    dev.launch(streams[0], 100, {writes(blocks[0], 512 * KiB, 0x15)},
+               "kernel writing a cached block");
     for (void* p : blocks) alloc->deallocate(p);
   }
 };
 
 }  // namespace
 
-TEST_CASE("K15: a forked child neither frees, unmaps nor synchronises the parent's memory and handles, and exits "
-          "normally",
-          "[cases][K15][fork]") {
+TEST_CASE(
+    "K15: a forked child neither frees, unmaps nor synchronises the parent's memory and handles, "
+    "and exits "
+    "normally",
+    "[cases][K15][fork]") {
   fork_env env;
   const auto status = run_in_child([&] {
-    env.alloc->empty_cache();  // the child's allocator must have reset itself: nothing of the parent's
-    env.alloc.reset();         // destroying it releases nothing of the parent's either
+    env.alloc
+        ->empty_cache();  // the child's allocator must have reset itself: nothing of the parent's
+    env.alloc.reset();    // destroying it releases nothing of the parent's either
     return env.backend.child_calls() == 0 ? 0 : 1;
   });
   INFO(describe(status) << " (1: the child made backend calls on the parent's handles)");
@@ -283,8 +307,9 @@ TEST_CASE("K15: a forked child neither frees, unmaps nor synchronises the parent
   env.alloc->check_invariants();
 }
 
-TEST_CASE("Control: the same empty_cache in the parent makes the release calls the child must not make",
-          "[cases][K15][fork]") {
+TEST_CASE(
+    "Control: the same empty_cache in the parent makes the release calls the child must not make",
+    "[cases][K15][fork]") {
   fork_env env;
   const auto frees = env.dev.counters().segment_frees;
   env.alloc->empty_cache();
@@ -292,12 +317,15 @@ TEST_CASE("Control: the same empty_cache in the parent makes the release calls t
   CHECK(env.backend.child_calls() == 0);  // (in the parent nothing counts)
 }
 
-TEST_CASE("K15: a child forked while a parent thread holds an allocator lock does not hang in the allocator",
-          "[cases][K15][fork]") {
+TEST_CASE(
+    "K15: a child forked while a parent thread holds an allocator lock does not hang in the "
+    "allocator",
+    "[cases][K15][fork]") {
   fork_env env;
   env.backend.block_growth();
   std::thread grower([&] {
-    void* p = env.alloc->allocate(512 * MiB, env.streams[1]);  // blocks in allocate_segment, locks held
+    void* p = env.alloc->allocate(512 * MiB,
+                                  env.streams[1]);  // blocks in allocate_segment, locks held
     env.alloc->deallocate(p);
   });
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
@@ -323,9 +351,11 @@ TEST_CASE("K15: a child forked while a parent thread holds an allocator lock doe
   env.alloc->check_invariants();
 }
 
-TEST_CASE("K15: a process exits with status 0 from a non-main thread with 200 blocks cached over 3 streams just "
-          "after a hold was opened",
-          "[cases][K15][fork]") {
+TEST_CASE(
+    "K15: a process exits with status 0 from a non-main thread with 200 blocks cached over 3 "
+    "streams just "
+    "after a hold was opened",
+    "[cases][K15][fork]") {
   const auto status = run_in_child([] {
     // The allocator lives in static storage: exit() destroys it, waiting on its fences.
     static sim::simulated_device dev(sim_config());
@@ -334,7 +364,8 @@ TEST_CASE("K15: a process exits with status 0 from a non-main thread with 200 bl
     for (int i = 0; i < 3; ++i) streams.push_back(dev.create_stream());
     const auto h = dev.hold(streams[1]);
     std::vector<void*> blocks;
-    for (int i = 0; i < 200; ++i) blocks.push_back(alloc.allocate((1 + i % 5) * MiB, streams[static_cast<std::size_t>(i % 3)]));
+    for (int i = 0; i < 200; ++i)
+      blocks.push_back(alloc.allocate((1 + i % 5) * MiB, streams[static_cast<std::size_t>(i % 3)]));
     dev.launch(streams[1], 100, {writes(blocks[1], MiB)}, "pending work");
     for (void* p : blocks) alloc.deallocate(p);
     dev.open(h);

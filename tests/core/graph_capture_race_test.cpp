@@ -164,13 +164,16 @@ struct k11_run {
 
 }  // namespace
 
-TEST_CASE("K11 with cudaFree semantics: the GPU sequence (capture, empty_cache and eager work on another thread, "
-          "replays) keeps the allocator consistent",
-          "[core][graph][cases][K11]") {
+TEST_CASE(
+    "K11 with cudaFree semantics: the GPU sequence (capture, empty_cache and eager work on another "
+    "thread, "
+    "replays) keeps the allocator consistent",
+    "[core][graph][cases][K11]") {
   constexpr int k_iterations = 200;
   for (int iteration = 0; iteration < k_iterations; ++iteration) {
     k11_run run;
-    run.env.hooked.free_delay = std::chrono::microseconds(200);  // others run meanwhile, as on a GPU
+    run.env.hooked.free_delay = std::chrono::microseconds(
+        200);  // others run meanwhile, as on a GPU
     INFO("iteration " << iteration);
     run.prepare();
     const std::uint64_t id = run.env.alloc.notify_capture_begin(run.s);
@@ -217,9 +220,11 @@ TEST_CASE("K11 with cudaFree semantics: the GPU sequence (capture, empty_cache a
   }
 }
 
-TEST_CASE("K11 with cudaFree semantics: the GPU sequence, single-threaded, with the other thread's round inside "
-          "each segment free in turn (the device lock dropped, the freed range handed out again)",
-          "[core][graph][cases][K11]") {
+TEST_CASE(
+    "K11 with cudaFree semantics: the GPU sequence, single-threaded, with the other thread's round "
+    "inside "
+    "each segment free in turn (the device lock dropped, the freed range handed out again)",
+    "[core][graph][cases][K11]") {
   // The rounds of the other thread run at fixed points, and one more inside the n-th
   // free_segment call, for every n the sequence reaches.
   int frees_seen = 0;

@@ -47,7 +47,9 @@ struct unsafe_calls {
   }
 };
 
-const char* name_of(backend_kind b) { return b == backend_kind::expandable ? "expandable" : "cuda_malloc"; }
+const char* name_of(backend_kind b) {
+  return b == backend_kind::expandable ? "expandable" : "cuda_malloc";
+}
 
 // Runs the test once per backend (Catch2 GENERATE), naming it in failure messages.
 #define EACH_BACKEND(backend)                                                                 \
@@ -85,12 +87,15 @@ struct capture_env : sim_env {
 
 }  // namespace
 
-TEST_CASE("K11: cap M, fill 0.9 M, free 0.3 M, capture S, ask 0.25 M: out_of_memory, no release, sync or query, "
-          "the capture stays valid",
-          "[core][graph][cases][K11]") {
+TEST_CASE(
+    "K11: cap M, fill 0.9 M, free 0.3 M, capture S, ask 0.25 M: out_of_memory, no release, sync or "
+    "query, "
+    "the capture stays valid",
+    "[core][graph][cases][K11]") {
   const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
   const empty_cache_mode mode = GENERATE(empty_cache_mode::wait, empty_cache_mode::defer);
-  INFO("backend " << name_of(backend) << ", empty_cache " << (mode == empty_cache_mode::wait ? "wait" : "defer"));
+  INFO("backend " << name_of(backend) << ", empty_cache "
+                  << (mode == empty_cache_mode::wait ? "wait" : "defer"));
   constexpr std::size_t M = 1000 * MiB;
   options o = make_options(backend, fence_scope::all_streams, mode);
   o.memory_limit_bytes = M;
@@ -101,9 +106,11 @@ TEST_CASE("K11: cap M, fill 0.9 M, free 0.3 M, capture S, ask 0.25 M: out_of_mem
     blocks.push_back(env.alloc.allocate(M / 10, s));
     env.dev.launch(s, 100, {writes(blocks.back(), M / 10, 0x11)}, "fill");
   }
-  for (int i : {1, 4, 7}) env.alloc.deallocate(blocks[static_cast<std::size_t>(i)]);  // 0.3 M, not adjacent
+  for (int i : {1, 4, 7})
+    env.alloc.deallocate(blocks[static_cast<std::size_t>(i)]);  // 0.3 M, not adjacent
   env.dev.run_until_idle();
-  REQUIRE(env.alloc.stats().reserved_bytes.current == static_cast<std::int64_t>(9 * (M / 10) + 2 * MiB));
+  REQUIRE(env.alloc.stats().reserved_bytes.current ==
+          static_cast<std::int64_t>(9 * (M / 10) + 2 * MiB));
 
   env.begin();
   const unsafe_calls before(env.dev);
@@ -124,7 +131,8 @@ TEST_CASE("K11: cap M, fill 0.9 M, free 0.3 M, capture S, ask 0.25 M: out_of_mem
   // After the capture the cache is released again (the empty_cache asked for during the capture
   // ran when it ended, behind the fence) and the same request is served.
   env.alloc.empty_cache();
-  CHECK(env.alloc.stats().reserved_bytes.current == static_cast<std::int64_t>(6 * (M / 10) + 2 * MiB));
+  CHECK(env.alloc.stats().reserved_bytes.current ==
+        static_cast<std::int64_t>(6 * (M / 10) + 2 * MiB));
   void* p = env.alloc.allocate(M / 4, env.dev.create_stream());
   CHECK(p != nullptr);
   env.finish();
@@ -144,9 +152,11 @@ TEST_CASE("K11: an empty_cache asked for during a capture runs, deferred, when t
   env.finish();
 }
 
-TEST_CASE("K11: memory cached before a capture is not handed to it (a replay on another stream would race with its "
-          "old uses)",
-          "[core][graph][cases][K11]") {
+TEST_CASE(
+    "K11: memory cached before a capture is not handed to it (a replay on another stream would "
+    "race with its "
+    "old uses)",
+    "[core][graph][cases][K11]") {
   EACH_BACKEND(backend);
   capture_env env(backend);
   void* p = env.alloc.allocate(64 * MiB, env.s);
@@ -169,9 +179,11 @@ TEST_CASE("K11: memory cached before a capture is not handed to it (a replay on 
   env.finish();
 }
 
-TEST_CASE("K11: a block freed during the capture is reused inside it on the capturing stream, and by no one else "
-          "until the graph is released",
-          "[core][graph][cases][K11]") {
+TEST_CASE(
+    "K11: a block freed during the capture is reused inside it on the capturing stream, and by no "
+    "one else "
+    "until the graph is released",
+    "[core][graph][cases][K11]") {
   EACH_BACKEND(backend);
   capture_env env(backend);
   const auto s = env.s, t = env.other;
@@ -216,8 +228,10 @@ TEST_CASE("K11: a block freed during the capture is reused inside it on the capt
   env.finish();
 }
 
-TEST_CASE("K11: a block from before the capture, freed inside it, is the graph's until the graph is released",
-          "[core][graph][cases][K11]") {
+TEST_CASE(
+    "K11: a block from before the capture, freed inside it, is the graph's until the graph is "
+    "released",
+    "[core][graph][cases][K11]") {
   EACH_BACKEND(backend);
   capture_env env(backend);
   const auto s = env.s;
@@ -256,11 +270,13 @@ TEST_CASE("K11: a block from before the capture, freed inside it, is the graph's
   env.finish();
 }
 
-TEST_CASE("K11: expandable growth that runs out of device memory part-way during a capture unmaps nothing",
-          "[core][graph][cases][K11]") {
+TEST_CASE(
+    "K11: expandable growth that runs out of device memory part-way during a capture unmaps "
+    "nothing",
+    "[core][graph][cases][K11]") {
   // 100 MiB device, 60 MiB of it taken outside the allocator (and 2 MiB by the other stream):
-  // mapping 60 MiB in 20 MiB chunks runs out after one chunk. Outside a capture they would be unmapped again; during one that
-  // is illegal, so they stay mapped in the graph's pool.
+  // mapping 60 MiB in 20 MiB chunks runs out after one chunk. Outside a capture they would be
+  // unmapped again; during one that is illegal, so they stay mapped in the graph's pool.
   capture_env env(make_options(backend_kind::expandable), sim_config(100 * MiB));
   REQUIRE(env.dev.allocate_segment(60 * MiB) != nullptr);
   env.begin();
@@ -309,7 +325,8 @@ TEST_CASE("K11: the capture stays valid while another thread calls empty_cache a
   EACH_BACKEND(backend);
   capture_env env(backend);
   const auto s = env.s, t = env.other;
-  for (int i = 0; i < 4; ++i) env.alloc.deallocate(env.alloc.allocate(32 * MiB, t));  // cache to release
+  for (int i = 0; i < 4; ++i)
+    env.alloc.deallocate(env.alloc.allocate(32 * MiB, t));  // cache to release
 
   env.begin();
   std::atomic<bool> stop{false}, finished{false};

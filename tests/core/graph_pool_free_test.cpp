@@ -6,9 +6,9 @@
 // is reported.
 #include "support/sim_fixture.hpp"
 
-#include <catch2/catch.hpp>
 #include <spdlog/sinks/base_sink.h>
 #include <spdlog/spdlog.h>
+#include <catch2/catch.hpp>
 
 #include <memory>
 #include <mutex>
@@ -33,7 +33,9 @@ std::string fault_text(const sim::simulated_device& dev) {
   return text;
 }
 
-const char* name_of(backend_kind b) { return b == backend_kind::expandable ? "expandable" : "cuda_malloc"; }
+const char* name_of(backend_kind b) {
+  return b == backend_kind::expandable ? "expandable" : "cuda_malloc";
+}
 
 #define EACH_BACKEND(backend)                                                                 \
   const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable); \
@@ -111,8 +113,9 @@ struct graphs_env : sim_env {
 
 }  // namespace
 
-TEST_CASE("A block of graph 1's pool freed during graph 2's capture is held until graph 2 is released",
-          "[graph-pools][graph]") {
+TEST_CASE(
+    "A block of graph 1's pool freed during graph 2's capture is held until graph 2 is released",
+    "[graph-pools][graph]") {
   EACH_BACKEND(backend);
   graphs_env env(backend);
   env.begin();
@@ -126,7 +129,8 @@ TEST_CASE("A block of graph 1's pool freed during graph 2's capture is held unti
   CHECK(env.alloc.held_free_count() == 1);
   const auto g2 = env.end();
   CHECK(env.alloc.held_free_count() == 1);
-  CHECK(env.alloc.stats().allocated_bytes.current >= static_cast<std::int64_t>(64 * MiB));  // counts as allocated
+  CHECK(env.alloc.stats().allocated_bytes.current >=
+        static_cast<std::int64_t>(64 * MiB));  // counts as allocated
 
   env.alloc.notify_graph_released(g1.id);
   CHECK(env.alloc.held_free_count() == 1);  // graph 1's release does not end graph 2's hold
@@ -140,8 +144,10 @@ TEST_CASE("A block of graph 1's pool freed during graph 2's capture is held unti
   env.alloc.check_invariants();
 }
 
-TEST_CASE("After graph 1 is released, empty_cache leaves mapped the graph-1 block that graph 2 replays over",
-          "[graph-pools][graph]") {
+TEST_CASE(
+    "After graph 1 is released, empty_cache leaves mapped the graph-1 block that graph 2 replays "
+    "over",
+    "[graph-pools][graph]") {
   EACH_BACKEND(backend);
   graphs_env env(backend);
   env.begin();
@@ -170,8 +176,10 @@ TEST_CASE("After graph 1 is released, empty_cache leaves mapped the graph-1 bloc
   env.alloc.check_invariants();
 }
 
-TEST_CASE("Control: the same sequence with W from the stream's ordinary pool is held and the replay is safe",
-          "[graph-pools][graph]") {
+TEST_CASE(
+    "Control: the same sequence with W from the stream's ordinary pool is held and the replay is "
+    "safe",
+    "[graph-pools][graph]") {
   EACH_BACKEND(backend);
   graphs_env env(backend);
   void* w = env.alloc.allocate(64 * MiB, env.s);  // before any capture: s's own pool
@@ -197,8 +205,10 @@ TEST_CASE("Control: the same sequence with W from the stream's ordinary pool is 
   env.alloc.check_invariants();
 }
 
-TEST_CASE("Control: a graph replayed over memory released under it faults as access_unmapped on the simulated device",
-          "[graph-pools][graph]") {
+TEST_CASE(
+    "Control: a graph replayed over memory released under it faults as access_unmapped on the "
+    "simulated device",
+    "[graph-pools][graph]") {
   // Shows that the replay checks above can fail: the user frees a block graph 2 reads after its
   // capture (which the allocator cannot see), empty_cache releases it, the replay faults.
   EACH_BACKEND(backend);
@@ -218,8 +228,10 @@ TEST_CASE("Control: a graph replayed over memory released under it faults as acc
   env.alloc.notify_graph_released(g.id);
 }
 
-TEST_CASE("Releasing a graph whose private pool still holds a live block is reported, and the block stays usable",
-          "[graph-pools][graph]") {
+TEST_CASE(
+    "Releasing a graph whose private pool still holds a live block is reported, and the block "
+    "stays usable",
+    "[graph-pools][graph]") {
   EACH_BACKEND(backend);
   graphs_env env(backend);
   env.begin();
@@ -255,16 +267,20 @@ TEST_CASE("Releasing a graph whose private pool still holds a live block is repo
   env.alloc.check_invariants();
 }
 
-TEST_CASE("Control: the log capture of these tests sees the allocator's warnings", "[graph-pools]") {
+TEST_CASE("Control: the log capture of these tests sees the allocator's warnings",
+          "[graph-pools]") {
   log_capture log;
   REQUIRE(log.attached());
-  sim_env env(make_options(backend_kind::cuda_malloc, fence_scope::allocation_stream));  // warns: unsafe scope
+  sim_env env(make_options(backend_kind::cuda_malloc,
+                           fence_scope::allocation_stream));  // warns: unsafe scope
   CHECK_FALSE(log.lines().empty());
 }
 
-TEST_CASE("A block allocated in a capture, live at its end and freed after it, serves no one but its graph until "
-          "the graph is released",
-          "[graph-pools][graph]") {
+TEST_CASE(
+    "A block allocated in a capture, live at its end and freed after it, serves no one but its "
+    "graph until "
+    "the graph is released",
+    "[graph-pools][graph]") {
   EACH_BACKEND(backend);
   graphs_env env(backend);
   env.begin();
@@ -292,7 +308,8 @@ TEST_CASE("A block allocated in a capture, live at its end and freed after it, s
   env.alloc.check_invariants();
 }
 
-TEST_CASE("A later capture on the same stream is not served from an earlier graph's pool", "[graph-pools][graph]") {
+TEST_CASE("A later capture on the same stream is not served from an earlier graph's pool",
+          "[graph-pools][graph]") {
   // Pools are private to one graph: streamsafe has no way to share a pool between graphs
   // (PyTorch's torch.cuda.graph(pool=...)); a block of graph 1's pool freed after its capture
   // must not serve graph 2, whose replays may overlap graph 1's.
@@ -321,8 +338,10 @@ TEST_CASE("A later capture on the same stream is not served from an earlier grap
   env.alloc.check_invariants();
 }
 
-TEST_CASE("A capture sharing graph 1's pool reuses the block graph 1 freed, and the pool goes back with its last graph",
-          "[graph-pools][graph][shared-pool]") {
+TEST_CASE(
+    "A capture sharing graph 1's pool reuses the block graph 1 freed, and the pool goes back with "
+    "its last graph",
+    "[graph-pools][graph][shared-pool]") {
   // torch.cuda.graph(pool=g1.pool()): the graphs replay one after another, never concurrently.
   EACH_BACKEND(backend);
   graphs_env env(backend);
@@ -351,13 +370,16 @@ TEST_CASE("A capture sharing graph 1's pool reuses the block graph 1 freed, and 
   env.dev.run_until_idle();
   env.alloc.empty_cache();
   CHECK(env.alloc.stats().reserved_bytes.current == env.baseline_reserved);
-  CHECK_THROWS_AS(env.alloc.notify_capture_begin(env.s, g1.id), std::invalid_argument);  // every graph released
+  CHECK_THROWS_AS(env.alloc.notify_capture_begin(env.s, g1.id),
+                  std::invalid_argument);  // every graph released
   env.alloc.check_invariants();
 }
 
-TEST_CASE("Graphs captured, replayed and released in a loop give back their pools' memory and address ranges "
-          "before the next capture",
-          "[graph-pools][graph]") {
+TEST_CASE(
+    "Graphs captured, replayed and released in a loop give back their pools' memory and address "
+    "ranges "
+    "before the next capture",
+    "[graph-pools][graph]") {
   EACH_BACKEND(backend);
   options o = make_options(backend);
   o.memory_limit_bytes = 256 * MiB;

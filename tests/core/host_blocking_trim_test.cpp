@@ -32,15 +32,16 @@ struct trim_env {
   std::uint64_t hold = 0;
   bool opened = false;
   explicit trim_env(const options& o, int extra_blocks = 0)
-      : dev(sim_config(8 * GiB)), host(dev, std::chrono::seconds(30)), alloc(host, o), s(dev.create_stream()),
-        busy(dev.create_stream()) {
+      : dev(sim_config(8 * GiB)), host(dev, std::chrono::seconds(30)), alloc(host, o),
+        s(dev.create_stream()), busy(dev.create_stream()) {
     void* small = alloc.allocate(4 * KiB, busy);
     dev.launch(busy, 10, {writes(small, 4 * KiB)}, "use on busy");
     void* p = alloc.allocate(100 * MiB, s);
     dev.launch(s, 10, {writes(p, 100 * MiB)}, "use on s");
     dev.run_until_idle();
     alloc.deallocate(p);
-    for (int i = 0; i < extra_blocks; ++i) extra.push_back(alloc.allocate(100 * MiB + static_cast<std::size_t>(i) * MiB, s));
+    for (int i = 0; i < extra_blocks; ++i)
+      extra.push_back(alloc.allocate(100 * MiB + static_cast<std::size_t>(i) * MiB, s));
     hold = dev.hold(busy, "a collective this thread releases later");
   }
   void open() {
@@ -64,15 +65,18 @@ options with_gc_threshold() {
 
 }  // namespace
 
-TEST_CASE("With max_cached_bytes or garbage_collection_threshold and empty_cache:wait, an allocation that grows "
-          "does not wait on a busy stream's fence",
-          "[trim][blocking]") {
+TEST_CASE(
+    "With max_cached_bytes or garbage_collection_threshold and empty_cache:wait, an allocation "
+    "that grows "
+    "does not wait on a busy stream's fence",
+    "[trim][blocking]") {
   const bool gc = GENERATE(false, true);
   INFO((gc ? "garbage_collection_threshold:0.25, limit 1 GiB" : "max_cached_bytes:64 MiB"));
   trim_env env(gc ? with_gc_threshold() : with_max_cached());
   REQUIRE(env.alloc.config().empty_cache == empty_cache_mode::wait);
   void* q = nullptr;
-  const auto r = returns_within([&] { q = env.alloc.allocate(200 * MiB, env.s); }, k_watchdog, [&] { env.open(); });
+  const auto r = returns_within([&] { q = env.alloc.allocate(200 * MiB, env.s); }, k_watchdog,
+                                [&] { env.open(); });
   CHECK(r.returned_in_time);
   CHECK(r.error.empty());
   INFO(r.error);
@@ -89,9 +93,11 @@ TEST_CASE("With max_cached_bytes or garbage_collection_threshold and empty_cache
   env.alloc.check_invariants();
 }
 
-TEST_CASE("With max_cached_bytes and empty_cache:wait, frees that bring the cache over the cap do not wait on a "
-          "busy stream's fence",
-          "[trim][blocking]") {
+TEST_CASE(
+    "With max_cached_bytes and empty_cache:wait, frees that bring the cache over the cap do not "
+    "wait on a "
+    "busy stream's fence",
+    "[trim][blocking]") {
   trim_env env(with_max_cached(), 4);
   const auto r = returns_within(
       [&] {
@@ -108,10 +114,13 @@ TEST_CASE("With max_cached_bytes and empty_cache:wait, frees that bring the cach
   env.alloc.check_invariants();
 }
 
-TEST_CASE("Control: an explicit empty_cache in wait mode under the hold blocks, and the watchdog catches it",
-          "[trim][blocking]") {
+TEST_CASE(
+    "Control: an explicit empty_cache in wait mode under the hold blocks, and the watchdog catches "
+    "it",
+    "[trim][blocking]") {
   trim_env env(with_max_cached());
-  const auto r = returns_within([&] { env.alloc.empty_cache(); }, std::chrono::milliseconds(500), [&] { env.open(); });
+  const auto r = returns_within([&] { env.alloc.empty_cache(); }, std::chrono::milliseconds(500),
+                                [&] { env.open(); });
   CHECK_FALSE(r.returned_in_time);  // it waited on busy's fence, as asked
   CHECK(env.host.blocked_calls() >= 1);
   CHECK(r.error.empty());

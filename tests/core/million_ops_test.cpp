@@ -54,8 +54,9 @@ program_stats run_one(std::uint64_t seed, bool trace) {
 
 }  // namespace
 
-TEST_CASE("A million random operations keep every invariant and fault nothing under safe fence scopes",
-          "[core][property][soak]") {
+TEST_CASE(
+    "A million random operations keep every invariant and fault nothing under safe fence scopes",
+    "[core][property][soak]") {
   if (const char* one = std::getenv("STREAMSAFE_SEED"); one && *one) {
     run_one(std::strtoull(one, nullptr, 10), true);
     return;
@@ -66,11 +67,13 @@ TEST_CASE("A million random operations keep every invariant and fault nothing un
   for (std::uint64_t seed = 1; total.operations < 1000000; ++seed, ++programs) {
     total += run_one(seed, false);
   }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::cout << "million_ops: " << total.operations << " operations in " << programs << " programs, "
-            << total.invariant_checks << " invariant checks, " << total.allocations << " allocations, "
-            << total.frees << " frees, " << total.out_of_memory << " out_of_memory, " << total.injections
-            << " injected failures (" << total.injected_errors << " surfaced as errors), " << total.hold_deadlocks
+            << total.invariant_checks << " invariant checks, " << total.allocations
+            << " allocations, " << total.frees << " frees, " << total.out_of_memory
+            << " out_of_memory, " << total.injections << " injected failures ("
+            << total.injected_errors << " surfaced as errors), " << total.hold_deadlocks
             << " waits refused under a hold, " << total.bad_pointer_checks << " bad pointers, "
             << total.streams_destroyed << " streams destroyed, " << seconds << " s\n";
   CHECK(total.operations >= 1000000);

@@ -36,10 +36,16 @@ class per_thread_device final : public forwarding_device {
   }
 
   void record_event(event_handle e, stream_handle s) override { dev_.record_event(e, real(s)); }
-  void stream_wait_event(stream_handle s, event_handle e) override { dev_.stream_wait_event(real(s), e); }
+  void stream_wait_event(stream_handle s, event_handle e) override {
+    dev_.stream_wait_event(real(s), e);
+  }
   bool query_stream(stream_handle s) override { return dev_.query_stream(real(s)); }
-  bool stream_is_capturing(stream_handle s) noexcept override { return s != k_per_thread && dev_.stream_is_capturing(s); }
-  bool stream_is_per_thread(stream_handle s) const noexcept override { return declare_per_thread && s == k_per_thread; }
+  bool stream_is_capturing(stream_handle s) noexcept override {
+    return s != k_per_thread && dev_.stream_is_capturing(s);
+  }
+  bool stream_is_per_thread(stream_handle s) const noexcept override {
+    return declare_per_thread && s == k_per_thread;
+  }
 
  private:
   stream_handle real(stream_handle s) { return s == k_per_thread ? this_thread_stream() : s; }
@@ -109,8 +115,10 @@ TEST_CASE("A batch is retired only up to the first block whose stream is still b
   env.alloc.check_invariants();
 }
 
-TEST_CASE("Events on a per-thread stream handle are each queried: another thread's idle stream proves nothing",
-          "[core][pending]") {
+TEST_CASE(
+    "Events on a per-thread stream handle are each queried: another thread's idle stream proves "
+    "nothing",
+    "[core][pending]") {
   // Thread T records a use of block p on its per-thread stream, still reading p; the main thread
   // then records a use of block q on its own per-thread stream, which is idle. q's event is the
   // newest on the handle and complete, but it says nothing about T's stream. Reusing p now would
@@ -124,7 +132,8 @@ TEST_CASE("Events on a per-thread stream handle are each queried: another thread
     void* p = alloc.allocate(64 * KiB, a);
     void* q = alloc.allocate(64 * KiB, a);
     std::thread t([&] {
-      dev.launch(wrapped.this_thread_stream(), 1000, {reads(p, 64 * KiB)}, "long read on T's per-thread stream");
+      dev.launch(wrapped.this_thread_stream(), 1000, {reads(p, 64 * KiB)},
+                 "long read on T's per-thread stream");
       alloc.record_stream(p, per_thread_device::k_per_thread);
       alloc.deallocate(p);
     });

@@ -37,9 +37,13 @@ class per_thread_device final : public forwarding_device {
     return it->second;
   }
   void record_event(event_handle e, stream_handle s) override { dev_.record_event(e, resolve(s)); }
-  void stream_wait_event(stream_handle s, event_handle e) override { dev_.stream_wait_event(resolve(s), e); }
+  void stream_wait_event(stream_handle s, event_handle e) override {
+    dev_.stream_wait_event(resolve(s), e);
+  }
   bool query_stream(stream_handle s) override { return dev_.query_stream(resolve(s)); }
-  bool stream_is_capturing(stream_handle s) noexcept override { return dev_.stream_is_capturing(resolve(s)); }
+  bool stream_is_capturing(stream_handle s) noexcept override {
+    return dev_.stream_is_capturing(resolve(s));
+  }
   bool stream_is_per_thread(stream_handle s) const noexcept override { return s == k_per_thread; }
 
  private:
@@ -55,14 +59,17 @@ struct per_thread_env {
 };
 
 bool names_per_thread(const std::string& what) {
-  return what.find("cudaStreamPerThread") != std::string::npos || what.find("per-thread") != std::string::npos;
+  return what.find("cudaStreamPerThread") != std::string::npos ||
+         what.find("per-thread") != std::string::npos;
 }
 
 }  // namespace
 
-TEST_CASE("cudaStreamPerThread in the core: a block one thread's per-thread stream still writes is not handed to "
-          "another thread's per-thread stream without an ordering (or the handle is refused)",
-          "[per-thread-stream][fixme14]") {
+TEST_CASE(
+    "cudaStreamPerThread in the core: a block one thread's per-thread stream still writes is not "
+    "handed to "
+    "another thread's per-thread stream without an ordering (or the handle is refused)",
+    "[per-thread-stream][fixme14]") {
   per_thread_env env;
   void* p = nullptr;
   std::string refused;
@@ -106,9 +113,11 @@ TEST_CASE("cudaStreamPerThread in the core: a block one thread's per-thread stre
   env.alloc.check_invariants();
 }
 
-TEST_CASE("Control: two threads sharing one explicit stream handle while working on different streams race on the "
-          "simulated device",
-          "[per-thread-stream]") {
+TEST_CASE(
+    "Control: two threads sharing one explicit stream handle while working on different streams "
+    "race on the "
+    "simulated device",
+    "[per-thread-stream]") {
   // What the core does with cudaStreamPerThread today, written out with real handles: both
   // threads' blocks are keyed by one handle, their work runs on two streams.
   sim_env env;
@@ -127,7 +136,8 @@ TEST_CASE("Control: two threads sharing one explicit stream handle while working
   env.dev.run_until_idle();
 }
 
-TEST_CASE("Control: the same two threads on their own explicit streams do not race", "[per-thread-stream]") {
+TEST_CASE("Control: the same two threads on their own explicit streams do not race",
+          "[per-thread-stream]") {
   sim_env env;
   const auto a = env.dev.create_stream();
   const auto b = env.dev.create_stream();

@@ -31,7 +31,8 @@ namespace {
 // others; a gate, when closed, holds every releasing call (outside the device) until opened.
 class release_watch final : public forwarding_device {
  public:
-  explicit release_watch(sim::simulated_device& dev) : forwarding_device(dev), home_(std::this_thread::get_id()) {}
+  explicit release_watch(sim::simulated_device& dev)
+      : forwarding_device(dev), home_(std::this_thread::get_id()) {}
 
   std::size_t calls_on_home() const { return home_calls_.load(); }
   std::size_t calls_elsewhere() const { return other_calls_.load(); }
@@ -108,7 +109,8 @@ TEST_CASE("release_worker is an option: on, off, auto (the default; the core tre
   CHECK(options::parse("release_worker:off").release_worker == release_worker_mode::off);
   CHECK(options::parse("release_worker:auto").release_worker == release_worker_mode::automatic);
   CHECK_THROWS_AS(options::parse("release_worker:yes"), config_error);
-  CHECK_THAT(options::parse("empty_cache:defer,release_worker:on").to_string(), Catch::Contains("release_worker:on"));
+  CHECK_THAT(options::parse("empty_cache:defer,release_worker:on").to_string(),
+             Catch::Contains("release_worker:on"));
   // auto in the core: the calling thread releases what is safe now, as without a worker.
   worker_env env(worker_options(backend_kind::expandable, release_worker_mode::automatic));
   const auto s = env.dev.create_stream();
@@ -118,8 +120,10 @@ TEST_CASE("release_worker is an option: on, off, auto (the default; the core tre
   CHECK(env.watch.calls_elsewhere() == 0);
 }
 
-TEST_CASE("release_worker:on: empty_cache in defer mode makes no unmap or free_segment call on the calling thread",
-          "[core][release_worker]") {
+TEST_CASE(
+    "release_worker:on: empty_cache in defer mode makes no unmap or free_segment call on the "
+    "calling thread",
+    "[core][release_worker]") {
   const backend_kind backend = GENERATE(backend_kind::expandable, backend_kind::cuda_malloc);
   INFO(to_string(backend));
   SECTION("control: with the worker off the calling thread releases") {
@@ -170,9 +174,11 @@ TEST_CASE("release_worker:on: empty_cache in defer mode makes no unmap or free_s
   }
 }
 
-TEST_CASE("release_worker:on keeps the fence scope's safety: no release under pending work on a fenced stream; "
-          "the allocation_stream scope (control) faults",
-          "[core][release_worker]") {
+TEST_CASE(
+    "release_worker:on keeps the fence scope's safety: no release under pending work on a fenced "
+    "stream; "
+    "the allocation_stream scope (control) faults",
+    "[core][release_worker]") {
   const backend_kind backend = GENERATE(backend_kind::expandable, backend_kind::cuda_malloc);
   const fence_scope scope = GENERATE(fence_scope::all_streams, fence_scope::allocation_stream);
   INFO(to_string(backend) << " " << to_string(scope));
@@ -181,7 +187,8 @@ TEST_CASE("release_worker:on keeps the fence scope's safety: no release under pe
   const auto b = env.dev.create_stream();
   env.alloc->deallocate(env.alloc->allocate(4 * KiB, b));  // the allocator has seen b
   void* p = env.alloc->allocate(64 * MiB, a);
-  env.dev.launch(b, 1000, {reads(p, 64 * MiB)}, "unrecorded use on b");  // FSDP2-style, no record_stream
+  env.dev.launch(b, 1000, {reads(p, 64 * MiB)},
+                 "unrecorded use on b");  // FSDP2-style, no record_stream
   env.alloc->deallocate(p);
   CHECK(env.alloc->empty_cache() == 0);
   REQUIRE(env.settle());
@@ -200,9 +207,11 @@ TEST_CASE("release_worker:on keeps the fence scope's safety: no release under pe
   CHECK(env.watch.calls_on_home() == 0);
 }
 
-TEST_CASE("release_worker:on: an allocation at the memory limit waits for the release in flight; one that fits "
-          "does not wait",
-          "[core][release_worker]") {
+TEST_CASE(
+    "release_worker:on: an allocation at the memory limit waits for the release in flight; one "
+    "that fits "
+    "does not wait",
+    "[core][release_worker]") {
   const backend_kind backend = GENERATE(backend_kind::expandable, backend_kind::cuda_malloc);
   INFO(to_string(backend));
   options o = worker_options(backend);
@@ -244,9 +253,11 @@ TEST_CASE("release_worker:on: an allocation at the memory limit waits for the re
   CHECK(env.dev.fault_count() == 0);
 }
 
-TEST_CASE("release_worker:on: an allocation that needs memory behind a pending fence throws out_of_memory "
-          "without waiting on the fence (K8)",
-          "[core][release_worker]") {
+TEST_CASE(
+    "release_worker:on: an allocation that needs memory behind a pending fence throws "
+    "out_of_memory "
+    "without waiting on the fence (K8)",
+    "[core][release_worker]") {
   options o = worker_options(backend_kind::expandable);
   o.memory_limit_bytes = 256 * MiB;
   worker_env env(o);
@@ -266,8 +277,10 @@ TEST_CASE("release_worker:on: an allocation that needs memory behind a pending f
   CHECK(env.dev.fault_count() == 0);
 }
 
-TEST_CASE("release_worker:on: a failed driver call in the worker puts the memory back and the worker goes on",
-          "[core][release_worker]") {
+TEST_CASE(
+    "release_worker:on: a failed driver call in the worker puts the memory back and the worker "
+    "goes on",
+    "[core][release_worker]") {
   worker_env env(worker_options(backend_kind::expandable));
   const auto s = env.dev.create_stream();
   env.alloc->deallocate(env.alloc->allocate(64 * MiB, s));
@@ -285,8 +298,10 @@ TEST_CASE("release_worker:on: a failed driver call in the worker puts the memory
   env.alloc->check_invariants();
 }
 
-TEST_CASE("release_worker:on: the worker makes no query or release while a CUDA graph capture is underway",
-          "[core][release_worker]") {
+TEST_CASE(
+    "release_worker:on: the worker makes no query or release while a CUDA graph capture is "
+    "underway",
+    "[core][release_worker]") {
   worker_env env(worker_options(backend_kind::expandable));
   const auto capturing = env.dev.create_stream();
   const auto s = env.dev.create_stream();
@@ -311,8 +326,10 @@ TEST_CASE("release_worker:on: the worker makes no query or release while a CUDA 
   env.alloc->notify_graph_released(graph);
 }
 
-TEST_CASE("release_worker:on: destroying the allocator with queued work and with a release in flight is clean",
-          "[core][release_worker]") {
+TEST_CASE(
+    "release_worker:on: destroying the allocator with queued work and with a release in flight is "
+    "clean",
+    "[core][release_worker]") {
   const backend_kind backend = GENERATE(backend_kind::expandable, backend_kind::cuda_malloc);
   INFO(to_string(backend));
   SECTION("queued behind a fence") {
@@ -345,8 +362,10 @@ TEST_CASE("release_worker:on: destroying the allocator with queued work and with
   }
 }
 
-TEST_CASE("release_worker:on: a child forked while the worker polls has no worker, and neither hangs nor joins it",
-          "[core][release_worker][fork]") {
+TEST_CASE(
+    "release_worker:on: a child forked while the worker polls has no worker, and neither hangs nor "
+    "joins it",
+    "[core][release_worker][fork]") {
   worker_env env(worker_options(backend_kind::expandable));
   const auto s = env.dev.create_stream();
   void* p = env.alloc->allocate(64 * MiB, s);

@@ -57,28 +57,33 @@ std::size_t unrecorded_side_read_then_reuse(const options& o, bool* reused = nul
 
 }  // namespace
 
-TEST_CASE("reuse_fence:all_streams parses and is written back by options::to_string", "[reuse-fence][options]") {
+TEST_CASE("reuse_fence:all_streams parses and is written back by options::to_string",
+          "[reuse-fence][options]") {
   const options o = reuse_fenced();
   CHECK_THAT(o.to_string(), Catch::Contains("reuse_fence:all_streams"));
   CHECK_NOTHROW(options::parse(o.to_string()));
 }
 
-TEST_CASE("Under reuse_fence:all_streams a host-freed block read on a side stream without record_stream is not "
-          "reused before the read",
-          "[reuse-fence]") {
+TEST_CASE(
+    "Under reuse_fence:all_streams a host-freed block read on a side stream without record_stream "
+    "is not "
+    "reused before the read",
+    "[reuse-fence]") {
   bool reused = false;
   CHECK(unrecorded_side_read_then_reuse(reuse_fenced(), &reused) == 0);
   INFO("reused the same block: " << reused);
 }
 
-TEST_CASE("Control: by default the same reuse races with the unrecorded side-stream read", "[reuse-fence]") {
+TEST_CASE("Control: by default the same reuse races with the unrecorded side-stream read",
+          "[reuse-fence]") {
   bool reused = false;
   CHECK(unrecorded_side_read_then_reuse(options{}, &reused) == 1);
   CHECK(reused);
 }
 
-TEST_CASE("Under reuse_fence:all_streams one event per known stream covers a batch of 100 host frees",
-          "[reuse-fence]") {
+TEST_CASE(
+    "Under reuse_fence:all_streams one event per known stream covers a batch of 100 host frees",
+    "[reuse-fence]") {
   sim_env env(reuse_fenced());
   const auto s = env.dev.create_stream();
   const auto t = env.dev.create_stream();
@@ -93,11 +98,12 @@ TEST_CASE("Under reuse_fence:all_streams one event per known stream covers a bat
   const auto before = env.dev.counters().events_recorded;
   for (void* p : blocks) env.alloc.deallocate(p);  // one batch
   std::vector<void*> again;
-  for (int i = 0; i < 100; ++i) again.push_back(env.alloc.allocate(256 * KiB, s));  // reuses, behind the batch
+  for (int i = 0; i < 100; ++i)
+    again.push_back(env.alloc.allocate(256 * KiB, s));  // reuses, behind the batch
   const auto recorded = env.dev.counters().events_recorded - before;
   INFO("events recorded for 100 frees and 100 reuses, 3 known streams: " << recorded);
-  CHECK(recorded >= 1);   // the fence exists
-  CHECK(recorded <= 6);   // two batches of one event per stream at most, never one per free
+  CHECK(recorded >= 1);  // the fence exists
+  CHECK(recorded <= 6);  // two batches of one event per stream at most, never one per free
   for (void* p : again) env.alloc.deallocate(p);
   env.dev.run_until_idle();
   CHECK(env.dev.fault_count() == 0);
@@ -117,9 +123,11 @@ TEST_CASE("Control: by default same-stream host frees record no event", "[reuse-
   CHECK(env.dev.counters().events_recorded == before);
 }
 
-TEST_CASE("Under reuse_fence:all_streams a host free on the device-locked path (the thread allocated last on "
-          "another stream) waits for the reuse fence too",
-          "[reuse-fence]") {
+TEST_CASE(
+    "Under reuse_fence:all_streams a host free on the device-locked path (the thread allocated "
+    "last on "
+    "another stream) waits for the reuse fence too",
+    "[reuse-fence]") {
   // The free's fast path serves only blocks of the stream this thread allocated from last; here
   // the last allocation is on t, so the free of s's block takes the path under the device lock.
   sim_env env(reuse_fenced());

@@ -33,15 +33,16 @@ struct program_outcome {
   std::size_t operations = 0;
 };
 
-program_outcome run_program(std::uint64_t seed, backend_kind backend, fence_scope scope, empty_cache_mode mode,
-                            bool unrecorded_uses, int steps) {
+program_outcome run_program(std::uint64_t seed, backend_kind backend, fence_scope scope,
+                            empty_cache_mode mode, bool unrecorded_uses, int steps) {
   std::mt19937_64 rng(seed);
   auto pick = [&](std::size_t n) { return static_cast<std::size_t>(rng() % n); };
   sim::simulated_device dev(sim_config(2 * GiB));
   options o = make_options(backend, scope, mode);
   o.memory_limit_bytes = 256 * MiB;  // reach the out-of-memory and cross-stream paths
   caching_allocator alloc(dev, o);
-  std::vector<stream_handle> streams = {0, dev.create_stream(), dev.create_stream(), dev.create_stream()};
+  std::vector<stream_handle> streams = {0, dev.create_stream(), dev.create_stream(),
+                                        dev.create_stream()};
   // The all_streams scope covers the streams the allocator has seen: each stream allocates once.
   for (stream_handle s : streams) alloc.deallocate(alloc.allocate(512, s));
   std::vector<live_block> live;
@@ -90,7 +91,8 @@ program_outcome run_program(std::uint64_t seed, backend_kind backend, fence_scop
       if (t == b.stream) continue;
       order_after(t, b.stream);
       for (stream_handle u : b.users) order_after(t, u);
-      dev.launch(t, 1 + pick(3000), {pick(2) ? writes(b.ptr, b.size) : reads(b.ptr, b.size)}, "use on another stream");
+      dev.launch(t, 1 + pick(3000), {pick(2) ? writes(b.ptr, b.size) : reads(b.ptr, b.size)},
+                 "use on another stream");
       if (unrecorded_uses && pick(2)) {
         event_handle e = new_event();
         dev.record_event(e, t);
@@ -139,21 +141,26 @@ struct scope_case {
 
 }  // namespace
 
-TEST_CASE("Random programs never release or reuse memory under pending work with a safe fence scope",
-          "[core][property]") {
+TEST_CASE(
+    "Random programs never release or reuse memory under pending work with a safe fence scope",
+    "[core][property]") {
   const int programs = 250;  // per (scope, backend, mode): 4,000 programs in all
   std::size_t ops = 0;
   for (auto sc : {scope_case{fence_scope::all_streams, true}, scope_case{fence_scope::device, true},
-                  scope_case{fence_scope::used_streams, false}, scope_case{fence_scope::all_streams, false}}) {
+                  scope_case{fence_scope::used_streams, false},
+                  scope_case{fence_scope::all_streams, false}}) {
     for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
       for (auto mode : {empty_cache_mode::wait, empty_cache_mode::defer}) {
         for (int i = 0; i < programs; ++i) {
-          const std::uint64_t seed = 1000003u * static_cast<std::uint64_t>(i) + 7u * static_cast<std::uint64_t>(sc.scope) +
-                                     static_cast<std::uint64_t>(backend) * 31u + static_cast<std::uint64_t>(mode);
+          const std::uint64_t seed = 1000003u * static_cast<std::uint64_t>(i) +
+                                     7u * static_cast<std::uint64_t>(sc.scope) +
+                                     static_cast<std::uint64_t>(backend) * 31u +
+                                     static_cast<std::uint64_t>(mode);
           auto out = run_program(seed, backend, sc.scope, mode, sc.unrecorded, 120);
           ops += out.operations;
-          INFO("seed " << seed << " scope " << to_string(sc.scope) << " backend " << to_string(backend) << " mode "
-                       << to_string(mode) << ": " << out.first_fault);
+          INFO("seed " << seed << " scope " << to_string(sc.scope) << " backend "
+                       << to_string(backend) << " mode " << to_string(mode) << ": "
+                       << out.first_fault);
           REQUIRE(out.faults == 0);
         }
       }
@@ -167,8 +174,8 @@ TEST_CASE("The same random programs fault under the unsafe allocation_stream sco
   std::size_t faulty_programs = 0;
   for (auto backend : {backend_kind::cuda_malloc, backend_kind::expandable}) {
     for (int i = 0; i < 100; ++i) {
-      auto out = run_program(77u + static_cast<std::uint64_t>(i), backend, fence_scope::allocation_stream,
-                             empty_cache_mode::wait, true, 120);
+      auto out = run_program(77u + static_cast<std::uint64_t>(i), backend,
+                             fence_scope::allocation_stream, empty_cache_mode::wait, true, 120);
       if (out.faults) ++faulty_programs;
     }
   }

@@ -23,8 +23,9 @@
 using namespace streamsafe;
 using namespace streamsafe::test;
 
-TEST_CASE("a free segment moved to another stream is not allocated meanwhile by its owner's fast path",
-          "[core][threads][segment-move]") {
+TEST_CASE(
+    "a free segment moved to another stream is not allocated meanwhile by its owner's fast path",
+    "[core][threads][segment-move]") {
   constexpr std::size_t k_block = 12 * MiB;  // its own segment, exactly this size
   constexpr int k_held = 256;                // held segments the search walks past
   constexpr int k_rounds = 100000;
@@ -63,7 +64,8 @@ TEST_CASE("a free segment moved to another stream is not allocated meanwhile by 
           continue;  // the other thread holds the segment
         }
         holding[static_cast<std::size_t>(id)] = p;
-        if (holding[static_cast<std::size_t>(1 - id)] == p) fail("both threads hold the block at the same address");
+        if (holding[static_cast<std::size_t>(1 - id)] == p)
+          fail("both threads hold the block at the same address");
         holding[static_cast<std::size_t>(id)] = nullptr;
         alloc.deallocate(p);
       }

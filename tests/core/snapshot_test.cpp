@@ -16,8 +16,9 @@ namespace {
 constexpr std::size_t KiB = std::size_t{1} << 10;
 constexpr std::size_t MiB = std::size_t{1} << 20;
 
-block_snapshot blk(std::uintptr_t addr, std::size_t size, snapshot_block_state state, std::size_t requested = 0,
-                   stream_handle stream = 0, std::vector<stream_handle> waiting = {}) {
+block_snapshot blk(std::uintptr_t addr, std::size_t size, snapshot_block_state state,
+                   std::size_t requested = 0, stream_handle stream = 0,
+                   std::vector<stream_handle> waiting = {}) {
   block_snapshot b;
   b.address = addr;
   b.size_bytes = size;
@@ -28,9 +29,9 @@ block_snapshot blk(std::uintptr_t addr, std::size_t size, snapshot_block_state s
   return b;
 }
 
-// A 2 MiB small segment on stream 0: active 4 KiB, pending 8 KiB waiting on stream 7, inactive rest;
-// and an expandable large segment on stream 7: 20 MiB mapped (active 12 MiB, inactive 8 MiB), 44 MiB
-// unmapped.
+// A 2 MiB small segment on stream 0: active 4 KiB, pending 8 KiB waiting on stream 7, inactive
+// rest; and an expandable large segment on stream 7: 20 MiB mapped (active 12 MiB, inactive 8 MiB),
+// 44 MiB unmapped.
 memory_snapshot sample() {
   memory_snapshot snap;
   snap.device = 1;
@@ -72,7 +73,8 @@ TEST_CASE("A consistent snapshot passes its checks and sums bytes per state", "[
 TEST_CASE("Snapshot checks name the segment whose blocks do not tile it", "[core][snapshot]") {
   memory_snapshot snap = sample();
   snap.segments[0].blocks[1].address += 512;
-  CHECK_THROWS_WITH(snap.check_consistency(), Catch::Contains("segment 0x100000000") && Catch::Contains("tile"));
+  CHECK_THROWS_WITH(snap.check_consistency(),
+                    Catch::Contains("segment 0x100000000") && Catch::Contains("tile"));
 
   snap = sample();
   snap.segments[0].blocks.pop_back();
@@ -102,12 +104,18 @@ TEST_CASE("Snapshot JSON is valid and uses PyTorch's segment and block keys", "[
   const std::string json = os.str();
   INFO(json);
   CHECK(test::json_error(json).empty());
-  CHECK(json.rfind("{\"device\":1,\"time_us\":1234,\"stats\":{\"allocated_bytes.all.current\":12587008,", 0) == 0);
+  CHECK(json.rfind(
+            "{\"device\":1,\"time_us\":1234,\"stats\":{\"allocated_bytes.all.current\":12587008,",
+            0) == 0);
   // The small segment: allocated = active block, active = active + pending, requested = both.
-  CHECK(json.find("\"address\":4294967296,\"total_size\":2097152,\"mapped_size\":2097152,\"allocated_size\":4096,"
-                  "\"active_size\":12288,\"requested_size\":12000,\"stream\":0,\"segment_type\":\"small\","
-                  "\"is_expandable\":false") != std::string::npos);
-  CHECK(json.find("\"state\":\"active_pending_free\",\"stream\":0,\"waiting_on\":[7]") != std::string::npos);
+  CHECK(
+      json.find(
+          "\"address\":4294967296,\"total_size\":2097152,\"mapped_size\":2097152,\"allocated_"
+          "size\":4096,"
+          "\"active_size\":12288,\"requested_size\":12000,\"stream\":0,\"segment_type\":\"small\","
+          "\"is_expandable\":false") != std::string::npos);
+  CHECK(json.find("\"state\":\"active_pending_free\",\"stream\":0,\"waiting_on\":[7]") !=
+        std::string::npos);
   CHECK(json.find("\"state\":\"active_allocated\"") != std::string::npos);
   CHECK(json.find("\"state\":\"inactive\"") != std::string::npos);
   CHECK(json.find("\"state\":\"unmapped\"") != std::string::npos);
@@ -130,14 +138,15 @@ TEST_CASE("Statistics JSON carries every PyTorch key and streamsafe's counters",
   write_statistics_json(os, s);
   const std::string json = os.str();
   CHECK(test::json_error(json).empty());
-  for (const char* key : {"\"allocated_bytes.all.current\":600", "\"allocated_bytes.all.peak\":1000",
-                          "\"allocated_bytes.all.allocated\":1000", "\"allocated_bytes.all.freed\":400",
-                          "\"reserved_bytes.all.peak\":0", "\"active_bytes.all.current\":0",
-                          "\"inactive_split_bytes.all.current\":0", "\"requested_bytes.all.current\":0",
-                          "\"segment.all.current\":0", "\"num_alloc_retries\":2", "\"num_ooms\":0",
-                          "\"num_device_alloc\":0", "\"num_device_free\":0", "\"num_sync_all_streams\":0",
-                          "\"events_recorded\":0", "\"fence_waits\":0", "\"fence_wait_ns\":1500",
-                          "\"releases_deferred\":3"}) {
+  for (const char* key :
+       {"\"allocated_bytes.all.current\":600", "\"allocated_bytes.all.peak\":1000",
+        "\"allocated_bytes.all.allocated\":1000", "\"allocated_bytes.all.freed\":400",
+        "\"reserved_bytes.all.peak\":0", "\"active_bytes.all.current\":0",
+        "\"inactive_split_bytes.all.current\":0", "\"requested_bytes.all.current\":0",
+        "\"segment.all.current\":0", "\"num_alloc_retries\":2", "\"num_ooms\":0",
+        "\"num_device_alloc\":0", "\"num_device_free\":0", "\"num_sync_all_streams\":0",
+        "\"events_recorded\":0", "\"fence_waits\":0", "\"fence_wait_ns\":1500",
+        "\"releases_deferred\":3"}) {
     CHECK(json.find(key) != std::string::npos);
   }
 }
@@ -157,13 +166,13 @@ TEST_CASE("memory_summary is an aligned table of current, peak and totals plus t
   const std::string text = memory_summary(s, 0);
   INFO(text);
   CHECK(text.find("streamsafe memory summary, device 0") != std::string::npos);
-  CHECK(text.find("| Allocated memory        |     1.00 MiB |     2.00 MiB |     2.00 MiB |     1.00 MiB |") !=
-        std::string::npos);
+  CHECK(text.find("| Allocated memory        |     1.00 MiB |     2.00 MiB |     2.00 MiB |     "
+                  "1.00 MiB |") != std::string::npos);
   CHECK(text.find("GPU reserved memory") != std::string::npos);
   CHECK(text.find("Non-releasable memory") != std::string::npos);
   CHECK(text.find("Requested memory") != std::string::npos);
-  CHECK(text.find("| Allocations             |            2 |            2 |            2 |            0 |") !=
-        std::string::npos);
+  CHECK(text.find("| Allocations             |            2 |            2 |            2 |        "
+                  "    0 |") != std::string::npos);
   CHECK(text.find("OOMs") != std::string::npos);
   CHECK(text.find("2.500 ms") != std::string::npos);
   CHECK(text.find("Peak reserved/allocated") != std::string::npos);

@@ -38,11 +38,19 @@ class callback_backend final : public device_backend {
 
   int device() const noexcept override { return inner_.device(); }
   const char* name() const noexcept override { return inner_.name(); }
-  void* allocate_segment(std::size_t n) override { return check("allocate_segment"), inner_.allocate_segment(n); }
-  void free_segment(void* b, std::size_t n) override { check("free_segment"), inner_.free_segment(b, n); }
-  bool free_segment_synchronizes() const noexcept override { return inner_.free_segment_synchronizes(); }
+  void* allocate_segment(std::size_t n) override {
+    return check("allocate_segment"), inner_.allocate_segment(n);
+  }
+  void free_segment(void* b, std::size_t n) override {
+    check("free_segment"), inner_.free_segment(b, n);
+  }
+  bool free_segment_synchronizes() const noexcept override {
+    return inner_.free_segment_synchronizes();
+  }
   bool supports_expandable() const noexcept override { return inner_.supports_expandable(); }
-  std::size_t map_granularity_bytes() const noexcept override { return inner_.map_granularity_bytes(); }
+  std::size_t map_granularity_bytes() const noexcept override {
+    return inner_.map_granularity_bytes();
+  }
   void* reserve_address_range(std::size_t n) override {
     return check("reserve_address_range"), inner_.reserve_address_range(n);
   }
@@ -56,20 +64,30 @@ class callback_backend final : public device_backend {
     if (in_host_function) note("destroy_event");
     inner_.destroy_event(e);
   }
-  void record_event(event_handle e, stream_handle s) override { check("record_event"), inner_.record_event(e, s); }
+  void record_event(event_handle e, stream_handle s) override {
+    check("record_event"), inner_.record_event(e, s);
+  }
   bool query_event(event_handle e) override { return check("query_event"), inner_.query_event(e); }
-  void synchronize_event(event_handle e) override { check("synchronize_event"), inner_.synchronize_event(e); }
+  void synchronize_event(event_handle e) override {
+    check("synchronize_event"), inner_.synchronize_event(e);
+  }
   void stream_wait_event(stream_handle s, event_handle e) override {
     check("stream_wait_event"), inner_.stream_wait_event(s, e);
   }
-  bool query_stream(stream_handle s) override { return check("query_stream"), inner_.query_stream(s); }
+  bool query_stream(stream_handle s) override {
+    return check("query_stream"), inner_.query_stream(s);
+  }
   void synchronize_device() override { check("synchronize_device"), inner_.synchronize_device(); }
-  void memory_info(std::size_t& f, std::size_t& t) override { check("memory_info"), inner_.memory_info(f, t); }
+  void memory_info(std::size_t& f, std::size_t& t) override {
+    check("memory_info"), inner_.memory_info(f, t);
+  }
   bool stream_is_capturing(stream_handle s) noexcept override {
     if (in_host_function) note("stream_is_capturing");
     return inner_.stream_is_capturing(s);
   }
-  bool stream_is_per_thread(stream_handle s) const noexcept override { return inner_.stream_is_per_thread(s); }
+  bool stream_is_per_thread(stream_handle s) const noexcept override {
+    return inner_.stream_is_per_thread(s);
+  }
 
  private:
   void note(const char* what) {
@@ -81,9 +99,10 @@ class callback_backend final : public device_backend {
   void check(const char* what) {
     if (!in_host_function) return;
     note(what);
-    throw backend_error(std::string("callback_backend: ") + what +
-                        " from a stream callback: cudaErrorNotPermitted (CUDA calls are not allowed in a host "
-                        "function)");
+    throw backend_error(
+        std::string("callback_backend: ") + what +
+        " from a stream callback: cudaErrorNotPermitted (CUDA calls are not allowed in a host "
+        "function)");
   }
   device_backend& inner_;
   std::atomic<std::size_t> calls_{0};
@@ -98,8 +117,8 @@ struct callback_env {
   caching_allocator alloc;
   stream_handle s, t;
   explicit callback_env(options o = {})
-      : dev(sim_config(8 * GiB)), host(dev, std::chrono::seconds(5)), backend(host), alloc(backend, o),
-        s(dev.create_stream()), t(dev.create_stream()) {}
+      : dev(sim_config(8 * GiB)), host(dev, std::chrono::seconds(5)), backend(host),
+        alloc(backend, o), s(dev.create_stream()), t(dev.create_stream()) {}
 };
 
 // cudaLaunchHostFunc(s, fn) as described at the top. `meanwhile` runs on the calling thread while
@@ -109,7 +128,8 @@ struct callback_result {
   bool returned = false;
   std::string error;
 };
-callback_result launch_host_func(callback_env& env, stream_handle s, const std::function<void()>& fn,
+callback_result launch_host_func(callback_env& env, stream_handle s,
+                                 const std::function<void()>& fn,
                                  const std::function<void()>& meanwhile = {}) {
   const auto h = env.dev.hold(s, "host function");
   env.dev.advance(1000);  // S's earlier work completes; S now waits for the callback
@@ -128,17 +148,21 @@ callback_result launch_host_func(callback_env& env, stream_handle s, const std::
   });
   if (meanwhile) meanwhile();
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  while (!done.load() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  while (!done.load() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   r.returned = done.load();
-  if (!r.returned) env.dev.open(h);  // cannot free a callback blocked in the allocator; the join says so
+  if (!r.returned)
+    env.dev.open(h);  // cannot free a callback blocked in the allocator; the join says so
   cb.join();
   return r;
 }
 
 }  // namespace
 
-TEST_CASE("K16: a host free from a stream callback of a block used only on its stream makes no backend call",
-          "[cases][K16][callback]") {
+TEST_CASE(
+    "K16: a host free from a stream callback of a block used only on its stream makes no backend "
+    "call",
+    "[cases][K16][callback]") {
   callback_env env;
   void* p = env.alloc.allocate(8 * MiB, env.s);
   env.dev.launch(env.s, 10, {writes(p, 8 * MiB, 0x16)}, "kernel uses p");
@@ -153,9 +177,11 @@ TEST_CASE("K16: a host free from a stream callback of a block used only on its s
   env.alloc.check_invariants();
 }
 
-TEST_CASE("K16: a host free from a stream callback of a block with a recorded use on another stream makes no "
-          "backend call, and the block is reused only behind that use",
-          "[cases][K16][callback]") {
+TEST_CASE(
+    "K16: a host free from a stream callback of a block with a recorded use on another stream "
+    "makes no "
+    "backend call, and the block is reused only behind that use",
+    "[cases][K16][callback]") {
   callback_env env;
   void* p = env.alloc.allocate(8 * MiB, env.s);
   auto ev = env.dev.create_event();
@@ -179,8 +205,9 @@ TEST_CASE("K16: a host free from a stream callback of a block with a recorded us
   env.alloc.check_invariants();
 }
 
-TEST_CASE("K16: a stream-ordered free on another stream from a stream callback makes no backend call",
-          "[cases][K16][callback]") {
+TEST_CASE(
+    "K16: a stream-ordered free on another stream from a stream callback makes no backend call",
+    "[cases][K16][callback]") {
   callback_env env;
   void* p = env.alloc.allocate(8 * MiB, env.s);
   env.dev.launch(env.s, 10, {writes(p, 8 * MiB)}, "kernel uses p");
@@ -219,9 +246,11 @@ TEST_CASE("K16: empty_cache from a stream callback returns at once and makes no 
   env.alloc.check_invariants();
 }
 
-TEST_CASE("K16: an allocation that needs growth from a stream callback fails fast and leaves the allocator "
-          "consistent",
-          "[cases][K16][callback]") {
+TEST_CASE(
+    "K16: an allocation that needs growth from a stream callback fails fast and leaves the "
+    "allocator "
+    "consistent",
+    "[cases][K16][callback]") {
   callback_env env;
   void* p = env.alloc.allocate(8 * MiB, env.s);
   const auto start = std::chrono::steady_clock::now();
@@ -238,8 +267,10 @@ TEST_CASE("K16: an allocation that needs growth from a stream callback fails fas
   env.alloc.check_invariants();
 }
 
-TEST_CASE("K16: in a callback_scope, an allocation that needs growth throws at once and makes no backend call",
-          "[cases][K16][callback]") {
+TEST_CASE(
+    "K16: in a callback_scope, an allocation that needs growth throws at once and makes no backend "
+    "call",
+    "[cases][K16][callback]") {
   callback_env env;
   void* p = env.alloc.allocate(8 * MiB, env.s);
   void* small = nullptr;
@@ -259,8 +290,10 @@ TEST_CASE("K16: in a callback_scope, an allocation that needs growth throws at o
   env.alloc.check_invariants();
 }
 
-TEST_CASE("K16: a callback frees while another thread waits in empty_cache on the callback's stream: no deadlock",
-          "[cases][K16][callback]") {
+TEST_CASE(
+    "K16: a callback frees while another thread waits in empty_cache on the callback's stream: no "
+    "deadlock",
+    "[cases][K16][callback]") {
   callback_env env;
   env.alloc.deallocate(env.alloc.allocate(64 * MiB, env.s));
   void* p = env.alloc.allocate(8 * MiB, env.s);
@@ -268,12 +301,14 @@ TEST_CASE("K16: a callback frees while another thread waits in empty_cache on th
   const auto r = launch_host_func(
       env, env.s,
       [&] {
-        env.host.wait_until_blocked(std::chrono::milliseconds(2000));  // the other thread waits on s
+        env.host.wait_until_blocked(
+            std::chrono::milliseconds(2000));  // the other thread waits on s
         env.alloc.deallocate(p);
       },
       [&] {
         try {
-          env.alloc.empty_cache();  // wait mode: waits on s's fence, behind the callback, holding no lock
+          env.alloc.empty_cache();  // wait mode: waits on s's fence, behind the callback, holding
+                                    // no lock
         } catch (const std::exception& e) {
           waiter_error = e.what();
         }
@@ -289,7 +324,8 @@ TEST_CASE("K16: a callback frees while another thread waits in empty_cache on th
   env.alloc.check_invariants();
 }
 
-TEST_CASE("Control: callback_backend fails a backend call made from a stream callback", "[cases][K16][callback]") {
+TEST_CASE("Control: callback_backend fails a backend call made from a stream callback",
+          "[cases][K16][callback]") {
   callback_env env;
   const auto r = launch_host_func(env, env.s, [&] { env.backend.create_event(); });
   CHECK(r.returned);
@@ -297,9 +333,11 @@ TEST_CASE("Control: callback_backend fails a backend call made from a stream cal
   CHECK(env.backend.calls_from_callbacks() == 1);
 }
 
-TEST_CASE("A free with a recorded use, from an ordinary thread whose last allocation was on a third stream, records "
-          "its events at the free (only a thread that never allocated here is treated as a callback)",
-          "[core][K16][callback]") {
+TEST_CASE(
+    "A free with a recorded use, from an ordinary thread whose last allocation was on a third "
+    "stream, records "
+    "its events at the free (only a thread that never allocated here is treated as a callback)",
+    "[core][K16][callback]") {
   // The PyTorch pattern behind this test: x allocated on s, y = f(x) allocated on t (so t is the
   // thread's last stream), x.record_stream(t), del x. The free takes the device-locked path; the
   // thread has allocated from the allocator, so it is not a stream callback and the use's event

@@ -62,8 +62,9 @@ class watchdog {
     thread_ = std::thread([this, limit] {
       std::unique_lock<std::mutex> lk(mu_);
       if (!cv_.wait_for(lk, limit, [this] { return done_; })) {
-        std::fprintf(stderr, "\nWATCHDOG: %s did not finish within %lld s: deadlock or livelock; aborting\n",
-                     what_.c_str(), static_cast<long long>(limit.count()));
+        std::fprintf(
+            stderr, "\nWATCHDOG: %s did not finish within %lld s: deadlock or livelock; aborting\n",
+            what_.c_str(), static_cast<long long>(limit.count()));
         std::fflush(stderr);
         std::abort();
       }
@@ -136,7 +137,8 @@ outcome stress(backend_kind backend, empty_cache_mode mode, int ops_per_worker) 
         const stream_handle t = shared[pick(shared.size())];
         order_after(t, b.stream);
         for (stream_handle u : b.users) order_after(t, u);
-        dev.launch(t, 1 + pick(50), {reads(b.ptr, b.size)}, "last use before a stream-ordered free");
+        dev.launch(t, 1 + pick(50), {reads(b.ptr, b.size)},
+                   "last use before a stream-ordered free");
         alloc.deallocate(b.ptr, t);
       } else {
         alloc.deallocate(b.ptr);
@@ -149,7 +151,8 @@ outcome stress(backend_kind backend, empty_cache_mode mode, int ops_per_worker) 
         if (op < 35 || mine.empty()) {
           if (mine.size() >= 8) continue;
           // Own stream mostly; a shared stream sometimes (several threads allocate there).
-          const stream_handle s = pick(4) ? own[static_cast<std::size_t>(id)] : shared[pick(shared.size())];
+          const stream_handle s = pick(4) ? own[static_cast<std::size_t>(id)]
+                                          : shared[pick(shared.size())];
           const std::size_t size = pick(10) < 8 ? 1 + pick(2 * MiB) : 4 * MiB + pick(12 * MiB);
           void* p = nullptr;
           try {
@@ -222,8 +225,14 @@ outcome stress(backend_kind backend, empty_cache_mode mode, int ops_per_worker) 
           case 2: alloc.empty_cache(); break;
           case 3: alloc.reclaim(); break;
           case 4: alloc.check_invariants(); break;
-          case 5: (void)alloc.largest_free_block_bytes(); (void)alloc.pending_release_bytes(); break;
-          case 6: alloc.reset_peak_stats(); (void)alloc.stats(); break;
+          case 5:
+            (void)alloc.largest_free_block_bytes();
+            (void)alloc.pending_release_bytes();
+            break;
+          case 6:
+            alloc.reset_peak_stats();
+            (void)alloc.stats();
+            break;
           default: dev.advance(rng() % 400); break;
         }
         std::this_thread::yield();
@@ -236,8 +245,8 @@ outcome stress(backend_kind backend, empty_cache_mode mode, int ops_per_worker) 
   };
 
   {
-    watchdog dog(std::chrono::seconds(300), "thread stress (" + std::string(to_string(backend)) + ", " +
-                                                to_string(mode) + ")");
+    watchdog dog(std::chrono::seconds(300), "thread stress (" + std::string(to_string(backend)) +
+                                                ", " + to_string(mode) + ")");
     std::vector<std::thread> threads;
     std::thread keeper(maintenance);
     for (int i = 0; i < k_workers; ++i) {
@@ -260,8 +269,10 @@ outcome stress(backend_kind backend, empty_cache_mode mode, int ops_per_worker) 
     fail(e.what());
   }
   const statistics s = alloc.stats();
-  if (s.allocated_bytes.current != 0) fail("allocated bytes left: " + std::to_string(s.allocated_bytes.current));
-  if (s.reserved_bytes.current != 0) fail("reserved bytes left: " + std::to_string(s.reserved_bytes.current));
+  if (s.allocated_bytes.current != 0)
+    fail("allocated bytes left: " + std::to_string(s.allocated_bytes.current));
+  if (s.reserved_bytes.current != 0)
+    fail("reserved bytes left: " + std::to_string(s.reserved_bytes.current));
   if (dev.bytes_in_use() != 0) fail("device memory left in use");
   if (dev.fault_count() != 0) fail("simulated fault: " + dev.faults().front().message);
   return total;
@@ -269,9 +280,10 @@ outcome stress(backend_kind backend, empty_cache_mode mode, int ops_per_worker) 
 
 }  // namespace
 
-TEST_CASE("12 threads on own and shared streams, with empty_cache and reclaim from another thread, stay "
-          "consistent, fault-free and deadlock-free",
-          "[core][threads][stress]") {
+TEST_CASE(
+    "12 threads on own and shared streams, with empty_cache and reclaim from another thread, stay "
+    "consistent, fault-free and deadlock-free",
+    "[core][threads][stress]") {
   struct config {
     backend_kind backend;
     empty_cache_mode mode;
@@ -282,8 +294,9 @@ TEST_CASE("12 threads on own and shared streams, with empty_cache and reclaim fr
                    config{backend_kind::expandable, empty_cache_mode::defer}}) {
     INFO(to_string(c.backend) << "/" << to_string(c.mode));
     const outcome out = stress(c.backend, c.mode, 3000);
-    INFO(out.ops << " operations, " << out.allocations << " allocations, " << out.ooms << " out of memory, "
-                 << out.handed_over << " handed to another thread, " << out.maintenance << " maintenance calls");
+    INFO(out.ops << " operations, " << out.allocations << " allocations, " << out.ooms
+                 << " out of memory, " << out.handed_over << " handed to another thread, "
+                 << out.maintenance << " maintenance calls");
     CHECK(out.error.empty());
     if (!out.error.empty()) FAIL_CHECK(out.error);
     CHECK(out.ops == static_cast<std::uint64_t>(k_workers) * 3000);

@@ -14,7 +14,8 @@ using namespace streamsafe;
 
 namespace {
 
-trace_event ev(std::uint64_t t, trace_action a, std::uintptr_t addr, std::size_t size, stream_handle s = 0) {
+trace_event ev(std::uint64_t t, trace_action a, std::uintptr_t addr, std::size_t size,
+               stream_handle s = 0) {
   return trace_event{t, a, addr, size, s, 0};
 }
 
@@ -66,7 +67,8 @@ TEST_CASE("A full recorder overwrites its oldest events and counts them as dropp
   CHECK(rec.dropped() == 6);
   auto events = rec.events();
   REQUIRE(events.size() == 4);
-  for (std::size_t i = 0; i < 4; ++i) CHECK(events[i].time_us == 6 + i);  // the newest four, in order
+  for (std::size_t i = 0; i < 4; ++i)
+    CHECK(events[i].time_us == 6 + i);  // the newest four, in order
 
   rec.clear();
   CHECK(rec.size() == 0);
@@ -99,8 +101,9 @@ TEST_CASE("The JSON export is valid JSON with PyTorch's trace entry keys", "[cor
   const std::string json = os.str();
   CHECK(test::json_error(json).empty());
   CHECK(json.find("\"capacity\":2,\"recorded\":3,\"dropped\":1") != std::string::npos);
-  CHECK(json.find("{\"time_us\":6,\"action\":\"release_deferred\",\"addr\":2097152,\"size\":20971520,"
-                  "\"stream\":3,\"device\":0}") != std::string::npos);
+  CHECK(
+      json.find("{\"time_us\":6,\"action\":\"release_deferred\",\"addr\":2097152,\"size\":20971520,"
+                "\"stream\":3,\"device\":0}") != std::string::npos);
   CHECK(json.find("segment_map") == std::string::npos);  // dropped, the oldest
 
   std::ostringstream empty;

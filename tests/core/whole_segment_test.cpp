@@ -59,8 +59,9 @@ logits_then_activation replay_logits_then_activation(const options& o) {
 
 }  // namespace
 
-TEST_CASE("A wholly free segment far larger than a large request stays whole for a request of its size",
-          "[core][segment-fit]") {
+TEST_CASE(
+    "A wholly free segment far larger than a large request stays whole for a request of its size",
+    "[core][segment-fit]") {
   REQUIRE(options{}.whole_segment_split_ratio == 8);  // the default: the rule is on
   const logits_then_activation r = replay_logits_then_activation(options{});
   CHECK_FALSE(inside(r.activation, r.logits, 200 * MiB));  // a 12 MiB segment of its own
@@ -72,16 +73,20 @@ TEST_CASE("A wholly free segment far larger than a large request stays whole for
 
 TEST_CASE("whole_segment_split_ratio:0 carves the request out of the free segment, as PyTorch does",
           "[core][segment-fit]") {
-  const logits_then_activation r = replay_logits_then_activation(options::parse("whole_segment_split_ratio:0"));
-  CHECK(r.activation == r.logits);  // best fit: the front of the 200 MiB segment
+  const logits_then_activation r = replay_logits_then_activation(
+      options::parse("whole_segment_split_ratio:0"));
+  CHECK(r.activation == r.logits);    // best fit: the front of the 200 MiB segment
   CHECK(r.logits_again != r.logits);  // the segment is split: the logits need a new one
   CHECK(r.segment_allocs == 3);
   CHECK(r.peak_reserved == static_cast<std::int64_t>(400 * MiB));
 }
 
-TEST_CASE("A refused whole segment goes back to the driver, behind its fence, before a growth past the peak",
-          "[core][segment-fit]") {
-  for (const char* conf : {"empty_cache:wait", "empty_cache:defer", "whole_segment_split_ratio:0"}) {
+TEST_CASE(
+    "A refused whole segment goes back to the driver, behind its fence, before a growth past the "
+    "peak",
+    "[core][segment-fit]") {
+  for (const char* conf :
+       {"empty_cache:wait", "empty_cache:defer", "whole_segment_split_ratio:0"}) {
     INFO(conf);
     const std::string c = conf;
     sim_env env(options::parse(conf));
@@ -90,7 +95,7 @@ TEST_CASE("A refused whole segment goes back to the driver, behind its fence, be
     env.dev.launch(s, 100, {writes(logits, 200 * MiB)}, "a kernel still writing the logits");
     env.alloc.deallocate(logits);
     void* activation = env.alloc.allocate(12 * MiB, s);  // 212 MiB would pass the 200 MiB peak
-    CHECK(env.dev.fault_count() == 0);  // nothing released under the kernel
+    CHECK(env.dev.fault_count() == 0);                   // nothing released under the kernel
     if (c == "empty_cache:wait" || c == "empty_cache:defer") {
       // An allocation never waits on a fence outside its out-of-memory retry, in either mode
       // (issue 14 item 3): the segment is queued behind the fence, and the pool grows meanwhile.
@@ -160,8 +165,9 @@ TEST_CASE("The free remainder of a split segment serves any request (best fit)",
   env.alloc.check_invariants();
 }
 
-TEST_CASE("A refused whole segment that fits best gives way to a larger remainder that may be split",
-          "[core][segment-fit]") {
+TEST_CASE(
+    "A refused whole segment that fits best gives way to a larger remainder that may be split",
+    "[core][segment-fit]") {
   sim_env env;
   void* a = env.alloc.allocate(400 * MiB, 0);
   void* w = env.alloc.allocate(120 * MiB, 0);
@@ -192,8 +198,10 @@ TEST_CASE("At the memory limit the whole-segment rule gives way instead of relea
   env.alloc.check_invariants();
 }
 
-TEST_CASE("whole_segment_split_ratio accepts 0 to 1024 and names the key and the accepted values otherwise",
-          "[core][config][bad-input]") {
+TEST_CASE(
+    "whole_segment_split_ratio accepts 0 to 1024 and names the key and the accepted values "
+    "otherwise",
+    "[core][config][bad-input]") {
   CHECK(options{}.whole_segment_split_ratio == 8);
   CHECK(options::parse("whole_segment_split_ratio:0").whole_segment_split_ratio == 0);
   CHECK(options::parse("whole_segment_split_ratio:16").whole_segment_split_ratio == 16);
@@ -204,13 +212,16 @@ TEST_CASE("whole_segment_split_ratio accepts 0 to 1024 and names the key and the
                           "whole_segment_split_ratio:eight", "whole_segment_split_ratio:"}) {
     INFO(bad);
     REQUIRE_THROWS_AS(options::parse(bad), config_error);
-    REQUIRE_THROWS_WITH(options::parse(bad), Catch::Contains("'whole_segment_split_ratio'") &&
-                                                 Catch::Contains("0 (off) or a whole number from 1 to 1024"));
+    REQUIRE_THROWS_WITH(options::parse(bad),
+                        Catch::Contains("'whole_segment_split_ratio'") &&
+                            Catch::Contains("0 (off) or a whole number from 1 to 1024"));
   }
 }
 
-TEST_CASE("Whole free segments too small for a request go back before a growth past the peak, when they cover it",
-          "[segment-fit][corpus-policy]") {
+TEST_CASE(
+    "Whole free segments too small for a request go back before a growth past the peak, when they "
+    "cover it",
+    "[segment-fit][corpus-policy]") {
   sim_env env(with_ratio(8));
   auto s = env.dev.create_stream();
   void* a = env.alloc.allocate(30 * MiB, s);
@@ -219,7 +230,8 @@ TEST_CASE("Whole free segments too small for a request go back before a growth p
   env.alloc.deallocate(b);  // two idle 30 MiB segments, each too small for 50 MiB
   void* c = env.alloc.allocate(50 * MiB, s);
   env.dev.run_until_idle();
-  CHECK(env.alloc.stats().reserved_bytes.peak == static_cast<std::int64_t>(60 * MiB));  // not 110 MiB
+  CHECK(env.alloc.stats().reserved_bytes.peak ==
+        static_cast<std::int64_t>(60 * MiB));  // not 110 MiB
   CHECK(env.alloc.stats().reserved_bytes.current == static_cast<std::int64_t>(50 * MiB));
   env.alloc.deallocate(c);
   env.alloc.check_invariants();

@@ -49,7 +49,8 @@ TEST_CASE("The C API allocates on a stream and reuses a freed block on that stre
   REQUIRE(streamsafe_malloc(&p, MiB, stream) == STREAMSAFE_SUCCESS);
   REQUIRE(p != nullptr);
   CHECK(reinterpret_cast<std::uintptr_t>(p) % 512 == 0);
-  CHECK(stats_of(0).allocated_bytes.current == before.allocated_bytes.current + static_cast<std::int64_t>(MiB));
+  CHECK(stats_of(0).allocated_bytes.current ==
+        before.allocated_bytes.current + static_cast<std::int64_t>(MiB));
   REQUIRE(streamsafe_free(p) == STREAMSAFE_SUCCESS);
   void* q = nullptr;
   REQUIRE(streamsafe_malloc(&q, MiB, stream) == STREAMSAFE_SUCCESS);
@@ -71,10 +72,10 @@ TEST_CASE("Stream-ordered frees and recorded uses through the C API record one e
   REQUIRE(streamsafe_malloc(&a, 4096, s1) == STREAMSAFE_SUCCESS);
   REQUIRE(streamsafe_malloc(&b, 4096, s1) == STREAMSAFE_SUCCESS);
   REQUIRE(streamsafe_malloc(&c, 4096, s1) == STREAMSAFE_SUCCESS);
-  REQUIRE(streamsafe_free(a) == STREAMSAFE_SUCCESS);              // same stream: no event
+  REQUIRE(streamsafe_free(a) == STREAMSAFE_SUCCESS);                // same stream: no event
   REQUIRE(streamsafe_free_on_stream(b, s2) == STREAMSAFE_SUCCESS);  // last use on s2: one event
   REQUIRE(streamsafe_record_stream(c, s2) == STREAMSAFE_SUCCESS);
-  REQUIRE(streamsafe_free(c) == STREAMSAFE_SUCCESS);              // recorded use: one event
+  REQUIRE(streamsafe_free(c) == STREAMSAFE_SUCCESS);  // recorded use: one event
   CHECK(stats_of(0).events_recorded == before.events_recorded + 2);
   REQUIRE(streamsafe_sim_synchronize() == STREAMSAFE_SUCCESS);
   size_t released = 0;
@@ -93,7 +94,8 @@ TEST_CASE("A free through the C API is routed to the owning device whatever devi
   REQUIRE(streamsafe_sim_set_device(0) == STREAMSAFE_SUCCESS);
   const auto before = stats_of(1);
   REQUIRE(streamsafe_free(p) == STREAMSAFE_SUCCESS);
-  CHECK(stats_of(1).allocated_bytes.current == before.allocated_bytes.current - 3 * static_cast<std::int64_t>(MiB));
+  CHECK(stats_of(1).allocated_bytes.current ==
+        before.allocated_bytes.current - 3 * static_cast<std::int64_t>(MiB));
   REQUIRE(streamsafe_owner_device(p, &owner) == STREAMSAFE_SUCCESS);
   CHECK(owner == -1);
 
@@ -117,7 +119,8 @@ TEST_CASE("Every misuse through the C API returns its status and a message, and 
   const auto before = stats_of(0);
 
   CHECK(streamsafe_free(gone) == STREAMSAFE_ERROR_INVALID_POINTER);
-  CHECK_THAT(streamsafe_last_error(), Catch::Contains("double free") && Catch::Contains("devices searched"));
+  CHECK_THAT(streamsafe_last_error(),
+             Catch::Contains("double free") && Catch::Contains("devices searched"));
   CHECK(streamsafe_free(static_cast<char*>(p) + 256) == STREAMSAFE_ERROR_INVALID_POINTER);
   CHECK_THAT(streamsafe_last_error(), Catch::Contains("interior pointer"));
   int host = 0;
@@ -163,8 +166,9 @@ TEST_CASE("The C API's last-error message belongs to the thread that failed", "[
   REQUIRE(streamsafe_free(p) == STREAMSAFE_SUCCESS);
 }
 
-TEST_CASE("streamsafe_empty_cache gives back every cached byte of every device once streams are idle",
-          "[capi]") {
+TEST_CASE(
+    "streamsafe_empty_cache gives back every cached byte of every device once streams are idle",
+    "[capi]") {
   use_simulated();
   void *a = nullptr, *b = nullptr;
   REQUIRE(streamsafe_malloc_on_device(&a, 30 * MiB, 0, nullptr) == STREAMSAFE_SUCCESS);
@@ -206,8 +210,10 @@ TEST_CASE("On the GPU, the C example program passes all its checks", "[gpu][capi
 }
 #endif
 
-TEST_CASE("The C API announces a graph capture, ends it and releases the graph; misuse is an invalid argument",
-          "[capi][graph]") {
+TEST_CASE(
+    "The C API announces a graph capture, ends it and releases the graph; misuse is an invalid "
+    "argument",
+    "[capi][graph]") {
   use_simulated();
   void* stream = nullptr;
   REQUIRE(streamsafe_sim_create_stream(0, &stream) == STREAMSAFE_SUCCESS);

@@ -69,9 +69,10 @@ TEST_CASE("The CUB-style adapter allocates and frees with CUB's signatures and r
   CHECK(e.alloc.stats(1).reserved_bytes.current == 0);
 }
 
-TEST_CASE("A block freed through the CUB-style adapter is reused on another stream only after its "
-          "stream's work",
-          "[adapters]") {
+TEST_CASE(
+    "A block freed through the CUB-style adapter is reused on another stream only after its "
+    "stream's work",
+    "[adapters]") {
   env e;
   auto& dev = e.platform.device(0);
   const stream_handle s1 = dev.create_stream();
@@ -98,7 +99,8 @@ TEST_CASE("SetMaxCachedBytes bounds what the CUB-style adapter leaves cached", "
   REQUIRE(cub.DeviceAllocate(&a, 40 * MiB) == cudaSuccess);
   REQUIRE(cub.DeviceAllocate(&b, 40 * MiB) == cudaSuccess);
   REQUIRE(cub.DeviceFree(a) == cudaSuccess);
-  CHECK(e.alloc.stats(0).reserved_bytes.current == static_cast<std::int64_t>(80 * MiB));  // unlimited
+  CHECK(e.alloc.stats(0).reserved_bytes.current ==
+        static_cast<std::int64_t>(80 * MiB));  // unlimited
 
   REQUIRE(cub.SetMaxCachedBytes(8 * MiB) == cudaSuccess);
   CHECK(cub.max_cached_bytes == 8 * MiB);

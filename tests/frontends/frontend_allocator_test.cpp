@@ -7,8 +7,8 @@
 
 #include <streamsafe/core/errors.hpp>
 #include <streamsafe/frontends/allocator.hpp>
-#include <streamsafe/sim/simulated_platform.hpp>
 #include <streamsafe/kernels/optimizers.hpp>
+#include <streamsafe/sim/simulated_platform.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -224,7 +224,7 @@ TEST_CASE("notify_stream_destroyed reaches the allocator of the stream's device"
   const auto before = env.alloc.stats(0).events_recorded;
   env.alloc.notify_stream_destroyed(as_stream(s));  // simulated: the current device's stream
   CHECK(env.alloc.stats(0).events_recorded == before + 1);  // the tombstone event
-  env.alloc.notify_stream_destroyed(nullptr);              // special handles: ignored
+  env.alloc.notify_stream_destroyed(nullptr);               // special handles: ignored
   env.alloc.notify_stream_destroyed(cudaStreamPerThread);
   CHECK(env.alloc.stats(0).events_recorded == before + 1);
   dev.destroy_stream(s);
@@ -309,8 +309,9 @@ TEST_CASE("On the GPU, the front end serves, routes and empties the cache", "[gp
   CHECK_THROWS_AS(alloc.deallocate(p), invalid_pointer);
 }
 
-TEST_CASE("On the GPU, a block freed while another device is current returns to its own device (K7)",
-          "[gpu][multigpu][frontend][cases][K7]") {
+TEST_CASE(
+    "On the GPU, a block freed while another device is current returns to its own device (K7)",
+    "[gpu][multigpu][frontend][cases][K7]") {
   STREAMSAFE_REQUIRE_GPUS(2);
   allocator alloc;
   void* p = alloc.allocate(MiB, 1, nullptr);
@@ -325,9 +326,10 @@ TEST_CASE("On the GPU, a block freed while another device is current returns to 
   CHECK(current == 0);  // the front end restored the current device
 }
 
-TEST_CASE("On the GPU, a per-thread-stream block is not handed to another thread's stream while "
-          "its work is pending",
-          "[gpu][frontend]") {
+TEST_CASE(
+    "On the GPU, a per-thread-stream block is not handed to another thread's stream while "
+    "its work is pending",
+    "[gpu][frontend]") {
   STREAMSAFE_REQUIRE_GPU();
   allocator alloc;
   REQUIRE(cudaSetDevice(0) == cudaSuccess);

@@ -7,9 +7,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <sys/wait.h>
 #include <cstdio>
 #include <string>
-#include <sys/wait.h>
 
 namespace {
 
@@ -32,7 +32,8 @@ command_result run_command(const std::string& cmd) {
 std::string line_starting(const std::string& text, const std::string& prefix) {
   for (std::size_t pos = 0; pos < text.size();) {
     const std::size_t end = text.find('\n', pos);
-    const std::string line = text.substr(pos, end == std::string::npos ? std::string::npos : end - pos);
+    const std::string line = text.substr(pos,
+                                         end == std::string::npos ? std::string::npos : end - pos);
     if (line.rfind(prefix, 0) == 0) return line;
     if (end == std::string::npos) break;
     pos = end + 1;
@@ -54,8 +55,8 @@ TEST_CASE("The interposer loads into a plain CUDA program and leaves its results
           "[preload]") {
   const std::string loop = std::string("'") + STREAMSAFE_PRELOAD_LOOP_PATH + "' --iterations 300";
   const command_result plain = run_command(loop);
-  const command_result preloaded =
-      run_command(std::string("LD_PRELOAD='") + STREAMSAFE_PRELOAD_LIB_PATH + "' " + loop);
+  const command_result preloaded = run_command(std::string("LD_PRELOAD='") +
+                                               STREAMSAFE_PRELOAD_LIB_PATH + "' " + loop);
   INFO("without:\n" << plain.output << "with:\n" << preloaded.output);
   CHECK(plain.status == preloaded.status);
   if (streamsafe::test::gpu_count() == 0) {
@@ -69,11 +70,13 @@ TEST_CASE("The interposer loads into a plain CUDA program and leaves its results
   CHECK(line_starting(plain.output, "checksum:") == line_starting(preloaded.output, "checksum:"));
 }
 
-TEST_CASE("On the GPU, the interposer keeps the cudaFree contract with far fewer driver allocations",
-          "[gpu][preload]") {
+TEST_CASE(
+    "On the GPU, the interposer keeps the cudaFree contract with far fewer driver allocations",
+    "[gpu][preload]") {
   STREAMSAFE_REQUIRE_GPU();
-  const command_result r = run_command(std::string("LD_PRELOAD='") + STREAMSAFE_PRELOAD_LIB_PATH + "' '" +
-                                       STREAMSAFE_PRELOAD_LOOP_PATH + "' --iterations 1000");
+  const command_result r = run_command(std::string("LD_PRELOAD='") + STREAMSAFE_PRELOAD_LIB_PATH +
+                                       "' '" + STREAMSAFE_PRELOAD_LOOP_PATH +
+                                       "' --iterations 1000");
   INFO(r.output);
   REQUIRE(r.status == 0);
   CHECK_THAT(line_starting(r.output, "contract:"), Catch::EndsWith(": ok"));
@@ -86,7 +89,8 @@ TEST_CASE("On the GPU, the interposer keeps the cudaFree contract with far fewer
   CHECK(driver > 0);
   CHECK(driver * 20 < json_number(stats, "cudaMalloc") + json_number(stats, "cudaMallocAsync"));
   // One event per fenced stream per batch, not per free: at most one batch per allocation call.
-  CHECK(json_number(stats, "free_batches") <= json_number(stats, "cudaMalloc") + json_number(stats, "cudaMallocAsync"));
+  CHECK(json_number(stats, "free_batches") <=
+        json_number(stats, "cudaMalloc") + json_number(stats, "cudaMallocAsync"));
 }
 
 #endif
@@ -95,7 +99,8 @@ TEST_CASE("On the GPU, the interposer keeps the cudaFree contract with far fewer
 TEST_CASE("On the GPU, CUB, Thrust and cuda::mr run with temporary storage from streamsafe",
           "[gpu][adapters]") {
   STREAMSAFE_REQUIRE_GPU();
-  const command_result r = run_command(std::string("'") + STREAMSAFE_CUB_EXAMPLE_PATH + "' --iterations 50");
+  const command_result r = run_command(std::string("'") + STREAMSAFE_CUB_EXAMPLE_PATH +
+                                       "' --iterations 50");
   INFO(r.output);
   CHECK(r.status == 0);
   CHECK_THAT(r.output, Catch::Contains("cub example: all checks passed"));

@@ -28,7 +28,8 @@ TEST_CASE("The front end announces a capture to the stream's device and releases
   CHECK_FALSE(alloc.device_allocator(0).capture_underway());
   CHECK(alloc.empty_cache() == 0);
   void* p = alloc.allocate(64 * MiB, 1, stream);
-  dev.launch(s, 10, {{simulated_platform::device_address(p, 1), 64 * MiB, sim::access::write, 1}}, "captured");
+  dev.launch(s, 10, {{simulated_platform::device_address(p, 1), 64 * MiB, sim::access::write, 1}},
+             "captured");
   alloc.deallocate(p);
   REQUIRE_NOTHROW(dev.end_capture(s));
   CHECK(alloc.notify_capture_end(stream) == id);

@@ -22,17 +22,20 @@ streamsafe::fuzz::program_stats totals;
 std::uint64_t executions = 0;
 
 void print_totals() {
-  std::fprintf(stderr,
-               "streamsafe fuzz: %llu executions, %llu operations, %llu allocations, %llu out_of_memory, "
-               "%llu injected failures (%llu surfaced as errors), %llu waits refused under a hold, %llu bad "
-               "pointers, %llu streams destroyed\n",
-               static_cast<unsigned long long>(executions), static_cast<unsigned long long>(totals.operations),
-               static_cast<unsigned long long>(totals.allocations), static_cast<unsigned long long>(totals.out_of_memory),
-               static_cast<unsigned long long>(totals.injections),
-               static_cast<unsigned long long>(totals.injected_errors),
-               static_cast<unsigned long long>(totals.hold_deadlocks),
-               static_cast<unsigned long long>(totals.bad_pointer_checks),
-               static_cast<unsigned long long>(totals.streams_destroyed));
+  std::fprintf(
+      stderr,
+      "streamsafe fuzz: %llu executions, %llu operations, %llu allocations, %llu out_of_memory, "
+      "%llu injected failures (%llu surfaced as errors), %llu waits refused under a hold, %llu bad "
+      "pointers, %llu streams destroyed\n",
+      static_cast<unsigned long long>(executions),
+      static_cast<unsigned long long>(totals.operations),
+      static_cast<unsigned long long>(totals.allocations),
+      static_cast<unsigned long long>(totals.out_of_memory),
+      static_cast<unsigned long long>(totals.injections),
+      static_cast<unsigned long long>(totals.injected_errors),
+      static_cast<unsigned long long>(totals.hold_deadlocks),
+      static_cast<unsigned long long>(totals.bad_pointer_checks),
+      static_cast<unsigned long long>(totals.streams_destroyed));
 }
 
 bool trace_wanted() {
@@ -74,7 +77,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
     std::abort();
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "\n==streamsafe fuzz== UNEXPECTED EXCEPTION [%s]: %s\n", config.to_string().c_str(), e.what());
+    std::fprintf(stderr, "\n==streamsafe fuzz== UNEXPECTED EXCEPTION [%s]: %s\n",
+                 config.to_string().c_str(), e.what());
     if (trace_wanted()) {
       for (const std::string& line : p.trace()) std::fprintf(stderr, "  %s\n", line.c_str());
     }

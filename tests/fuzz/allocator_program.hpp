@@ -4,13 +4,14 @@
 // the bytes are the fuzzer's input) and the seeded million-operation run
 // (tests/million_ops_test.cpp, the bytes come from a seeded generator). A program is a
 // configuration (two bytes: backend, fence scope, empty_cache mode, memory limit, chunk and split
-// sizes, stream-handle reuse, unrecorded uses, the release worker in defer mode) followed by operations, one opcode byte plus its
-// arguments each: allocate (every size class, 0 and sizes near SIZE_MAX included), host free,
-// host free from a stream callback (a callback_scope: no backend call), stream-ordered free,
-// uses on other streams recorded with record_stream or left unrecorded and ordered by the
-// program as FSDP2 does, holds and their opening, clock advances, empty_cache in
+// sizes, stream-handle reuse, unrecorded uses, the release worker in defer mode) followed by
+// operations, one opcode byte plus its arguments each: allocate (every size class, 0 and sizes near
+// SIZE_MAX included), host free, host free from a stream callback (a callback_scope: no backend
+// call), stream-ordered free, uses on other streams recorded with record_stream or left unrecorded
+// and ordered by the program as FSDP2 does, holds and their opening, clock advances, empty_cache in
 // both modes, reclaim, stream destruction announced with notify_stream_destroyed (handles may be
-// recycled; one at a time or in bursts of short-lived streams), bad pointers, and backend failures injected into the next allocator call.
+// recycled; one at a time or in bursts of short-lived streams), bad pointers, and backend failures
+// injected into the next allocator call.
 //
 // Checked after every step (or every `check_every` steps), any breach throws `violation`:
 //  * check_invariants() passes; allocated / requested bytes and the allocation count equal what
@@ -115,10 +116,11 @@ struct program_config {
   // options::release_worker on (defer mode only): releases run on the allocator's worker thread;
   // checks that compare reserved bytes with the device first wait for it to settle.
   bool release_worker = false;
-  reuse_fence_scope reuse_fence = reuse_fence_scope::allocation_stream;  // all_streams: op_side_read_free
-  bool holds = true;             // holds (kernels that wait for the host) may be enqueued
-  bool inject_failures = true;   // backend failures may be injected
-  bool destroy_streams = true;   // streams may be destroyed (notify_stream_destroyed)
+  reuse_fence_scope reuse_fence =
+      reuse_fence_scope::allocation_stream;  // all_streams: op_side_read_free
+  bool holds = true;            // holds (kernels that wait for the host) may be enqueued
+  bool inject_failures = true;  // backend failures may be injected
+  bool destroy_streams = true;  // streams may be destroyed (notify_stream_destroyed)
 
   bool safe() const { return scope != fence_scope::allocation_stream; }
 
@@ -126,10 +128,10 @@ struct program_config {
     program_config c;
     c.backend = (b0 & 1) ? backend_kind::expandable : backend_kind::cuda_malloc;
     c.mode = (b0 & 2) ? empty_cache_mode::defer : empty_cache_mode::wait;
-    static constexpr fence_scope scopes[] = {fence_scope::all_streams, fence_scope::used_streams,
-                                             fence_scope::device, fence_scope::all_streams,
-                                             fence_scope::used_streams, fence_scope::all_streams,
-                                             fence_scope::device, fence_scope::allocation_stream};
+    static constexpr fence_scope scopes[] = {
+        fence_scope::all_streams, fence_scope::used_streams,     fence_scope::device,
+        fence_scope::all_streams, fence_scope::used_streams,     fence_scope::all_streams,
+        fence_scope::device,      fence_scope::allocation_stream};
     c.scope = scopes[(b0 >> 2) & 7];
     c.unrecorded_uses = ((b0 >> 5) & 1) != 0 &&
                         (c.scope == fence_scope::all_streams || c.scope == fence_scope::device ||
@@ -143,7 +145,8 @@ struct program_config {
     static constexpr std::size_t ratios[] = {8, 8, 0, 1};
     c.whole_segment_split_ratio = ratios[(b1 >> 4) & 3];
     c.release_worker = ((b1 >> 6) & 1) != 0 && c.mode == empty_cache_mode::defer;
-    c.reuse_fence = ((b1 >> 7) & 1) != 0 ? reuse_fence_scope::all_streams : reuse_fence_scope::allocation_stream;
+    c.reuse_fence = ((b1 >> 7) & 1) != 0 ? reuse_fence_scope::all_streams
+                                         : reuse_fence_scope::allocation_stream;
     return c;
   }
 
@@ -164,9 +167,9 @@ struct program_stats {
   std::uint64_t allocations = 0;
   std::uint64_t frees = 0;
   std::uint64_t out_of_memory = 0;
-  std::uint64_t injections = 0;          // backend calls armed to fail
-  std::uint64_t injected_errors = 0;     // allocator calls that failed because of them
-  std::uint64_t hold_deadlocks = 0;      // synchronous waits refused because of a hold
+  std::uint64_t injections = 0;       // backend calls armed to fail
+  std::uint64_t injected_errors = 0;  // allocator calls that failed because of them
+  std::uint64_t hold_deadlocks = 0;   // synchronous waits refused because of a hold
   std::uint64_t bad_pointer_checks = 0;
   std::uint64_t streams_destroyed = 0;
   std::uint64_t invariant_checks = 0;
@@ -188,8 +191,7 @@ struct program_stats {
 
 class program {
  public:
-  explicit program(program_config config)
-      : config_(config), dev_(device_config(config)) {
+  explicit program(program_config config) : config_(config), dev_(device_config(config)) {
     options o;
     o.backend = config_.backend;
     o.release_fence = config_.scope;
@@ -245,8 +247,9 @@ class program {
     settle_worker();
     check();
     const statistics s = alloc_->stats();
-    require(s.reserved_bytes.current == 0, "reserved bytes " + std::to_string(s.reserved_bytes.current) +
-                                               " left after freeing everything and empty_cache(wait)");
+    require(s.reserved_bytes.current == 0,
+            "reserved bytes " + std::to_string(s.reserved_bytes.current) +
+                " left after freeing everything and empty_cache(wait)");
     require(s.active_bytes.current == 0, "active bytes left after draining");
     require(alloc_->pending_release_bytes() == 0, "deferred releases left after empty_cache(wait)");
     require(dev_.bytes_in_use() == 0, "device memory still in use after draining");
@@ -302,7 +305,9 @@ class program {
   // ---- helpers -----------------------------------------------------------------------------
 
   void require(bool ok, const std::string& what) const {
-    if (!ok) throw violation(what + " [" + config_.to_string() + ", op " + std::to_string(stats_.operations) + "]");
+    if (!ok)
+      throw violation(what + " [" + config_.to_string() + ", op " +
+                      std::to_string(stats_.operations) + "]");
   }
 
   std::string first_fault() const {
@@ -383,7 +388,8 @@ class program {
   }
 
   bool deadlock_error(const backend_error& e) const {
-    return !holds_.empty() && std::string(e.what()).find("would never complete") != std::string::npos;
+    return !holds_.empty() &&
+           std::string(e.what()).find("would never complete") != std::string::npos;
   }
 
   // Runs an allocator call with the armed failure (if any) in force, and disarms it after.
@@ -428,7 +434,8 @@ class program {
       ++stats_.hold_deadlocks;
       return;
     }
-    require(false, std::string(what) + " threw backend_error with no injected failure and no hold: " + e.what());
+    require(false, std::string(what) +
+                       " threw backend_error with no injected failure and no hold: " + e.what());
   }
 
   struct snapshot {
@@ -440,8 +447,9 @@ class program {
   }
   void require_same(const snapshot& a, const char* what) const {
     const snapshot b = snap();
-    require(a.allocated == b.allocated && a.requested == b.requested && a.allocation == b.allocation,
-            std::string(what) + " failed but changed the allocated statistics");
+    require(
+        a.allocated == b.allocated && a.requested == b.requested && a.allocation == b.allocation,
+        std::string(what) + " failed but changed the allocated statistics");
   }
 
   // ---- the checks ----------------------------------------------------------------------------
@@ -449,7 +457,9 @@ class program {
   // The release worker has released everything whose fence has completed and has nothing in
   // flight; until the program acts again nothing changes (the clock moves only on its calls).
   void settle_worker() {
-    if (config_.release_worker) require(alloc_->wait_for_release_worker_idle(std::chrono::seconds(10)), "the release worker did not settle");
+    if (config_.release_worker)
+      require(alloc_->wait_for_release_worker_idle(std::chrono::seconds(10)),
+              "the release worker did not settle");
   }
 
   void check() {
@@ -467,14 +477,17 @@ class program {
       requested += static_cast<std::int64_t>(b.size);
     }
     require(s.allocated_bytes.current == allocated,
-            "allocated_bytes " + std::to_string(s.allocated_bytes.current) + " != live blocks " + std::to_string(allocated));
-    require(s.requested_bytes.current == requested, "requested_bytes disagrees with the live blocks");
-    require(s.allocation.current == static_cast<std::int64_t>(live_.size()), "allocation count disagrees");
+            "allocated_bytes " + std::to_string(s.allocated_bytes.current) + " != live blocks " +
+                std::to_string(allocated));
+    require(s.requested_bytes.current == requested,
+            "requested_bytes disagrees with the live blocks");
+    require(s.allocation.current == static_cast<std::int64_t>(live_.size()),
+            "allocation count disagrees");
     require(s.active_bytes.current >= s.allocated_bytes.current, "active < allocated");
     require(s.reserved_bytes.current >= s.active_bytes.current, "reserved < active");
     require(static_cast<std::size_t>(s.reserved_bytes.current) == dev_.bytes_in_use(),
-            "reserved_bytes " + std::to_string(s.reserved_bytes.current) + " != device bytes in use " +
-                std::to_string(dev_.bytes_in_use()));
+            "reserved_bytes " + std::to_string(s.reserved_bytes.current) +
+                " != device bytes in use " + std::to_string(dev_.bytes_in_use()));
     require(static_cast<std::size_t>(s.reserved_bytes.current) <= config_.memory_limit_bytes,
             "reserved bytes above the memory limit");
     require(alloc_->pending_release_bytes() <= static_cast<std::size_t>(s.reserved_bytes.current),
@@ -518,19 +531,41 @@ class program {
     const std::uint8_t cls = src.byte() % 8;
     const std::size_t v = u16(src);
     switch (cls) {
-      case 0: case 1: case 2: return 1 + v * 16;                    // up to 1 MiB
-      case 3: case 4: return MiB + v * 320;                          // 1 .. 21 MiB
-      case 5: return 20 * MiB + v * 1280;                            // 20 .. 100 MiB
+      case 0:
+      case 1:
+      case 2: return 1 + v * 16;  // up to 1 MiB
+      case 3:
+      case 4: return MiB + v * 320;        // 1 .. 21 MiB
+      case 5: return 20 * MiB + v * 1280;  // 20 .. 100 MiB
       case 6: {
-        const std::size_t edges[] = {1, 511, 512, 513, MiB - 1, MiB, MiB + 1, 2 * MiB, 10 * MiB - 1, 10 * MiB,
-                                     20 * MiB, 20 * MiB + 1, config_.expandable_chunk_bytes,
-                                     config_.memory_limit_bytes / 2, config_.memory_limit_bytes};
+        const std::size_t edges[] = {1,
+                                     511,
+                                     512,
+                                     513,
+                                     MiB - 1,
+                                     MiB,
+                                     MiB + 1,
+                                     2 * MiB,
+                                     10 * MiB - 1,
+                                     10 * MiB,
+                                     20 * MiB,
+                                     20 * MiB + 1,
+                                     config_.expandable_chunk_bytes,
+                                     config_.memory_limit_bytes / 2,
+                                     config_.memory_limit_bytes};
         return edges[v % (sizeof edges / sizeof edges[0])];
       }
       default: {
         const std::size_t max = std::numeric_limits<std::size_t>::max();
-        const std::size_t edges[] = {0, max, max - 1, max - 511, max / 2, max / 2 + 1,
-                                     config_.memory_limit_bytes + 1, config_.device_bytes, 1};
+        const std::size_t edges[] = {0,
+                                     max,
+                                     max - 1,
+                                     max - 511,
+                                     max / 2,
+                                     max / 2 + 1,
+                                     config_.memory_limit_bytes + 1,
+                                     config_.device_bytes,
+                                     1};
         return edges[v % (sizeof edges / sizeof edges[0])];
       }
     }
@@ -545,7 +580,8 @@ class program {
   }
 
   // Returns the index of the new live block, or nothing.
-  std::optional<std::size_t> allocate_on(std::size_t slot, std::size_t size, std::uint64_t duration) {
+  std::optional<std::size_t> allocate_on(std::size_t slot, std::size_t size,
+                                         std::uint64_t duration) {
     if (live_.size() >= 64) return std::nullopt;
     stream_slot& s = streams_[slot];
     settle(s.uid);
@@ -570,7 +606,8 @@ class program {
       return std::nullopt;
     } catch (const out_of_memory& e) {
       require(size != 0, "allocate(0) threw out_of_memory, not invalid_size");
-      require(std::string(e.what()).find("out of memory") != std::string::npos, "out_of_memory without a message");
+      require(std::string(e.what()).find("out of memory") != std::string::npos,
+              "out_of_memory without a message");
       ++stats_.out_of_memory;
       require_same(before, "allocate");
       no_host_wait();
@@ -591,16 +628,19 @@ class program {
     require(a % 512 == 0, "block not 512-byte aligned");
     const caching_allocator::block_info info = alloc_->find_block(p);
     require(info.address == a, "find_block does not find a new block");
-    require(info.size_bytes >= size && info.size_bytes % 512 == 0, "block smaller than the request");
+    require(info.size_bytes >= size && info.size_bytes % 512 == 0,
+            "block smaller than the request");
     require(info.stream == s.handle, "block's stream is not the asking stream");
     for (const live_block& b : live_) {
       const auto ba = reinterpret_cast<std::uintptr_t>(b.ptr);
       require(!(a < ba + b.block_size && ba < a + info.size_bytes),
-              "block handed out twice: [" + std::to_string(a) + ", +" + std::to_string(info.size_bytes) +
-                  ") overlaps a live block at " + std::to_string(ba));
+              "block handed out twice: [" + std::to_string(a) + ", +" +
+                  std::to_string(info.size_bytes) + ") overlaps a live block at " +
+                  std::to_string(ba));
     }
     // The new owner writes it at once, on its stream.
-    dev_.launch(s.handle, duration, {sim::range{a, size, sim::access::write, static_cast<std::uint8_t>(duration)}},
+    dev_.launch(s.handle, duration,
+                {sim::range{a, size, sim::access::write, static_cast<std::uint8_t>(duration)}},
                 "write after allocate");
     s.seen = true;
     live_.push_back({p, size, info.size_bytes, s.uid, {}});
@@ -625,7 +665,8 @@ class program {
     order_after_block(t.handle, b);
     const bool write = (flags & 1) != 0;
     dev_.launch(t.handle, duration,
-                {sim::range{reinterpret_cast<std::uintptr_t>(b.ptr), b.size, write ? sim::access::write : sim::access::read,
+                {sim::range{reinterpret_cast<std::uintptr_t>(b.ptr), b.size,
+                            write ? sim::access::write : sim::access::read,
                             write ? std::optional<std::uint8_t>(flags) : std::nullopt}},
                 "use on another stream");
     // FSDP2-style unrecorded use: the program orders the allocation stream after it before it
@@ -720,7 +761,8 @@ class program {
     if (config_.release_worker) return;
     require(c1.events_created == c0.events_created && c1.events_recorded == c0.events_recorded &&
                 c1.event_queries == c0.event_queries && c1.stream_waits == c0.stream_waits &&
-                c1.segment_frees == c0.segment_frees && c1.unmaps == c0.unmaps && c1.event_syncs == c0.event_syncs,
+                c1.segment_frees == c0.segment_frees && c1.unmaps == c0.unmaps &&
+                c1.event_syncs == c0.event_syncs,
             "a free in a callback_scope made a backend call");
   }
 
@@ -737,9 +779,11 @@ class program {
     if (!t.seen || t.uid == b.stream_uid || !alive(b.stream_uid)) return op_free(src);
     order_after_block(t.handle, b);
     dev_.launch(t.handle, duration,
-                {sim::range{reinterpret_cast<std::uintptr_t>(b.ptr), b.size, sim::access::read, std::nullopt}},
+                {sim::range{reinterpret_cast<std::uintptr_t>(b.ptr), b.size, sim::access::read,
+                            std::nullopt}},
                 "unrecorded side read before a host free");
-    note("unrecorded read on stream " + std::to_string(t.handle) + ", then deallocate block " + std::to_string(i));
+    note("unrecorded read on stream " + std::to_string(t.handle) + ", then deallocate block " +
+         std::to_string(i));
     free_block(i, std::nullopt);
   }
 
@@ -753,7 +797,8 @@ class program {
     stream_slot& t = streams_[ti];
     order_after_block(t.handle, b);
     dev_.launch(t.handle, duration,
-                {sim::range{reinterpret_cast<std::uintptr_t>(b.ptr), b.size, sim::access::read, std::nullopt}},
+                {sim::range{reinterpret_cast<std::uintptr_t>(b.ptr), b.size, sim::access::read,
+                            std::nullopt}},
                 "last use before a stream-ordered free");
     note("deallocate block " + std::to_string(i) + " on stream " + std::to_string(t.handle));
     free_block(i, ti);
@@ -837,7 +882,8 @@ class program {
     for (int k = 0; k < n; ++k) {
       streams_.push_back({next_uid_++, dev_.create_stream(), false});
       const std::size_t slot = streams_.size() - 1;
-      if (auto i = allocate_on(slot, 1 + std::size_t{u16(src)} % 4096 * 64, 1)) free_block(*i, std::nullopt);
+      if (auto i = allocate_on(slot, 1 + std::size_t{u16(src)} % 4096 * 64, 1))
+        free_block(*i, std::nullopt);
       destroy_slot(slot, false);
     }
   }
@@ -850,9 +896,11 @@ class program {
     try {
       with_armed([&] { alloc_->notify_stream_destroyed(s.handle); });
     } catch (const backend_error& e) {
-      require(injected, std::string("notify_stream_destroyed threw without an injected failure: ") + e.what());
+      require(injected, std::string("notify_stream_destroyed threw without an injected failure: ") +
+                            e.what());
       ++stats_.injected_errors;
-      expect_ok("notify_stream_destroyed after a failure", [&] { alloc_->notify_stream_destroyed(s.handle); });
+      expect_ok("notify_stream_destroyed after a failure",
+                [&] { alloc_->notify_stream_destroyed(s.handle); });
     }
     event_handle last = dev_.create_event();
     dev_.record_event(last, s.handle);
@@ -874,16 +922,23 @@ class program {
   template <class Source>
   void op_inject(Source& src) {
     if (!config_.inject_failures) return;
-    static constexpr sim::call calls[] = {
-        sim::call::allocate_segment, sim::call::free_segment,   sim::call::reserve_address_range,
-        sim::call::map,              sim::call::unmap,          sim::call::create_event,
-        sim::call::record_event,     sim::call::query_event,    sim::call::synchronize_event,
-        sim::call::stream_wait_event, sim::call::synchronize_device};
+    static constexpr sim::call calls[] = {sim::call::allocate_segment,
+                                          sim::call::free_segment,
+                                          sim::call::reserve_address_range,
+                                          sim::call::map,
+                                          sim::call::unmap,
+                                          sim::call::create_event,
+                                          sim::call::record_event,
+                                          sim::call::query_event,
+                                          sim::call::synchronize_event,
+                                          sim::call::stream_wait_event,
+                                          sim::call::synchronize_device};
     const std::uint8_t b = src.byte();
     sim::call c = calls[b % (sizeof calls / sizeof calls[0])];
     // The worker's own calls (query, unmap, free_segment) would take the failure meant for the
     // program's next call: those configurations arm map instead.
-    if (config_.release_worker && (c == sim::call::query_event || c == sim::call::unmap || c == sim::call::free_segment)) {
+    if (config_.release_worker &&
+        (c == sim::call::query_event || c == sim::call::unmap || c == sim::call::free_segment)) {
       c = sim::call::map;
     }
     armed_ = armed_failure{c, 1 + (b >> 6)};
@@ -922,7 +977,8 @@ class program {
       p = static_cast<char*>(b.ptr) + off;
       expect = "interior pointer";
     } else if (kind == 2) {
-      static const std::uintptr_t foreign[] = {0x1234000, 0x7f0000000000ULL - 512, 1, 0xdeadbeef000ULL};
+      static const std::uintptr_t foreign[] = {0x1234000, 0x7f0000000000ULL - 512, 1,
+                                               0xdeadbeef000ULL};
       p = reinterpret_cast<void*>(foreign[src.byte() % 4]);
       expect = "unknown pointer";
     } else {
@@ -954,15 +1010,19 @@ class program {
       settle_worker();
       require(alloc_->release_worker_idle() == (alloc_->pending_release_bytes() == 0),
               "release_worker_idle() disagrees with pending_release_bytes()");
-      require(alloc_->stats().release_worker_bytes == 0, "release worker bytes in flight after it settled");
+      require(alloc_->stats().release_worker_bytes == 0,
+              "release worker bytes in flight after it settled");
     }
     const statistics s = alloc_->stats();
     const std::size_t largest = alloc_->largest_free_block_bytes();
-    require(largest <= static_cast<std::size_t>(s.reserved_bytes.current), "largest free block above reserved");
+    require(largest <= static_cast<std::size_t>(s.reserved_bytes.current),
+            "largest free block above reserved");
     if (!live_.empty()) {
       const live_block& b = live_[pick(src, live_.size())];
-      require(alloc_->find_block(b.ptr).size_bytes == b.block_size, "find_block changed its answer");
-      require(alloc_->find_block(static_cast<char*>(b.ptr) + 1).size_bytes == 0, "find_block of an interior address");
+      require(alloc_->find_block(b.ptr).size_bytes == b.block_size,
+              "find_block changed its answer");
+      require(alloc_->find_block(static_cast<char*>(b.ptr) + 1).size_bytes == 0,
+              "find_block of an interior address");
     }
     if (src.byte() % 4 == 0) alloc_->reset_peak_stats();
   }
@@ -980,7 +1040,8 @@ class program {
     const std::size_t size = (1 + (b >> 1) % 8) * MiB;
     if (!graph_stream_) graph_stream_ = dev_.create_stream();
     const stream_handle s = *graph_stream_;
-    note(std::string("graphs across pools, ") + (share ? "shared pool, " : "") + std::to_string(size) + " bytes");
+    note(std::string("graphs across pools, ") + (share ? "shared pool, " : "") +
+         std::to_string(size) + " bytes");
     expect_ok("notify_capture_begin", [&] { alloc_->notify_capture_begin(s); });
     dev_.begin_capture(s);
     void* w = nullptr;
@@ -988,18 +1049,25 @@ class program {
       w = alloc_->allocate(size, s);
     } catch (const out_of_memory&) {
     }
-    if (w) dev_.launch(s, 5, {{reinterpret_cast<std::uintptr_t>(w), size, sim::access::write, std::uint8_t{0x61}}}, "graph 1 writes W");
+    if (w)
+      dev_.launch(
+          s, 5,
+          {{reinterpret_cast<std::uintptr_t>(w), size, sim::access::write, std::uint8_t{0x61}}},
+          "graph 1 writes W");
     const std::uint64_t dev1 = dev_.end_capture(s);
     std::uint64_t g1 = 0;
     expect_ok("notify_capture_end", [&] { g1 = alloc_->notify_capture_end(s); });
     if (w) {
       expect_ok("notify_capture_begin", [&] { alloc_->notify_capture_begin(s, share ? g1 : 0); });
       dev_.begin_capture(s);
-      dev_.launch(s, 5, {{reinterpret_cast<std::uintptr_t>(w), size, sim::access::read, std::nullopt},
-                         {reinterpret_cast<std::uintptr_t>(w), size, sim::access::write, std::uint8_t{0x62}}},
-                  "graph 2 uses W");
+      dev_.launch(
+          s, 5,
+          {{reinterpret_cast<std::uintptr_t>(w), size, sim::access::read, std::nullopt},
+           {reinterpret_cast<std::uintptr_t>(w), size, sim::access::write, std::uint8_t{0x62}}},
+          "graph 2 uses W");
       expect_ok("deallocate during a capture", [&] { alloc_->deallocate(w); });
-      require(share || alloc_->held_free_count() == 1, "a free of graph 1's block during graph 2's capture not held");
+      require(share || alloc_->held_free_count() == 1,
+              "a free of graph 1's block during graph 2's capture not held");
       const std::uint64_t dev2 = dev_.end_capture(s);
       std::uint64_t g2 = 0;
       expect_ok("notify_capture_end", [&] { g2 = alloc_->notify_capture_end(s); });
@@ -1032,8 +1100,9 @@ class program {
   std::vector<live_block> live_;
   std::vector<void*> freed_;
   std::vector<std::uint64_t> holds_;
-  std::map<std::uint64_t, std::vector<event_handle>> owed_;  // stream uid -> events of unrecorded uses
-  std::map<std::uint64_t, event_handle> final_events_;       // dead stream uid -> its last event
+  std::map<std::uint64_t, std::vector<event_handle>>
+      owed_;                                            // stream uid -> events of unrecorded uses
+  std::map<std::uint64_t, event_handle> final_events_;  // dead stream uid -> its last event
   std::optional<armed_failure> armed_;
   std::optional<stream_handle> graph_stream_;  // op_graphs' capturing stream (no other op uses it)
   std::uint64_t since_check_ = 0;

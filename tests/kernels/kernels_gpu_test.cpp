@@ -63,10 +63,10 @@ struct adam_state {
 
 void adamw_ref(adam_state& s, float g, const sk::adamw_hparams& hp, std::int64_t t) {
   const float decay = 1.0f - hp.lr * hp.weight_decay;
-  const float bc1 =
-      static_cast<float>(1.0 - std::pow(static_cast<double>(hp.beta1), static_cast<double>(t)));
-  const float bc2 =
-      static_cast<float>(1.0 - std::pow(static_cast<double>(hp.beta2), static_cast<double>(t)));
+  const float bc1 = static_cast<float>(
+      1.0 - std::pow(static_cast<double>(hp.beta1), static_cast<double>(t)));
+  const float bc2 = static_cast<float>(
+      1.0 - std::pow(static_cast<double>(hp.beta2), static_cast<double>(t)));
   s.p = s.p * decay;
   s.m = hp.beta1 * s.m + (1.0f - hp.beta1) * g;
   s.v = hp.beta2 * s.v + (1.0f - hp.beta2) * g * g;
@@ -525,9 +525,9 @@ TEST_CASE("launch_spin keeps a stream busy for roughly the requested time", "[gp
   // The launch returns at once; the stream is still busy.
   CHECK(cudaStreamQuery(stream.get()) == cudaErrorNotReady);
   CUDA_OK(cudaEventSynchronize(stop));
-  const double host_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - host_start)
-          .count();
+  const double host_ms = std::chrono::duration<double, std::milli>(
+                             std::chrono::steady_clock::now() - host_start)
+                             .count();
   float gpu_ms = 0.0f;
   CUDA_OK(cudaEventElapsedTime(&gpu_ms, start, stop));
   INFO("gpu " << gpu_ms << " ms, host " << host_ms << " ms for " << requested_ms

@@ -42,9 +42,10 @@ bool contains(const std::string& text, const std::string& part) {
 
 }  // namespace
 
-TEST_CASE("Work on one stream runs in FIFO order, each kernel taking its duration after the "
-          "previous one finished",
-          "[sim]") {
+TEST_CASE(
+    "Work on one stream runs in FIFO order, each kernel taking its duration after the "
+    "previous one finished",
+    "[sim]") {
   simulated_device dev;
   const auto s = dev.create_stream();
   const auto k1 = dev.launch(s, 10, {}, "first");
@@ -66,9 +67,10 @@ TEST_CASE("Work on one stream runs in FIFO order, each kernel taking its duratio
   CHECK(dev.now_us() == 15);
 }
 
-TEST_CASE("Kernels on different streams run concurrently and a kernel launched on an idle "
-          "stream starts at the current time",
-          "[sim]") {
+TEST_CASE(
+    "Kernels on different streams run concurrently and a kernel launched on an idle "
+    "stream starts at the current time",
+    "[sim]") {
   simulated_device dev;
   const auto a = dev.create_stream();
   const auto b = dev.create_stream();
@@ -87,9 +89,10 @@ TEST_CASE("Kernels on different streams run concurrently and a kernel launched o
   CHECK(dev.completed(k0));
 }
 
-TEST_CASE("An event is complete until recorded, incomplete while the work before its record "
-          "marker runs, and synchronize_event advances the clock to that work's end",
-          "[sim]") {
+TEST_CASE(
+    "An event is complete until recorded, incomplete while the work before its record "
+    "marker runs, and synchronize_event advances the clock to that work's end",
+    "[sim]") {
   simulated_device dev;
   const auto s = dev.create_stream();
   const auto e = dev.create_event();
@@ -152,9 +155,10 @@ TEST_CASE("Waiting on an event that was never recorded is a no-op", "[sim]") {
   CHECK(dev.completed(k));
 }
 
-TEST_CASE("Reusing memory on another stream is race-free when ordered by stream_wait_event and "
-          "a cross_stream_race when not",
-          "[sim]") {
+TEST_CASE(
+    "Reusing memory on another stream is race-free when ordered by stream_wait_event and "
+    "a cross_stream_race when not",
+    "[sim]") {
   simulated_device dev;
   void* seg = dev.allocate_segment(2 * mib);
   REQUIRE(seg != nullptr);
@@ -232,9 +236,10 @@ TEST_CASE("Work on the same stream never races with itself", "[sim]") {
   CHECK(dev.fault_count() == 0);
 }
 
-TEST_CASE("Freeing or unmapping memory under pending work is a release_under_pending_work "
-          "fault, and releasing it after the work completed is not",
-          "[sim]") {
+TEST_CASE(
+    "Freeing or unmapping memory under pending work is a release_under_pending_work "
+    "fault, and releasing it after the work completed is not",
+    "[sim]") {
   simulated_device dev;
   const auto s = dev.create_stream();
 
@@ -288,9 +293,10 @@ TEST_CASE("Freeing or unmapping memory under pending work is a release_under_pen
   }
 }
 
-TEST_CASE("A hold blocks its stream until opened, and synchronizing on it throws instead of "
-          "deadlocking",
-          "[sim]") {
+TEST_CASE(
+    "A hold blocks its stream until opened, and synchronizing on it throws instead of "
+    "deadlocking",
+    "[sim]") {
   simulated_device dev;
   const auto s = dev.create_stream();
   const auto h = dev.hold(s, "gate");
@@ -322,9 +328,10 @@ TEST_CASE("A hold blocks its stream until opened, and synchronizing on it throws
   CHECK(dev.stream_idle(s));
 }
 
-TEST_CASE("A stream waiting on an event behind a hold is blocked too, and runs once the hold "
-          "opens",
-          "[sim]") {
+TEST_CASE(
+    "A stream waiting on an event behind a hold is blocked too, and runs once the hold "
+    "opens",
+    "[sim]") {
   simulated_device dev;
   const auto a = dev.create_stream();
   const auto b = dev.create_stream();
@@ -434,9 +441,10 @@ TEST_CASE("Launching work on memory that is not backed is an access_unmapped fau
   }
 }
 
-TEST_CASE("Addresses come from a granularity-aligned bump pointer and map/unmap/free reject "
-          "invalid ranges",
-          "[sim]") {
+TEST_CASE(
+    "Addresses come from a granularity-aligned bump pointer and map/unmap/free reject "
+    "invalid ranges",
+    "[sim]") {
   simulated_device dev;
   const std::size_t gran = dev.map_granularity_bytes();
   void* s1 = dev.allocate_segment(512);
@@ -458,8 +466,7 @@ TEST_CASE("Addresses come from a granularity-aligned bump pointer and map/unmap/
   CHECK_THROWS_AS(dev.map(reinterpret_cast<void*>(addr(base) + 4 * gran), gran), backend_error);
   REQUIRE(dev.map(base, 2 * gran));
   CHECK_THROWS_AS(dev.map(reinterpret_cast<void*>(addr(base) + gran), gran), backend_error);
-  CHECK_THROWS_AS(dev.unmap(reinterpret_cast<void*>(addr(base) + 2 * gran), gran),
-                  backend_error);
+  CHECK_THROWS_AS(dev.unmap(reinterpret_cast<void*>(addr(base) + 2 * gran), gran), backend_error);
   CHECK_THROWS_AS(dev.release_address_range(base, 4 * gran), backend_error);  // still mapped
   dev.unmap(base, gran);
   dev.unmap(reinterpret_cast<void*>(addr(base) + gran), gran);
@@ -621,9 +628,10 @@ TEST_CASE("With handle reuse a new stream takes the lowest destroyed handle and 
   CHECK(count_faults(dev, fault_kind::cross_stream_race) == 1);
 }
 
-TEST_CASE("Allocations beyond the device total fail as out of memory and memory_info tracks "
-          "them",
-          "[sim]") {
+TEST_CASE(
+    "Allocations beyond the device total fail as out of memory and memory_info tracks "
+    "them",
+    "[sim]") {
   device_config config;
   config.total_bytes = 8 * mib;
   simulated_device dev(config);

@@ -4,10 +4,11 @@
 // sim::simulated_device refuses a host wait that an unopened hold blocks (backend_error, "would
 // never complete"), because one thread would wait for ever. This backend forwards every call to
 // a simulated device, except that synchronize_event / synchronize_device (and free_segment when
-// it models cudaFree's device-wide wait), when a hold blocks them, retry every millisecond until another thread opens the hold; after `limit` they give up
-// with backend_error ("still blocked after ... ms: the host would hang"), so that a test fails
-// instead of hanging. It notes which stream each host wait was on (the stream the event was last
-// recorded on) and whether a thread is blocked in one now.
+// it models cudaFree's device-wide wait), when a hold blocks them, retry every millisecond until
+// another thread opens the hold; after `limit` they give up with backend_error ("still blocked
+// after ... ms: the host would hang"), so that a test fails instead of hanging. It notes which
+// stream each host wait was on (the stream the event was last recorded on) and whether a thread is
+// blocked in one now.
 //
 // Thread safety: every call may come from any thread (the simulated device has one mutex; the
 // notes have their own).
@@ -64,7 +65,9 @@ class blocking_host_backend final : public device_backend {
 
   int device() const noexcept override { return dev_.device(); }
   const char* name() const noexcept override { return dev_.name(); }
-  void* allocate_segment(std::size_t size_bytes) override { return dev_.allocate_segment(size_bytes); }
+  void* allocate_segment(std::size_t size_bytes) override {
+    return dev_.allocate_segment(size_bytes);
+  }
   // With sim::device_config::free_segment_synchronizes (a model of cudaFree) this is a host wait
   // on the whole device too.
   void free_segment(void* base, std::size_t size_bytes) override {
@@ -75,10 +78,16 @@ class blocking_host_backend final : public device_backend {
     }
     block_until([&] { dev_.free_segment(base, size_bytes); }, "free_segment");
   }
-  bool free_segment_synchronizes() const noexcept override { return dev_.free_segment_synchronizes(); }
+  bool free_segment_synchronizes() const noexcept override {
+    return dev_.free_segment_synchronizes();
+  }
   bool supports_expandable() const noexcept override { return dev_.supports_expandable(); }
-  std::size_t map_granularity_bytes() const noexcept override { return dev_.map_granularity_bytes(); }
-  void* reserve_address_range(std::size_t size_bytes) override { return dev_.reserve_address_range(size_bytes); }
+  std::size_t map_granularity_bytes() const noexcept override {
+    return dev_.map_granularity_bytes();
+  }
+  void* reserve_address_range(std::size_t size_bytes) override {
+    return dev_.reserve_address_range(size_bytes);
+  }
   void release_address_range(void* base, std::size_t size_bytes) override {
     dev_.release_address_range(base, size_bytes);
   }
@@ -101,7 +110,9 @@ class blocking_host_backend final : public device_backend {
     }
     block_until([&] { dev_.synchronize_event(event); }, "synchronize_event");
   }
-  void stream_wait_event(stream_handle stream, event_handle event) override { dev_.stream_wait_event(stream, event); }
+  void stream_wait_event(stream_handle stream, event_handle event) override {
+    dev_.stream_wait_event(stream, event);
+  }
   bool query_stream(stream_handle stream) override { return dev_.query_stream(stream); }
   void synchronize_device() override {
     {
@@ -137,9 +148,10 @@ class blocking_host_backend final : public device_backend {
       const auto waited = std::chrono::steady_clock::now() - start;
       if (waited >= limit_) {
         blocked_now_.fetch_sub(1);
-        throw backend_error(std::string("blocking_host_backend: ") + what + " still blocked after " +
-                            std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(waited).count()) +
-                            " ms: the host would hang");
+        throw backend_error(
+            std::string("blocking_host_backend: ") + what + " still blocked after " +
+            std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(waited).count()) +
+            " ms: the host would hang");
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
@@ -164,7 +176,8 @@ struct watchdog_result {
   std::string error;  // what() of an exception the call threw, empty when none
 };
 
-inline watchdog_result returns_within(const std::function<void()>& call, std::chrono::milliseconds limit,
+inline watchdog_result returns_within(const std::function<void()>& call,
+                                      std::chrono::milliseconds limit,
                                       const std::function<void()>& unblock) {
   std::atomic<bool> done{false};
   watchdog_result r;

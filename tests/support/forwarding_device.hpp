@@ -14,11 +14,17 @@ class forwarding_device : public device_backend {
   const char* name() const noexcept override { return dev_.name(); }
   void* allocate_segment(std::size_t n) override { return dev_.allocate_segment(n); }
   void free_segment(void* base, std::size_t n) override { dev_.free_segment(base, n); }
-  bool free_segment_synchronizes() const noexcept override { return dev_.free_segment_synchronizes(); }
+  bool free_segment_synchronizes() const noexcept override {
+    return dev_.free_segment_synchronizes();
+  }
   bool supports_expandable() const noexcept override { return dev_.supports_expandable(); }
-  std::size_t map_granularity_bytes() const noexcept override { return dev_.map_granularity_bytes(); }
+  std::size_t map_granularity_bytes() const noexcept override {
+    return dev_.map_granularity_bytes();
+  }
   void* reserve_address_range(std::size_t n) override { return dev_.reserve_address_range(n); }
-  void release_address_range(void* base, std::size_t n) override { dev_.release_address_range(base, n); }
+  void release_address_range(void* base, std::size_t n) override {
+    dev_.release_address_range(base, n);
+  }
   bool map(void* p, std::size_t n) override { return dev_.map(p, n); }
   void unmap(void* p, std::size_t n) override { dev_.unmap(p, n); }
   event_handle create_event() override { return dev_.create_event(); }
@@ -32,7 +38,9 @@ class forwarding_device : public device_backend {
   void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override {
     dev_.memory_info(free_bytes, total_bytes);
   }
-  bool stream_is_capturing(stream_handle s) noexcept override { return dev_.stream_is_capturing(s); }
+  bool stream_is_capturing(stream_handle s) noexcept override {
+    return dev_.stream_is_capturing(s);
+  }
 
  protected:
   sim::simulated_device& dev_;

@@ -24,18 +24,19 @@ inline int gpu_count() {
 
 }  // namespace streamsafe::test
 
-#define STREAMSAFE_REQUIRE_GPU()                                          \
-  do {                                                                    \
-    if (::streamsafe::test::gpu_count() == 0) {                           \
-      WARN("skipped: no GPU present (cudaGetDeviceCount found none)");    \
-      return;                                                             \
-    }                                                                     \
+#define STREAMSAFE_REQUIRE_GPU()                                       \
+  do {                                                                 \
+    if (::streamsafe::test::gpu_count() == 0) {                        \
+      WARN("skipped: no GPU present (cudaGetDeviceCount found none)"); \
+      return;                                                          \
+    }                                                                  \
   } while (0)
 
-#define STREAMSAFE_REQUIRE_GPUS(n)                                                                     \
-  do {                                                                                                 \
-    if (::streamsafe::test::gpu_count() < (n)) {                                                       \
-      WARN("skipped: needs " << (n) << " GPUs, " << ::streamsafe::test::gpu_count() << " present"); \
-      return;                                                                                          \
-    }                                                                                                  \
+#define STREAMSAFE_REQUIRE_GPUS(n)                                                  \
+  do {                                                                              \
+    if (::streamsafe::test::gpu_count() < (n)) {                                    \
+      WARN("skipped: needs " << (n) << " GPUs, " << ::streamsafe::test::gpu_count() \
+                             << " present");                                        \
+      return;                                                                       \
+    }                                                                               \
   } while (0)

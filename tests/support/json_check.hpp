@@ -32,7 +32,9 @@ class json_checker {
     return false;
   }
   void skip_ws() {
-    while (pos_ < s_.size() && (s_[pos_] == ' ' || s_[pos_] == '\n' || s_[pos_] == '\r' || s_[pos_] == '\t')) ++pos_;
+    while (pos_ < s_.size() &&
+           (s_[pos_] == ' ' || s_[pos_] == '\n' || s_[pos_] == '\r' || s_[pos_] == '\t'))
+      ++pos_;
   }
   bool literal(std::string_view word) {
     if (s_.substr(pos_, word.size()) != word) return bad("bad literal");
@@ -73,7 +75,8 @@ class json_checker {
         const char e = s_[pos_++];
         if (e == 'u') {
           for (int i = 0; i < 4; ++i, ++pos_) {
-            if (pos_ >= s_.size() || !std::isxdigit(static_cast<unsigned char>(s_[pos_]))) return bad("bad \\u escape");
+            if (pos_ >= s_.size() || !std::isxdigit(static_cast<unsigned char>(s_[pos_])))
+              return bad("bad \\u escape");
           }
         } else if (std::string_view("\"\\/bfnrt").find(e) == std::string_view::npos) {
           return bad("bad escape");

@@ -37,8 +37,11 @@ struct sim_env {
 
 inline std::uintptr_t addr(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
 
-inline sim::range reads(const void* p, std::size_t n) { return {addr(p), n, sim::access::read, std::nullopt}; }
-inline sim::range writes(const void* p, std::size_t n, std::optional<std::uint8_t> v = std::nullopt) {
+inline sim::range reads(const void* p, std::size_t n) {
+  return {addr(p), n, sim::access::read, std::nullopt};
+}
+inline sim::range writes(const void* p, std::size_t n,
+                         std::optional<std::uint8_t> v = std::nullopt) {
   return {addr(p), n, sim::access::write, v};
 }
 

@@ -2,8 +2,8 @@
 // with their numbers, skipped or rejected), replaying them on the simulated device with known
 // peaks, the trace and snapshot it produces, and the HTML report.
 //
-// Compiles to nothing unless streamsafe_tests links streamsafe_replay_lib (allocator/tools/replay), which
-// defines STREAMSAFE_HAVE_REPLAY_LIB.
+// Compiles to nothing unless streamsafe_tests links streamsafe_replay_lib (allocator/tools/replay),
+// which defines STREAMSAFE_HAVE_REPLAY_LIB.
 #ifdef STREAMSAFE_HAVE_REPLAY_LIB
 
 #include "support/json_check.hpp"
@@ -12,8 +12,8 @@
 #include "replay.hpp"
 #include "trace_reader.hpp"
 
-#include <catch2/catch.hpp>
 #include <zlib.h>
+#include <catch2/catch.hpp>
 
 #include <cstdio>
 #include <random>
@@ -78,7 +78,8 @@ TEST_CASE("A PyTorch-style trace becomes allocs and frees by slot, segment rows 
   CHECK(p.live_at_end == 1);
   CHECK(p.trace_streams == std::vector<std::uint64_t>{0});
   CHECK(p.recorded_reserved_peak == 2 * MiB + 30 * MiB);
-  CHECK(p.requested_peak == 4096 + 4096 + 30 * MiB);  // after the 4000-byte block is replaced (line 8)
+  CHECK(p.requested_peak ==
+        4096 + 4096 + 30 * MiB);  // after the 4000-byte block is replaced (line 8)
   // The free of 900000 reuses its slot for the next alloc.
   CHECK(p.steps[3].alloc == false);
   CHECK(p.steps[3].slot == p.steps[0].slot);
@@ -153,7 +154,8 @@ TEST_CASE("Headerless traces are read in the canonical column order, guessed or 
   replay_program forced = read_trace_text("1,00:00:01:000000,allocate,0x1000,64,0\n", rmm);
   CHECK(forced.format == trace_format::rmm);
   CHECK(forced.allocs == 1);
-  CHECK_THROWS_AS(read_trace_text("time_us,action,address,size,stream\n1,alloc,4096,1,0\n", rmm), trace_parse_error);
+  CHECK_THROWS_AS(read_trace_text("time_us,action,address,size,stream\n1,alloc,4096,1,0\n", rmm),
+                  trace_parse_error);
   try {
     read_trace_text("\n# a comment\nhello,world\n");
     FAIL("an unknown format must be rejected");
@@ -178,17 +180,17 @@ TEST_CASE("Blank lines, comments, CRLF line ends and a byte order mark are accep
 TEST_CASE("Malformed lines are reported with their line numbers and skipped by default",
           "[replay]") {
   const std::string text =
-      "time_us,action,address,size,stream\n"   // 1
-      "1,alloc,4096,100,0\n"                   // 2
-      "2,alloc,4096\n"                         // 3: too few fields
-      "3,alloc,8192,1x0,0\n"                   // 4: bad size
-      "4,allocate,8192,100,0\n"                // 5: unknown action (an RMM word)
-      "5,free_requested,12288,100,0\n"         // 6: free of an address never allocated
-      "6,alloc,4096,200,0\n"                   // 7: alloc at a live address
-      "7,alloc,8192,-5,0\n"                    // 8: negative size
-      "x,alloc,8192,100,0\n"                   // 9: bad time
+      "time_us,action,address,size,stream\n"        // 1
+      "1,alloc,4096,100,0\n"                        // 2
+      "2,alloc,4096\n"                              // 3: too few fields
+      "3,alloc,8192,1x0,0\n"                        // 4: bad size
+      "4,allocate,8192,100,0\n"                     // 5: unknown action (an RMM word)
+      "5,free_requested,12288,100,0\n"              // 6: free of an address never allocated
+      "6,alloc,4096,200,0\n"                        // 7: alloc at a live address
+      "7,alloc,8192,-5,0\n"                         // 8: negative size
+      "x,alloc,8192,100,0\n"                        // 9: bad time
       "8,alloc,8192,100,99999999999999999999999\n"  // 10: stream overflows 64 bits
-      "9,free_requested,4096,100,0\n";         // 11
+      "9,free_requested,4096,100,0\n";              // 11
   replay_program p = read_trace_text(text);
   REQUIRE(p.bad_lines.size() == 8);
   std::vector<std::size_t> lines;
@@ -216,8 +218,24 @@ TEST_CASE("Malformed lines are reported with their line numbers and skipped by d
 TEST_CASE("Random garbage after a valid header is reported line by line, never a crash",
           "[replay]") {
   std::mt19937 rng(1234);
-  const std::string pieces[] = {"alloc", "free_requested", "segment_alloc", "0x1f", "4096", "-1", "", "\"", ",",
-                                "99999999999999999999", "free", "oom", "\t", "abc", "12", "512", "\xff\xfe", ":"};
+  const std::string pieces[] = {"alloc",
+                                "free_requested",
+                                "segment_alloc",
+                                "0x1f",
+                                "4096",
+                                "-1",
+                                "",
+                                "\"",
+                                ",",
+                                "99999999999999999999",
+                                "free",
+                                "oom",
+                                "\t",
+                                "abc",
+                                "12",
+                                "512",
+                                "\xff\xfe",
+                                ":"};
   std::ostringstream os;
   os << "time_us,action,address,size,stream\n";
   for (int line = 0; line < 3000; ++line) {
@@ -304,7 +322,8 @@ TEST_CASE("A replay with cudaMalloc-style segments reaches the known peaks", "[r
   // Rounded to 512: 4000 -> 4096; 30 MiB stays. Peak: 4096 + 4096 + 30 MiB.
   CHECK(s.allocated_bytes.peak == static_cast<std::int64_t>(8 * KiB + 30 * MiB));
   CHECK(rep.result.peak_allocated == s.allocated_bytes.peak);
-  // One 2 MiB small segment, one 30 MiB large segment (requests of 10 MiB or more: rounded to 2 MiB).
+  // One 2 MiB small segment, one 30 MiB large segment (requests of 10 MiB or more: rounded to 2
+  // MiB).
   CHECK(s.reserved_bytes.peak == static_cast<std::int64_t>(32 * MiB));
   CHECK(rep.result.segment_ops.segment_allocs == 2);
   CHECK(rep.result.segment_ops.segment_frees == 0);
@@ -324,7 +343,8 @@ TEST_CASE("A replay with cudaMalloc-style segments reaches the known peaks", "[r
   CHECK(tl_alloc == s.allocated_bytes.peak);
   CHECK(tl_res == s.reserved_bytes.peak);
 
-  // The trace: segment_alloc before the alloc it served, allocs and frees with trace times and sizes.
+  // The trace: segment_alloc before the alloc it served, allocs and frees with trace times and
+  // sizes.
   REQUIRE(rep.trace.size() >= 2 + 4 + 3 * 2);
   CHECK(rep.trace[0].action == trace_action::segment_alloc);
   CHECK(rep.trace[0].size == 2 * MiB);
@@ -441,7 +461,8 @@ TEST_CASE("The HTML report is one self-contained file with the plot and the segm
   html_report_input in;
   in.title = "replay of <trace> & co";
   in.facts = {{"peak allocated", "30.01 MiB"}, {"ratio", "1.3993"}};
-  for (const auto& t : rep.result.timeline) in.usage.push_back({t.time_us, t.allocated, t.reserved});
+  for (const auto& t : rep.result.timeline)
+    in.usage.push_back({t.time_us, t.allocated, t.reserved});
   in.snapshot = rep.peak_snapshot;
   in.final_stats = rep.result.stats;
   std::ostringstream os;

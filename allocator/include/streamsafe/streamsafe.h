@@ -81,8 +81,8 @@ typedef struct streamsafe_stats {
   streamsafe_stat active;               /* count of active blocks */
   uint64_t num_alloc_retries;
   uint64_t num_ooms;
-  uint64_t num_device_alloc;            /* segment allocations / chunk maps from the driver */
-  uint64_t num_device_free;             /* segment frees / chunk unmaps to the driver */
+  uint64_t num_device_alloc; /* segment allocations / chunk maps from the driver */
+  uint64_t num_device_free;  /* segment frees / chunk unmaps to the driver */
   uint64_t num_sync_all_streams;
   uint64_t events_recorded;
   uint64_t stream_waits;
@@ -91,7 +91,7 @@ typedef struct streamsafe_stats {
   uint64_t releases_deferred;
   uint64_t bytes_released;
   uint64_t segments_moved;
-  uint64_t pending_release_bytes;       /* waiting in the deferred-release queue now */
+  uint64_t pending_release_bytes; /* waiting in the deferred-release queue now */
 } streamsafe_stats;
 
 /* Allocates `bytes` (> 0) on the calling thread's current device, usable on `stream` at once;

@@ -21,10 +21,10 @@
 // Locks: steps 1-2 are the fast path, under s's stream lock alone. Steps 3-4 (allocate_slow)
 // take the device lock (mu_) first, then s's lock, dropping s's lock around releases.
 #include "allocator_state.hpp"
+#include "format.hpp"
 #include "logging.hpp"
 #include "size_classes.hpp"
 #include "stream_cache.hpp"
-#include "format.hpp"
 
 #include <stdexcept>
 #include <string>
@@ -35,14 +35,16 @@ using detail::hex;
 using detail::stream_cache_entry;
 using detail::t_cache;
 
-block* caching_allocator::impl::find_block_locked(stream_state& st, pool& p, std::size_t rounded, bool grow) {
+block* caching_allocator::impl::find_block_locked(stream_state& st, pool& p, std::size_t rounded,
+                                                  bool grow) {
   if (!st.pending.empty()) process_events_locked(st);
   if (block* b = take_cached_fit_locked(p, rounded)) return b;
   if (block* b = take_pending_locked(st, p, rounded)) return b;
   return grow ? grow_locked(p, rounded) : nullptr;
 }
 
-void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size) {
+void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std::size_t rounded,
+                                                 std::size_t size) {
   if (b->state == block_state::quick_cached) {
     b->state = block_state::active;  // from the quick cache: exactly the right size, and
                                      // still in st.active (active_map.hpp)
@@ -58,23 +60,29 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
   st.stats.allocated_bytes.add(bytes);
   st.stats.requested_bytes.add(static_cast<std::int64_t>(size));
   st.stats.allocation.add(1);
-  st.stats.active_bytes_peak = std::max(st.stats.active_bytes_peak, st.stats.allocated_bytes.current + st.stats.pending_bytes.current);
-  st.stats.active_peak = std::max(st.stats.active_peak, st.stats.allocation.current + st.stats.pending.current);
+  st.stats.active_bytes_peak = std::max(
+      st.stats.active_bytes_peak,
+      st.stats.allocated_bytes.current + st.stats.pending_bytes.current);
+  st.stats.active_peak = std::max(st.stats.active_peak,
+                                  st.stats.allocation.current + st.stats.pending.current);
   st.cur_allocated.store(st.stats.allocated_bytes.current, std::memory_order_relaxed);
   st.cur_requested.store(st.stats.requested_bytes.current, std::memory_order_relaxed);
   if (st.stats.allocated_bytes.current > old_peak) sample_peaks();
   t_cache.last_used = {id_, st.handle, &st};
   trace(trace_action::alloc, b->addr, size, st.handle);
-  if (trace_log_) detail::log().trace("alloc {} bytes at {} stream {}", size, hex(b->addr), hex(st.handle));
+  if (trace_log_)
+    detail::log().trace("alloc {} bytes at {} stream {}", size, hex(b->addr), hex(st.handle));
   return reinterpret_cast<void*>(b->addr);
 }
 
-void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small) {
+void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
+                                             std::size_t rounded, bool small) {
   if (callback_scope::active()) {  // growth, release and event calls are all backend calls
-    throw std::logic_error("streamsafe: allocate(" + std::to_string(size) + " bytes) on device " +
-                           std::to_string(backend_.device()) + ", stream " + hex(st.handle) +
-                           " inside a stream callback: no cached free block fits, and a stream callback may make "
-                           "no CUDA call (growth, release, event); allocate before launching the callback");
+    throw std::logic_error(
+        "streamsafe: allocate(" + std::to_string(size) + " bytes) on device " +
+        std::to_string(backend_.device()) + ", stream " + hex(st.handle) +
+        " inside a stream callback: no cached free block fits, and a stream callback may make "
+        "no CUDA call (growth, release, event); allocate before launching the callback");
   }
   device_lock dlk(mu_);
   detect_captures_locked(dlk);
@@ -100,8 +108,8 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
     try {
       release_refused_segments(dlk, st, rounded);
     } catch (const std::exception& e) {
-      detail::log().warn("device {}: giving refused whole segments back before growing failed: {}", backend_.device(),
-                         e.what());
+      detail::log().warn("device {}: giving refused whole segments back before growing failed: {}",
+                         backend_.device(), e.what());
     }
     slk.lock();
     b = find_block_locked(st, p, rounded);  // the pool may have changed while its lock was dropped
@@ -143,8 +151,9 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
   impl& m = *impl_;
   if (m.inherited()) m.throw_inherited("allocate");  // a forked child (fork.cpp)
   if (size_bytes == 0) {
-    throw invalid_size("streamsafe: allocate(0 bytes) on device " + std::to_string(m.backend_.device()) +
-                       ", stream " + hex(stream) + ": the size must be positive");
+    throw invalid_size("streamsafe: allocate(0 bytes) on device " +
+                       std::to_string(m.backend_.device()) + ", stream " + hex(stream) +
+                       ": the size must be positive");
   }
   if (size_bytes > detail::k_max_request_bytes || size_bytes > m.limit_bytes_) {
     device_lock dlk(m.mu_);
@@ -152,20 +161,23 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
                                  "; the request exceeds the device's memory limit");
   }
   const std::size_t rounded = m.opts_.roundup_power2_divisions
-                                  ? detail::round_power2_divisions(size_bytes, m.opts_.roundup_power2_divisions)
+                                  ? detail::round_power2_divisions(size_bytes,
+                                                                   m.opts_.roundup_power2_divisions)
                                   : detail::round_request(size_bytes);
   const bool small = detail::is_small(rounded);
   if (m.capturing()) {  // a CUDA graph capture is underway on the device (capture.cpp)
     device_lock dlk(m.mu_);
     m.detect_captures_locked(dlk);
-    if (m.capturing()) return m.allocate_during_capture_locked(dlk, size_bytes, rounded, small, stream);
+    if (m.capturing())
+      return m.allocate_during_capture_locked(dlk, size_bytes, rounded, small, stream);
   }
   impl::stream_state& st = m.state_for(stream);
   {
     detail::lock_guard<stream_lock> slk(st.mu);
     // Blocks waiting for other streams are retired in batches (process_events_locked): when
     // k_pending_batch more have queued up, or when nothing else fits.
-    if (st.pending.size() >= st.process_at && !callback_scope::active()) m.process_events_locked(st);
+    if (st.pending.size() >= st.process_at && !callback_scope::active())
+      m.process_events_locked(st);
     pool& p = impl::pool_of(st, small);
     block* b = m.take_cached_fit_locked(p, rounded);
     if (!b && !st.pending.empty() && !callback_scope::active()) {

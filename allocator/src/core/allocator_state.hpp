@@ -4,7 +4,8 @@
 // Locks, in order:
 //   mu_ (the device lock)  guards streams_, segments_, the deferred queue, tombstones_ and the
 //                          device-level statistics (stats_). Taken only on slow paths.
-//   stream_state::mu       (a stream_lock, stream_lock.hpp) guards that stream's pools, the blocks of its segments, its active
+//   stream_state::mu       (a stream_lock, stream_lock.hpp) guards that stream's pools, the blocks
+//   of its segments, its active
 //                          map, its pending list and its statistics. The same-stream fast path
 //                          (allocate and free on one stream) takes only this lock.
 //   events_mu_             guards the event pool; a leaf (nothing is taken while holding it).
@@ -92,14 +93,14 @@ struct caching_allocator::impl {
     stream_handle handle = 0;
     pool small_pool;
     pool large_pool;
-    detail::active_map active;    // active blocks of this stream's segments
+    detail::active_map active;     // active blocks of this stream's segments
     detail::pending_list pending;  // pending_free blocks of this stream's segments, in free order
     // reuse_fence:all_streams: pending_free blocks freed by the host since the last reuse fence,
     // with no event yet (free.cpp: fence_host_frees_locked orders this stream after every known
     // stream once, for all of them).
     detail::pending_list unfenced;
-    stream_stats stats;  // this stream's counters (summed by caching_allocator::stats)
-    block* spare = nullptr;       // recycled block objects (linked through next)
+    stream_stats stats;      // this stream's counters (summed by caching_allocator::stats)
+    block* spare = nullptr;  // recycled block objects (linked through next)
     // Pooled events of this stream's pending blocks, reused under this lock alone (no trip to
     // the shared pool and events_mu_); at most k_event_cache, capacity reserved at creation.
     std::vector<event_handle> event_cache;
@@ -115,17 +116,20 @@ struct caching_allocator::impl {
     // Non-zero: this is not a stream but the private pool of CUDA graph `graph` (capture.cpp),
     // keyed in streams_ by graph_key(graph); handle is the capturing stream.
     std::uint64_t graph = 0;
-    bool graph_released = false;  // every graph of the pool released: its free segments may be released
-    int pool_graphs = 0;          // graphs captured into this pool (shared pools) not released yet
-    std::size_t segments = 0;     // segments its pools own (also while released or deferred); under mu_
+    bool graph_released =
+        false;            // every graph of the pool released: its free segments may be released
+    int pool_graphs = 0;  // graphs captured into this pool (shared pools) not released yet
+    std::size_t segments =
+        0;  // segments its pools own (also while released or deferred); under mu_
   };
 
   // A capture underway on one stream of the device.
   struct capture_record {
     stream_handle stream = 0;
     std::uint64_t graph = 0;  // the id notify_capture_begin returned
-    std::uint64_t pool = 0;   // the graph whose private pool it allocates into (graph, or a shared one)
-    bool detected = false;    // found by backend_.stream_is_capturing, not announced
+    std::uint64_t pool =
+        0;  // the graph whose private pool it allocates into (graph, or a shared one)
+    bool detected = false;  // found by backend_.stream_is_capturing, not announced
   };
   // A graph the allocator has given an id: the private pool it allocates into (its own, keyed
   // graph_key(graph), or an earlier graph's that it shares) and whether it was released.
@@ -138,9 +142,12 @@ struct caching_allocator::impl {
     block* b = nullptr;
     bool has_stream = false;
     stream_handle stream = 0;
-    std::uint64_t graph = 0;  // 0: completes when no capture is underway; else at that graph's release
+    std::uint64_t graph =
+        0;  // 0: completes when no capture is underway; else at that graph's release
   };
-  static constexpr stream_handle graph_key(std::uint64_t graph) { return ~stream_handle{0} - graph; }
+  static constexpr stream_handle graph_key(std::uint64_t graph) {
+    return ~stream_handle{0} - graph;
+  }
 
   // Memory detached for release, and the fence that must complete first.
   struct release_batch {
@@ -156,23 +163,28 @@ struct caching_allocator::impl {
 
   device_backend& backend_;
   options opts_;
-  const std::uint64_t id_;  // distinguishes allocators in the threads' stream caches
+  const std::uint64_t id_;               // distinguishes allocators in the threads' stream caches
   const std::uint64_t fork_generation_;  // fork.cpp: the process's fork count when it was made
   bool trace_log_ = false;  // the logger was at trace level when the allocator was made
   std::unique_ptr<trace_recorder> own_trace_;    // when options::trace_capacity is set
   std::atomic<trace_recorder*> trace_{nullptr};  // where trace events go (nullptr: off)
-  void trace(trace_action action, std::uintptr_t address, std::size_t size, stream_handle stream) noexcept {
-    if (trace_recorder* t = trace_.load(std::memory_order_acquire)) t->record(action, address, size, stream, backend_.device());
+  void trace(trace_action action, std::uintptr_t address, std::size_t size,
+             stream_handle stream) noexcept {
+    if (trace_recorder* t = trace_.load(std::memory_order_acquire))
+      t->record(action, address, size, stream, backend_.device());
   }
   std::size_t limit_bytes_ = 0;
   std::size_t device_total_bytes_ = 0;
   std::size_t small_chunk_bytes_ = 0;  // expandable small pools: the driver's granularity
   std::size_t large_chunk_bytes_ = 0;  // expandable large pools: options::expandable_chunk_bytes
-  std::size_t chunk_bytes(const segment* seg) const { return seg->small ? small_chunk_bytes_ : large_chunk_bytes_; }
+  std::size_t chunk_bytes(const segment* seg) const {
+    return seg->small ? small_chunk_bytes_ : large_chunk_bytes_;
+  }
 
   mutable detail::mutex mu_;
   using device_lock = detail::unique_lock<detail::mutex>;  // mu_, dropped around driver calls
-  std::unordered_map<stream_handle, std::unique_ptr<stream_state>> streams_ STREAMSAFE_GUARDED_BY(mu_);
+  std::unordered_map<stream_handle, std::unique_ptr<stream_state>> streams_
+      STREAMSAFE_GUARDED_BY(mu_);
   std::map<std::uintptr_t, segment*> segments_ STREAMSAFE_GUARDED_BY(mu_);  // by base address
   // cudaMalloc segments out of segments_ while free_segment runs without mu_ (release.cpp):
   // their one block is detached (releasing) and their bytes still count as reserved.
@@ -184,7 +196,8 @@ struct caching_allocator::impl {
   // pending list with no events yet): the free made no backend call (it may run in a stream
   // callback, K16); fence_unfenced_locked records their events from an ordinary call.
   std::vector<block*> unfenced_ STREAMSAFE_GUARDED_BY(mu_);
-  bool empty_cache_requested_ STREAMSAFE_GUARDED_BY(mu_) = false;  // empty_cache asked for in a stream callback
+  bool empty_cache_requested_ STREAMSAFE_GUARDED_BY(mu_) =
+      false;  // empty_cache asked for in a stream callback
   // The newest tombstone, an event recorded on a stream just before it was destroyed, after
   // that stream waited on the previous tombstone: its completion proves every destroyed
   // stream's work done. At most one entry; part of every fence; cleared once seen complete.
@@ -198,17 +211,21 @@ struct caching_allocator::impl {
   // other threads' stream caches may still point at them).
   std::vector<stream_state*> dead_states_ STREAMSAFE_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<stream_state>> spare_states_ STREAMSAFE_GUARDED_BY(mu_);
-  statistics stats_ STREAMSAFE_GUARDED_BY(mu_);  // device-level parts; per-stream parts live in stream_state::stats
+  statistics stats_ STREAMSAFE_GUARDED_BY(
+      mu_);  // device-level parts; per-stream parts live in stream_state::stats
 
   // CUDA graph capture (capture.cpp), guarded by mu_.
   std::vector<capture_record> captures_ STREAMSAFE_GUARDED_BY(mu_);
   std::atomic<int> captures_underway_{0};
   std::vector<held_free> held_frees_ STREAMSAFE_GUARDED_BY(mu_);
   std::unordered_map<std::uint64_t, graph_record> graphs_ STREAMSAFE_GUARDED_BY(mu_);
-  std::vector<std::uint64_t> releases_after_capture_ STREAMSAFE_GUARDED_BY(mu_);  // notify_graph_released during a capture
-  bool empty_cache_after_capture_ STREAMSAFE_GUARDED_BY(mu_) = false;              // empty_cache asked for during a capture
+  std::vector<std::uint64_t> releases_after_capture_
+      STREAMSAFE_GUARDED_BY(mu_);  // notify_graph_released during a capture
+  bool empty_cache_after_capture_ STREAMSAFE_GUARDED_BY(mu_) =
+      false;  // empty_cache asked for during a capture
   std::uint64_t next_graph_id_ STREAMSAFE_GUARDED_BY(mu_) = 1;
-  std::uint64_t capture_deferrals_ STREAMSAFE_GUARDED_BY(mu_) = 0;  // releases/queries skipped because of a capture
+  std::uint64_t capture_deferrals_ STREAMSAFE_GUARDED_BY(mu_) =
+      0;  // releases/queries skipped because of a capture
   // Fence waits and releases running with mu_ dropped; notify_capture_begin waits for none.
   int driver_calls_in_flight_ STREAMSAFE_GUARDED_BY(mu_) = 0;
   std::condition_variable_any driver_calls_done_;  // waits on a device_lock
@@ -216,7 +233,8 @@ struct caching_allocator::impl {
   // (or the destructor, on an exception) takes mu_ back.
   class driver_call_scope {
    public:
-    driver_call_scope(impl& m, device_lock& lk) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS : m_(m), lk_(lk) {
+    driver_call_scope(impl& m, device_lock& lk) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS : m_(m),
+                                                                                       lk_(lk) {
       ++m_.driver_calls_in_flight_;
       lk_.unlock();
     }
@@ -246,29 +264,40 @@ struct caching_allocator::impl {
   std::vector<event_handle> free_events_ STREAMSAFE_GUARDED_BY(events_mu_);
 
   static stream_state& state_of(const pool& p) { return *static_cast<stream_state*>(p.state); }
-  static pool& pool_of(stream_state& st, bool small) { return small ? st.small_pool : st.large_pool; }
+  static pool& pool_of(stream_state& st, bool small) {
+    return small ? st.small_pool : st.large_pool;
+  }
 
   // ---- streams, events, blocks, growth, allocate, free, diagnostics (*.cpp) -----------------
   // A function that takes a pool or a block (and no stream_state) runs under the lock of the
   // stream owning that pool or block's segment; clang cannot check that one (see the top).
-  stream_state& state_for(stream_handle stream);     // no lock held; may take mu_
-  stream_state& get_or_create_stream_locked(stream_handle stream) STREAMSAFE_REQUIRES(mu_);  // mu_ held
-  stream_state& new_state_locked(stream_handle key, stream_handle handle) STREAMSAFE_REQUIRES(mu_);  // mu_ held
-  stream_state* owner_locked(const void* ptr) STREAMSAFE_REQUIRES(mu_);        // mu_ held: owner of the segment, or null
+  stream_state& state_for(stream_handle stream);  // no lock held; may take mu_
+  stream_state& get_or_create_stream_locked(stream_handle stream)
+      STREAMSAFE_REQUIRES(mu_);  // mu_ held
+  stream_state& new_state_locked(stream_handle key, stream_handle handle)
+      STREAMSAFE_REQUIRES(mu_);  // mu_ held
+  stream_state* owner_locked(const void* ptr)
+      STREAMSAFE_REQUIRES(mu_);  // mu_ held: owner of the segment, or null
   block* new_block(stream_state& st);
   void recycle_block(stream_state& st, block* b);
   block* best_fit(pool& p, std::size_t rounded) const;
-  bool split_limit_refuses(const pool& p, const block* b, std::size_t rounded) const noexcept;  // max_split_size
+  bool split_limit_refuses(const pool& p, const block* b,
+                           std::size_t rounded) const noexcept;          // max_split_size
   bool keeps_whole(const block* b, std::size_t rounded) const noexcept;  // segment_fit.hpp's rule
-  bool idle_at_growth(const block* b, std::size_t rounded) const noexcept;  // given back before growth past the peak
+  bool idle_at_growth(const block* b, std::size_t rounded)
+      const noexcept;  // given back before growth past the peak
   block* fit_ignoring_whole_rule(pool& p, std::size_t rounded) const;  // at the memory limit
-  block* take_pending_locked(stream_state& st, pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(st.mu);
+  block* take_pending_locked(stream_state& st, pool& p, std::size_t rounded)
+      STREAMSAFE_REQUIRES(st.mu);
   block* new_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
   // A new segment of p at `base` as one free block: mapped (cuda_malloc) or not (expandable).
-  block* add_segment_locked(pool& p, std::uintptr_t base, std::size_t size, bool mapped) STREAMSAFE_REQUIRES(mu_);
+  block* add_segment_locked(pool& p, std::uintptr_t base, std::size_t size, bool mapped)
+      STREAMSAFE_REQUIRES(mu_);
   // The unmapped block of p to grow into for `rounded` bytes and how many bytes to map there.
-  block* choose_unmapped_locked(pool& p, std::size_t rounded, std::size_t& map_bytes) const STREAMSAFE_REQUIRES(mu_);
-  std::size_t map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk) STREAMSAFE_REQUIRES(mu_);  // bytes mapped
+  block* choose_unmapped_locked(pool& p, std::size_t rounded, std::size_t& map_bytes) const
+      STREAMSAFE_REQUIRES(mu_);
+  std::size_t map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk)
+      STREAMSAFE_REQUIRES(mu_);  // bytes mapped
   block* expandable_fit_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
   block* steal_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
   // A destroyed stream's whole free segment for p, behind the tombstone (before growing).
@@ -278,56 +307,76 @@ struct caching_allocator::impl {
   // Queries the tombstone; once complete, retires it and every destroyed stream owning nothing.
   void retire_dead_streams_locked() STREAMSAFE_REQUIRES(mu_);
   void drop_tombstone_locked(event_handle e) STREAMSAFE_REQUIRES(mu_);  // pooled unless referenced
-  block* find_block_locked(stream_state& st, pool& p, std::size_t rounded, bool grow = true) STREAMSAFE_REQUIRES(mu_, st.mu);
-  block* grow_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);  // step 3 of the allocation order
-  bool growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
-  bool expandable_growth_raises_peak_locked(const pool& p, std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
-  void* finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size) STREAMSAFE_REQUIRES(st.mu);
-  void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small) STREAMSAFE_EXCLUDES(mu_, st.mu);
+  block* find_block_locked(stream_state& st, pool& p, std::size_t rounded, bool grow = true)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  block* grow_locked(pool& p, std::size_t rounded)
+      STREAMSAFE_REQUIRES(mu_);  // step 3 of the allocation order
+  bool growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const
+      STREAMSAFE_REQUIRES(mu_);
+  bool expandable_growth_raises_peak_locked(const pool& p, std::size_t rounded) const
+      STREAMSAFE_REQUIRES(mu_);
+  void* finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size)
+      STREAMSAFE_REQUIRES(st.mu);
+  void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small)
+      STREAMSAFE_EXCLUDES(mu_, st.mu);
   bool wants_collection_locked(std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);  // mu_ held
-  void split_locked(block* b, std::size_t rounded);  // b's remainder beyond `rounded`, if worth a block
+  void split_locked(block* b,
+                    std::size_t rounded);  // b's remainder beyond `rounded`, if worth a block
   // Cuts b at `offset`: the part beyond becomes a new block after b, of b's state and mapping.
   block* split_off_locked(block* b, std::size_t offset);
-  block* take_cached_fit_locked(pool& p, std::size_t rounded);  // quick cache, else flush and best fit
-  block* free_block_locked(block* b);          // to its pool, merging free neighbours
-  block* merge_locked(block* lo, block* hi);   // address-adjacent; returns the survivor
+  block* take_cached_fit_locked(pool& p,
+                                std::size_t rounded);  // quick cache, else flush and best fit
+  block* free_block_locked(block* b);                  // to its pool, merging free neighbours
+  block* merge_locked(block* lo, block* hi);           // address-adjacent; returns the survivor
   void process_events_locked(stream_state& st) STREAMSAFE_REQUIRES(st.mu);
   void flush_quick_locked(pool& p);
   void retire_pending_locked(stream_state& st, block* b) STREAMSAFE_REQUIRES(st.mu);
-  void free_found_locked(stream_state& st, block* b, const stream_handle* stream) STREAMSAFE_REQUIRES(mu_, st.mu);  // mu_ held
+  void free_found_locked(stream_state& st, block* b, const stream_handle* stream)
+      STREAMSAFE_REQUIRES(mu_, st.mu);  // mu_ held
   // b's owner stream lock held (and mu_ when device_locked); see caching_allocator.cpp.
   bool record_use_events_locked(block* b, const stream_handle* stream, bool device_locked);
-  void commit_free_locked(stream_state& st, block* b, const stream_handle* stream) STREAMSAFE_REQUIRES(st.mu);
+  void commit_free_locked(stream_state& st, block* b, const stream_handle* stream)
+      STREAMSAFE_REQUIRES(st.mu);
   // A host free with uses on other streams, with no backend call: b goes pending with no events
   // and onto unfenced_ (mu_ and st's lock held).
-  void defer_fence_locked(stream_state& st, block* b, const stream_handle* stream) STREAMSAFE_REQUIRES(mu_, st.mu);
-  void fence_unfenced_locked() STREAMSAFE_REQUIRES(mu_);  // records unfenced_'s events (no capture underway)
+  void defer_fence_locked(stream_state& st, block* b, const stream_handle* stream)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  void fence_unfenced_locked()
+      STREAMSAFE_REQUIRES(mu_);  // records unfenced_'s events (no capture underway)
   stream_state* cached_live_state(stream_handle stream) const;  // this thread's stream cache
-  void count_free_locked(stream_state& st, const block* b) STREAMSAFE_REQUIRES(st.mu);  // the host free's counters (st's lock held)
-  void free_same_stream_locked(stream_state& st, block* b) STREAMSAFE_REQUIRES(st.mu);  // b in st.active (it stays there if parked)
+  void count_free_locked(stream_state& st, const block* b)
+      STREAMSAFE_REQUIRES(st.mu);  // the host free's counters (st's lock held)
+  void free_same_stream_locked(stream_state& st, block* b)
+      STREAMSAFE_REQUIRES(st.mu);  // b in st.active (it stays there if parked)
   // reuse_fence:all_streams. A host free: b leaves st.active for st.unfenced, recording nothing.
   void free_unfenced_locked(stream_state& st, block* b) STREAMSAFE_REQUIRES(st.mu);
   // The reuse fence of st's unfenced host frees: st waits, on the device, for every other known
   // stream (one event each) and the tombstones; then the blocks go back to st's pools.
   void fence_host_frees_locked(stream_state& st) STREAMSAFE_REQUIRES(mu_, st.mu);
-  void fence_dead_stream_frees_locked(stream_state& st) STREAMSAFE_REQUIRES(mu_, st.mu);  // st destroyed
+  void fence_dead_stream_frees_locked(stream_state& st)
+      STREAMSAFE_REQUIRES(mu_, st.mu);  // st destroyed
   event_handle get_event() STREAMSAFE_EXCLUDES(events_mu_);
   void put_event(event_handle e) STREAMSAFE_EXCLUDES(events_mu_);
-  event_handle get_event(stream_state& st) STREAMSAFE_REQUIRES(st.mu);      // st's lock held: st's event cache first
+  event_handle get_event(stream_state& st)
+      STREAMSAFE_REQUIRES(st.mu);  // st's lock held: st's event cache first
   void put_event(stream_state& st, event_handle e) STREAMSAFE_REQUIRES(st.mu);
   void note_use_locked(segment* seg, stream_handle stream);
   void add_use_locked(block* b, stream_handle stream);  // record_stream: b's owner lock held
-  void order_after_locked(stream_handle waiter, stream_handle on) STREAMSAFE_REQUIRES(mu_);  // mu_ held
+  void order_after_locked(stream_handle waiter, stream_handle on)
+      STREAMSAFE_REQUIRES(mu_);  // mu_ held
   void sample_peaks();
   std::string oom_message_locked(std::size_t size, std::size_t rounded, stream_handle stream,
                                  const stream_state* held) STREAMSAFE_REQUIRES(mu_);
   std::size_t largest_free_locked(const stream_state* held) const STREAMSAFE_REQUIRES(mu_);
   // Counts the out-of-memory, drops both locks (slk may be null), logs and throws; `note` ends
   // the message. `held`: the stream state whose lock the caller holds, as for oom_message_locked.
-  [[noreturn]] void throw_out_of_memory_locked(device_lock& dlk, detail::unique_lock<stream_lock>* slk,
-                                               std::size_t size, std::size_t rounded, stream_handle stream,
-                                               const stream_state* held, const std::string& note) STREAMSAFE_REQUIRES(mu_);
-  [[noreturn]] void throw_invalid_pointer_locked(const void* ptr, const char* what) const STREAMSAFE_REQUIRES(mu_);
+  [[noreturn]] void throw_out_of_memory_locked(device_lock& dlk,
+                                               detail::unique_lock<stream_lock>* slk,
+                                               std::size_t size, std::size_t rounded,
+                                               stream_handle stream, const stream_state* held,
+                                               const std::string& note) STREAMSAFE_REQUIRES(mu_);
+  [[noreturn]] void throw_invalid_pointer_locked(const void* ptr, const char* what) const
+      STREAMSAFE_REQUIRES(mu_);
   // True when this thread's last allocation was from this allocator (t_cache.last_used).
   bool thread_allocated_here() const noexcept;
   void deallocate_impl(void* ptr, const stream_handle* stream);
@@ -337,48 +386,68 @@ struct caching_allocator::impl {
   struct census {
     std::int64_t reserved_bytes = 0, allocated_bytes = 0, active_bytes = 0;  // from the blocks
     std::int64_t stat_allocated_bytes = 0, stat_active_bytes = 0;            // from the statistics
-    std::size_t free_blocks = 0, active_blocks = 0, pending_blocks = 0, quick_cached_blocks = 0, held_blocks = 0;
-    std::size_t free_list_blocks = 0, quick_cache_blocks = 0, pending_list_blocks = 0, active_map_blocks = 0;
+    std::size_t free_blocks = 0, active_blocks = 0, pending_blocks = 0, quick_cached_blocks = 0,
+                held_blocks = 0;
+    std::size_t free_list_blocks = 0, quick_cache_blocks = 0, pending_list_blocks = 0,
+                active_map_blocks = 0;
   };
-  void check_block_locked(const block* b, census& c) const STREAMSAFE_REQUIRES(mu_);  // its state against where it is
-  void check_segment_locked(std::uintptr_t key, const segment* seg, census& c) const STREAMSAFE_REQUIRES(mu_);  // tiling, mapping
-  void check_pool_locked(const pool& p, census& c) const STREAMSAFE_REQUIRES(mu_);    // free lists, unmapped set, quick cache
-  void check_stream_locked(const stream_state& st, census& c) const STREAMSAFE_REQUIRES(mu_, st.mu);  // pools, active map, counters
+  void check_block_locked(const block* b, census& c) const
+      STREAMSAFE_REQUIRES(mu_);  // its state against where it is
+  void check_segment_locked(std::uintptr_t key, const segment* seg, census& c) const
+      STREAMSAFE_REQUIRES(mu_);  // tiling, mapping
+  void check_pool_locked(const pool& p, census& c) const
+      STREAMSAFE_REQUIRES(mu_);  // free lists, unmapped set, quick cache
+  void check_stream_locked(const stream_state& st, census& c) const
+      STREAMSAFE_REQUIRES(mu_, st.mu);  // pools, active map, counters
   void check_releasing_segments_locked(census& c) const STREAMSAFE_REQUIRES(mu_);
   void check_held_frees_locked(const census& c) const STREAMSAFE_REQUIRES(mu_);
-  void check_census_locked(const census& c) const STREAMSAFE_REQUIRES(mu_);  // the counts and statistics agree
-  void check_dead_streams_locked() const STREAMSAFE_REQUIRES(mu_);  // destroyed and retired stream states
+  void check_census_locked(const census& c) const
+      STREAMSAFE_REQUIRES(mu_);  // the counts and statistics agree
+  void check_dead_streams_locked() const
+      STREAMSAFE_REQUIRES(mu_);  // destroyed and retired stream states
 
   // ---- capture.cpp -------------------------------------------------------------------------
-  bool capturing() const noexcept { return captures_underway_.load(std::memory_order_acquire) != 0; }
-  const capture_record* capture_of_locked(stream_handle stream) const STREAMSAFE_REQUIRES(mu_);  // mu_ held
-  stream_state* graph_state_locked(std::uint64_t graph) STREAMSAFE_REQUIRES(mu_);                 // mu_ held
+  bool capturing() const noexcept {
+    return captures_underway_.load(std::memory_order_acquire) != 0;
+  }
+  const capture_record* capture_of_locked(stream_handle stream) const
+      STREAMSAFE_REQUIRES(mu_);                                                    // mu_ held
+  stream_state* graph_state_locked(std::uint64_t graph) STREAMSAFE_REQUIRES(mu_);  // mu_ held
   // share_pool_of: 0, or a graph whose private pool the capture allocates into (shared pools).
-  std::uint64_t begin_capture_locked(stream_handle stream, bool detected, std::uint64_t share_pool_of = 0)
-      STREAMSAFE_REQUIRES(mu_);
+  std::uint64_t begin_capture_locked(stream_handle stream, bool detected,
+                                     std::uint64_t share_pool_of = 0) STREAMSAFE_REQUIRES(mu_);
   // Before a capture begins: the free memory of released graphs' pools goes back behind its fence.
-  void release_released_pools_locked(device_lock& lk, stream_handle stream) STREAMSAFE_REQUIRES(mu_);
+  void release_released_pools_locked(device_lock& lk, stream_handle stream)
+      STREAMSAFE_REQUIRES(mu_);
   // Fork (fork.cpp): true in a child forked after this allocator was made (it inherited it).
   bool inherited() const noexcept;
   static std::uint64_t current_fork_generation();  // registers the fork handler once
   [[noreturn]] void throw_inherited(const char* what) const;
   std::uint64_t end_capture_locked(device_lock& lk, stream_handle stream) STREAMSAFE_REQUIRES(mu_);
-  void detect_captures_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // asks the backend about each known stream
+  void detect_captures_locked(device_lock& lk)
+      STREAMSAFE_REQUIRES(mu_);  // asks the backend about each known stream
   void after_captures_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // the last capture ended
   void release_graph_locked(std::uint64_t graph) STREAMSAFE_REQUIRES(mu_);
-  std::exception_ptr complete_held_frees_locked(std::uint64_t graph, const std::vector<stream_handle>& uses) STREAMSAFE_REQUIRES(mu_);
+  std::exception_ptr complete_held_frees_locked(std::uint64_t graph,
+                                                const std::vector<stream_handle>& uses)
+      STREAMSAFE_REQUIRES(mu_);
   // A free while a capture is underway; true when it was handled (held or done).
-  bool free_during_capture_locked(stream_state& owner, block* b, const stream_handle* stream) STREAMSAFE_REQUIRES(mu_, owner.mu);
+  bool free_during_capture_locked(stream_state& owner, block* b, const stream_handle* stream)
+      STREAMSAFE_REQUIRES(mu_, owner.mu);
   void* allocate_during_capture_locked(device_lock& dlk, std::size_t size, std::size_t rounded,
                                        bool small, stream_handle stream) STREAMSAFE_REQUIRES(mu_);
   std::string capture_note_locked() const STREAMSAFE_REQUIRES(mu_);  // for out-of-memory messages
 
   // ---- release.cpp -------------------------------------------------------------------------
   // mu_ and the segment owner's stream lock held.
-  std::vector<stream_handle> fence_streams_locked(const segment* seg) const STREAMSAFE_REQUIRES(mu_);
-  void add_fence_streams_locked(release_batch& batch, const segment* seg) const STREAMSAFE_REQUIRES(mu_);
-  void detach_whole_segment_locked(release_batch& batch, segment* seg) STREAMSAFE_REQUIRES(mu_);  // a free cuda_malloc segment
-  release_batch collect_releasable_locked(bool released_graphs_only = false) STREAMSAFE_REQUIRES(mu_);
+  std::vector<stream_handle> fence_streams_locked(const segment* seg) const
+      STREAMSAFE_REQUIRES(mu_);
+  void add_fence_streams_locked(release_batch& batch, const segment* seg) const
+      STREAMSAFE_REQUIRES(mu_);
+  void detach_whole_segment_locked(release_batch& batch, segment* seg)
+      STREAMSAFE_REQUIRES(mu_);  // a free cuda_malloc segment
+  release_batch collect_releasable_locked(bool released_graphs_only = false)
+      STREAMSAFE_REQUIRES(mu_);
   void record_fence_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   bool fence_done_locked(const release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   // Moves out of `batch` the blocks whose fence streams are idle now (polled, never waited on),
@@ -395,20 +464,25 @@ struct caching_allocator::impl {
   // The opportunistic release (max_cached_bytes, garbage_collection_threshold, an empty_cache
   // asked for from a stream callback): releases what is safe now, never waits, queues nothing.
   std::size_t trim_cached(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
-  // Before a release: unfenced_'s events recorded, completed pending frees retired, quick caches flushed.
+  // Before a release: unfenced_'s events recorded, completed pending frees retired, quick caches
+  // flushed.
   void prepare_release_locked() STREAMSAFE_REQUIRES(mu_);
   // Fences `batch` and releases the blocks whose fence streams are idle now; the rest goes back
   // to the pools (nothing queued, nothing waited on).
   std::size_t release_safe_now(device_lock& lk, release_batch& batch) STREAMSAFE_REQUIRES(mu_);
-  void queue_batch_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);  // to the deferred queue (fence recorded)
+  void queue_batch_locked(release_batch& batch)
+      STREAMSAFE_REQUIRES(mu_);  // to the deferred queue (fence recorded)
   // Fences and releases a collected batch (queued in defer mode when its fence is pending).
-  std::size_t release_collected(device_lock& lk, release_batch& batch, empty_cache_mode mode) STREAMSAFE_REQUIRES(mu_);
+  std::size_t release_collected(device_lock& lk, release_batch& batch, empty_cache_mode mode)
+      STREAMSAFE_REQUIRES(mu_);
   // mu_ held, st's lock not: gives back st's whole free large segments that the whole-segment
   // rule refuses to a request of `rounded` bytes (before a growth that would raise the peak).
-  std::size_t release_refused_segments(device_lock& lk, stream_state& st, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  std::size_t release_refused_segments(device_lock& lk, stream_state& st, std::size_t rounded)
+      STREAMSAFE_REQUIRES(mu_);
   // After the driver call for b (released or not): its bookkeeping, under b's owner lock.
   std::size_t account_release_locked(block* b, bool released) STREAMSAFE_REQUIRES(mu_);
-  void retire_all_pending_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // waits with mu_ dropped
+  void retire_all_pending_locked(device_lock& lk)
+      STREAMSAFE_REQUIRES(mu_);  // waits with mu_ dropped
   void destroy_events_locked() STREAMSAFE_REQUIRES(mu_);
 
   // ---- release_worker.cpp ------------------------------------------------------------------
@@ -423,14 +497,18 @@ struct caching_allocator::impl {
   std::unique_ptr<std::thread> worker_ STREAMSAFE_GUARDED_BY(mu_);
   std::int64_t worker_pid_ STREAMSAFE_GUARDED_BY(mu_) = 0;
   bool worker_stop_ STREAMSAFE_GUARDED_BY(mu_) = false;
-  bool worker_kick_ STREAMSAFE_GUARDED_BY(mu_) = false;    // a pass is wanted now (new work, a waiter)
-  bool worker_failed_ STREAMSAFE_GUARDED_BY(mu_) = false;  // could not start: releases stay synchronous
+  bool worker_kick_ STREAMSAFE_GUARDED_BY(mu_) =
+      false;  // a pass is wanted now (new work, a waiter)
+  bool worker_failed_ STREAMSAFE_GUARDED_BY(mu_) =
+      false;  // could not start: releases stay synchronous
   std::uint64_t worker_passes_begun_ STREAMSAFE_GUARDED_BY(mu_) = 0;
   std::uint64_t worker_passes_done_ STREAMSAFE_GUARDED_BY(mu_) = 0;
   // On the heap: a forked child must not destroy them (the parent's worker may have been
   // waiting on one at the fork, and destroying a condition variable waits for its waiters).
-  std::unique_ptr<std::condition_variable_any> worker_wake_ = std::make_unique<std::condition_variable_any>();
-  std::unique_ptr<std::condition_variable_any> worker_settled_ = std::make_unique<std::condition_variable_any>();  // callers waiting for a pass
+  std::unique_ptr<std::condition_variable_any> worker_wake_ =
+      std::make_unique<std::condition_variable_any>();
+  std::unique_ptr<std::condition_variable_any> worker_settled_ =
+      std::make_unique<std::condition_variable_any>();  // callers waiting for a pass
   // The option is on, the thread could start, and this is the process that made the allocator.
   bool worker_usable_locked() const STREAMSAFE_REQUIRES(mu_);
   bool worker_releases_locked(empty_cache_mode mode) const STREAMSAFE_REQUIRES(mu_) {
@@ -443,7 +521,8 @@ struct caching_allocator::impl {
   void worker_main() STREAMSAFE_EXCLUDES(mu_);
   // Wakes the worker and waits (mu_ dropped meanwhile) until a pass begun after the call has
   // ended; deadline null: no limit. True at once without a worker; false on timeout.
-  bool wait_for_worker_locked(device_lock& lk, const std::chrono::steady_clock::time_point* deadline)
+  bool wait_for_worker_locked(device_lock& lk,
+                              const std::chrono::steady_clock::time_point* deadline)
       STREAMSAFE_REQUIRES(mu_);
   void stop_worker() STREAMSAFE_EXCLUDES(mu_);
   // pthread_atfork handlers: the forking thread takes (try_lock, bounded) the device lock of
@@ -451,7 +530,8 @@ struct caching_allocator::impl {
   static void fork_prepare() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
   static void fork_parent() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
   static void fork_child() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
-  static void at_exit() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;  // stops every worker, bounded, no join
+  static void at_exit()
+      STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;  // stops every worker, bounded, no join
   // The allocator is being destroyed (no other thread may use it): no lock.
   void delete_host_bookkeeping() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
   void destroy_all() STREAMSAFE_EXCLUDES(mu_);

@@ -11,8 +11,8 @@
 //                 reuse at the same size; merged back (flushed) on any pool miss and before a
 //                 release
 // Invariants (checked by caching_allocator::check_invariants): blocks tile their segment; two
-// free neighbours with the same mapped state never coexist (they are merged; quick_cached blocks are
-// not free in this sense); a block is in exactly one place (free lists, quick cache, active
+// free neighbours with the same mapped state never coexist (they are merged; quick_cached blocks
+// are not free in this sense); a block is in exactly one place (free lists, quick cache, active
 // map, pending list or a release batch).
 // Guarded by the lock of the stream that owns the block's segment (allocator_state.hpp).
 #pragma once
@@ -51,8 +51,8 @@ struct alignas(64) block {
   block* next = nullptr;
   block_state state = block_state::free;
   bool mapped = true;
-  std::vector<stream_handle> uses;     // recorded streams other than the segment's stream
-  std::vector<pending_event> events;   // must complete before the block is reused
+  std::vector<stream_handle> uses;    // recorded streams other than the segment's stream
+  std::vector<pending_event> events;  // must complete before the block is reused
   // Links of the stream's pending list while pending_free (pending_list.hpp).
   block* pending_prev = nullptr;
   block* pending_next = nullptr;

@@ -39,21 +39,26 @@ block* caching_allocator::impl::best_fit(pool& p, std::size_t rounded) const {
   // A whole free segment far larger than the request stays whole (segment_fit.hpp): the best
   // block that may be split instead, if any. One compare for blocks close in size.
   if (b->size - rounded > detail::k_whole_segment_slack_bytes && keeps_whole(b, rounded)) {
-    return p.mapped.find_if(rounded, [&](const block* x) { return !keeps_whole(x, rounded) && !split_limit_refuses(p, x, rounded); });
+    return p.mapped.find_if(rounded, [&](const block* x) {
+      return !keeps_whole(x, rounded) && !split_limit_refuses(p, x, rounded);
+    });
   }
   return b;
 }
 
-bool caching_allocator::impl::split_limit_refuses(const pool& p, const block* b, std::size_t rounded) const noexcept {
+bool caching_allocator::impl::split_limit_refuses(const pool& p, const block* b,
+                                                  std::size_t rounded) const noexcept {
   if (p.small || opts_.max_split_size_bytes == 0 || b->seg->expandable) return false;
   // Oversize blocks are never split, and serve only requests close to their size.
   if (rounded < opts_.max_split_size_bytes && b->size >= opts_.max_split_size_bytes) return true;
-  return rounded >= opts_.max_split_size_bytes && b->size >= rounded + detail::k_large_segment_bytes;
+  return rounded >= opts_.max_split_size_bytes &&
+         b->size >= rounded + detail::k_large_segment_bytes;
 }
 
 bool caching_allocator::impl::keeps_whole(const block* b, std::size_t rounded) const noexcept {
   return !b->seg->expandable &&
-         detail::keeps_segment_whole(b->size, rounded, opts_.whole_segment_split_ratio, !b->prev && !b->next);
+         detail::keeps_segment_whole(b->size, rounded, opts_.whole_segment_split_ratio,
+                                     !b->prev && !b->next);
 }
 
 bool caching_allocator::impl::idle_at_growth(const block* b, std::size_t rounded) const noexcept {
@@ -84,11 +89,13 @@ block* caching_allocator::impl::free_block_locked(block* b) {
     if (x->mapped) p.mapped.erase(x);
     else p.unmapped.erase(x);
   };
-  if (block* prev = b->prev; prev && prev->state == block_state::free && prev->mapped == b->mapped) {
+  if (block* prev = b->prev;
+      prev && prev->state == block_state::free && prev->mapped == b->mapped) {
     remove(prev);
     b = merge_locked(prev, b);
   }
-  if (block* next = b->next; next && next->state == block_state::free && next->mapped == b->mapped) {
+  if (block* next = b->next;
+      next && next->state == block_state::free && next->mapped == b->mapped) {
     remove(next);
     b = merge_locked(b, next);
   }
@@ -100,13 +107,14 @@ block* caching_allocator::impl::free_block_locked(block* b) {
 void caching_allocator::impl::split_locked(block* b, std::size_t rounded) {
   const std::size_t remaining = b->size - rounded;
   bool split = (b->seg->expandable || b->seg->small) ? remaining >= detail::k_min_block_bytes
-                                                      : remaining > detail::k_small_request_bytes;
+                                                     : remaining > detail::k_small_request_bytes;
   if (!b->seg->expandable && !b->seg->small && opts_.max_split_size_bytes != 0 &&
       b->size >= opts_.max_split_size_bytes) {
     split = false;
   }
   if (!split) return;
-  free_block_locked(split_off_locked(b, rounded));  // merges with a free follower of the same mapped state
+  free_block_locked(
+      split_off_locked(b, rounded));  // merges with a free follower of the same mapped state
 }
 
 block* caching_allocator::impl::split_off_locked(block* b, std::size_t offset) {

@@ -24,38 +24,44 @@ namespace streamsafe {
 
 namespace {
 
-std::atomic<std::uint64_t> next_allocator_id{1};  // distinguishes allocators in the threads' stream caches
+std::atomic<std::uint64_t> next_allocator_id{
+    1};  // distinguishes allocators in the threads' stream caches
 
 }  // namespace
 
 caching_allocator::impl::impl(device_backend& backend, options opts)
-    : backend_(backend),
-      opts_(opts),
-      id_(next_allocator_id.fetch_add(1)),
+    : backend_(backend), opts_(opts), id_(next_allocator_id.fetch_add(1)),
       fork_generation_(current_fork_generation()) {
   std::size_t free_bytes = 0;
   backend_.memory_info(free_bytes, device_total_bytes_);
   limit_bytes_ = device_total_bytes_;
-  if (opts_.memory_limit_bytes != 0) limit_bytes_ = std::min(limit_bytes_, opts_.memory_limit_bytes);
+  if (opts_.memory_limit_bytes != 0)
+    limit_bytes_ = std::min(limit_bytes_, opts_.memory_limit_bytes);
   if (opts_.memory_fraction > 0) {
-    limit_bytes_ = std::min(limit_bytes_, static_cast<std::size_t>(opts_.memory_fraction *
-                                                                   static_cast<double>(device_total_bytes_)));
+    limit_bytes_ = std::min(
+        limit_bytes_,
+        static_cast<std::size_t>(opts_.memory_fraction * static_cast<double>(device_total_bytes_)));
   }
   if (opts_.backend == backend_kind::expandable) {
     if (!backend_.supports_expandable()) {
-      throw config_error(std::string("streamsafe: backend:expandable needs virtual memory management, which the '") +
-                         backend_.name() + "' device backend does not offer");
+      throw config_error(
+          std::string(
+              "streamsafe: backend:expandable needs virtual memory management, which the '") +
+          backend_.name() + "' device backend does not offer");
     }
     small_chunk_bytes_ = backend_.map_granularity_bytes();
-    large_chunk_bytes_ = detail::round_up(std::max(opts_.expandable_chunk_bytes, small_chunk_bytes_), small_chunk_bytes_);
+    large_chunk_bytes_ = detail::round_up(
+        std::max(opts_.expandable_chunk_bytes, small_chunk_bytes_), small_chunk_bytes_);
   }
   if (opts_.release_fence == fence_scope::allocation_stream) {
     detail::log().warn(
-        "release_fence:allocation_stream is UNSAFE: memory used on other streams without record_stream may be "
-        "released while that work still runs (PyTorch expandable-segment behaviour, kept to reproduce the race)");
+        "release_fence:allocation_stream is UNSAFE: memory used on other streams without "
+        "record_stream may be "
+        "released while that work still runs (PyTorch expandable-segment behaviour, kept to "
+        "reproduce the race)");
   }
-  detail::log().debug("device {}: {} backend, {}, limit {} bytes", backend_.device(), backend_.name(),
-                      opts_.to_string(), limit_bytes_);
+  detail::log().debug("device {}: {} backend, {}, limit {} bytes", backend_.device(),
+                      backend_.name(), opts_.to_string(), limit_bytes_);
   trace_log_ = detail::log().should_log(spdlog::level::trace);
   if (opts_.trace_capacity != 0) {
     own_trace_ = std::make_unique<trace_recorder>(opts_.trace_capacity);

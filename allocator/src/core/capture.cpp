@@ -39,42 +39,47 @@ std::string stream_name(stream_handle s) { return "stream " + std::to_string(s);
 
 }  // namespace
 
-const caching_allocator::impl::capture_record* caching_allocator::impl::capture_of_locked(stream_handle stream) const {
+const caching_allocator::impl::capture_record* caching_allocator::impl::capture_of_locked(
+    stream_handle stream) const {
   for (const auto& c : captures_) {
     if (c.stream == stream) return &c;
   }
   return nullptr;
 }
 
-caching_allocator::impl::stream_state* caching_allocator::impl::graph_state_locked(std::uint64_t graph) {
+caching_allocator::impl::stream_state* caching_allocator::impl::graph_state_locked(
+    std::uint64_t graph) {
   auto it = streams_.find(graph_key(graph));
   return it == streams_.end() ? nullptr : it->second.get();
 }
 
 std::uint64_t caching_allocator::impl::begin_capture_locked(stream_handle stream, bool detected,
-                                                             std::uint64_t share_pool_of) {
+                                                            std::uint64_t share_pool_of) {
   if (stream == 0) {
     throw std::invalid_argument("streamsafe: notify_capture_begin(stream 0) on device " +
                                 std::to_string(backend_.device()) +
                                 ": the legacy default stream cannot capture a CUDA graph");
   }
   if (const capture_record* c = capture_of_locked(stream)) {
-    throw std::invalid_argument("streamsafe: notify_capture_begin(" + stream_name(stream) + ") on device " +
-                                std::to_string(backend_.device()) + ": the stream is already capturing (graph " +
+    throw std::invalid_argument("streamsafe: notify_capture_begin(" + stream_name(stream) +
+                                ") on device " + std::to_string(backend_.device()) +
+                                ": the stream is already capturing (graph " +
                                 std::to_string(c->graph) + "); call notify_capture_end first");
   }
   std::uint64_t pool_graph = 0;
   if (share_pool_of != 0) {
     auto it = graphs_.find(share_pool_of);
     if (it == graphs_.end() || graph_state_locked(it->second.pool)->graph_released) {
-      throw std::invalid_argument("streamsafe: notify_capture_begin(" + stream_name(stream) + ", share the pool of graph " +
-                                  std::to_string(share_pool_of) + ") on device " + std::to_string(backend_.device()) +
-                                  ": no such graph, or every graph of its pool was released (a pool is shared "
-                                  "only while one of its graphs is not released)");
+      throw std::invalid_argument(
+          "streamsafe: notify_capture_begin(" + stream_name(stream) + ", share the pool of graph " +
+          std::to_string(share_pool_of) + ") on device " + std::to_string(backend_.device()) +
+          ": no such graph, or every graph of its pool was released (a pool is shared "
+          "only while one of its graphs is not released)");
     }
     pool_graph = it->second.pool;
   }
-  get_or_create_stream_locked(stream);  // the capturing stream is known, for fences (before the capture counts)
+  get_or_create_stream_locked(
+      stream);  // the capturing stream is known, for fences (before the capture counts)
   const std::uint64_t graph = next_graph_id_++;
   if (pool_graph == 0) {
     pool_graph = graph;
@@ -90,24 +95,29 @@ std::uint64_t caching_allocator::impl::begin_capture_locked(stream_handle stream
   for (auto& [key, st] : streams_) {
     detail::lock_guard<stream_lock> barrier(st->mu);
   }
-  detail::log().debug("device {}: CUDA graph capture {} on stream {:#x} ({}); {} capture(s) underway",
-                      backend_.device(), graph, stream, detected ? "detected" : "announced", captures_.size());
+  detail::log().debug(
+      "device {}: CUDA graph capture {} on stream {:#x} ({}); {} capture(s) underway",
+      backend_.device(), graph, stream, detected ? "detected" : "announced", captures_.size());
   return graph;
 }
 
 std::uint64_t caching_allocator::impl::end_capture_locked(device_lock& lk, stream_handle stream) {
-  auto it = std::find_if(captures_.begin(), captures_.end(), [&](const capture_record& c) { return c.stream == stream; });
+  auto it = std::find_if(captures_.begin(), captures_.end(),
+                         [&](const capture_record& c) { return c.stream == stream; });
   if (it == captures_.end()) {
-    throw std::invalid_argument("streamsafe: notify_capture_end(" + stream_name(stream) + ") on device " +
-                                std::to_string(backend_.device()) +
-                                ": no capture is underway on this stream (never announced, or detected and "
-                                "already seen ending)");
+    throw std::invalid_argument(
+        "streamsafe: notify_capture_end(" + stream_name(stream) + ") on device " +
+        std::to_string(backend_.device()) +
+        ": no capture is underway on this stream (never announced, or detected and "
+        "already seen ending)");
   }
   const std::uint64_t graph = it->graph;
   captures_.erase(it);
   captures_underway_.store(static_cast<int>(captures_.size()), std::memory_order_release);
-  detail::log().debug("device {}: CUDA graph capture {} on stream {:#x} ended; its private pool is kept until "
-                      "notify_graph_released({})", backend_.device(), graph, stream, graph);
+  detail::log().debug(
+      "device {}: CUDA graph capture {} on stream {:#x} ended; its private pool is kept until "
+      "notify_graph_released({})",
+      backend_.device(), graph, stream, graph);
   if (captures_.empty()) after_captures_locked(lk);
   return graph;
 }
@@ -123,9 +133,11 @@ void caching_allocator::impl::detect_captures_locked(device_lock& lk) {
   }
   for (stream_handle s : began) {
     const std::uint64_t graph = begin_capture_locked(s, true);
-    detail::log().info("device {}: stream {:#x} is capturing a CUDA graph that was not announced: its memory is kept "
-                       "for graph {} until notify_graph_released({})",
-                       backend_.device(), s, graph, graph);
+    detail::log().info(
+        "device {}: stream {:#x} is capturing a CUDA graph that was not announced: its memory is "
+        "kept "
+        "for graph {} until notify_graph_released({})",
+        backend_.device(), s, graph, graph);
   }
   for (stream_handle s : ended) end_capture_locked(lk, s);
 }
@@ -143,8 +155,8 @@ void caching_allocator::impl::after_captures_locked(device_lock& lk) {
   if (error) std::rethrow_exception(error);
 }
 
-std::exception_ptr caching_allocator::impl::complete_held_frees_locked(std::uint64_t graph,
-                                                                        const std::vector<stream_handle>& uses) {
+std::exception_ptr caching_allocator::impl::complete_held_frees_locked(
+    std::uint64_t graph, const std::vector<stream_handle>& uses) {
   // Each held free of `graph` (0: of no graph) completes with `uses` added to its block's
   // uses; the first failure stops the rest, which stay held, and is returned for the caller to
   // rethrow once its own bookkeeping is done.
@@ -162,7 +174,8 @@ std::exception_ptr caching_allocator::impl::complete_held_frees_locked(std::uint
     b->free_held = false;
     const std::vector<stream_handle> before = b->uses;
     for (stream_handle s : uses) {
-      if (s != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), s) == b->uses.end()) b->uses.push_back(s);
+      if (s != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), s) == b->uses.end())
+        b->uses.push_back(s);
     }
     try {
       free_found_locked(owner, b, h.has_stream ? &h.stream : nullptr);
@@ -179,19 +192,22 @@ std::exception_ptr caching_allocator::impl::complete_held_frees_locked(std::uint
 void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
   auto rec = graphs_.find(graph);
   if (rec == graphs_.end() || rec->second.released) {
-    throw std::invalid_argument("streamsafe: notify_graph_released(" + std::to_string(graph) + ") on device " +
-                                std::to_string(backend_.device()) +
-                                ": no such graph (ids come from notify_capture_begin; each is released once)");
+    throw std::invalid_argument(
+        "streamsafe: notify_graph_released(" + std::to_string(graph) + ") on device " +
+        std::to_string(backend_.device()) +
+        ": no such graph (ids come from notify_capture_begin; each is released once)");
   }
   for (const auto& c : captures_) {
     if (c.graph == graph) {
-      throw std::invalid_argument("streamsafe: notify_graph_released(" + std::to_string(graph) + ") on device " +
-                                  std::to_string(backend_.device()) + ": the graph is still being captured on " +
+      throw std::invalid_argument("streamsafe: notify_graph_released(" + std::to_string(graph) +
+                                  ") on device " + std::to_string(backend_.device()) +
+                                  ": the graph is still being captured on " +
                                   stream_name(c.stream) + "; call notify_capture_end first");
     }
   }
   if (capturing()) {  // fences would record events on capturing streams: after the captures
-    if (std::find(releases_after_capture_.begin(), releases_after_capture_.end(), graph) == releases_after_capture_.end()) {
+    if (std::find(releases_after_capture_.begin(), releases_after_capture_.end(), graph) ==
+        releases_after_capture_.end()) {
       releases_after_capture_.push_back(graph);
     }
     return;
@@ -214,7 +230,8 @@ void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
         for (stream_handle s : every) note_use_locked(seg, s);
       }
       g->active.for_each([&](const block* b) {
-        if (b->state != block_state::active || b->free_held) return;  // a held free completes on its own
+        if (b->state != block_state::active || b->free_held)
+          return;  // a held free completes on its own
         ++live;
         live_bytes += b->size;
       });
@@ -222,18 +239,23 @@ void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
   }
   std::exception_ptr error = complete_held_frees_locked(graph, every);
   if (live != 0) {
-    detail::log().warn("device {}: graph {} released while its private pool holds {} live block(s) ({} bytes): they "
-                       "stay allocated and return to the released pool when freed; a graph that still replays over "
-                       "them after they are freed races with their next user",
-                       backend_.device(), graph, live, live_bytes);
+    detail::log().warn(
+        "device {}: graph {} released while its private pool holds {} live block(s) ({} bytes): "
+        "they "
+        "stay allocated and return to the released pool when freed; a graph that still replays "
+        "over "
+        "them after they are freed races with their next user",
+        backend_.device(), graph, live, live_bytes);
   }
-  detail::log().debug("device {}: graph {} released: {}", backend_.device(), graph,
-                      g->graph_released ? "its private pool is returned by empty_cache and before the next capture"
-                                        : "its pool stays with the other graphs that share it");
+  detail::log().debug(
+      "device {}: graph {} released: {}", backend_.device(), graph,
+      g->graph_released ? "its private pool is returned by empty_cache and before the next capture"
+                        : "its pool stays with the other graphs that share it");
   if (error) std::rethrow_exception(error);
 }
 
-bool caching_allocator::impl::free_during_capture_locked(stream_state& owner, block* b, const stream_handle* stream) {
+bool caching_allocator::impl::free_during_capture_locked(stream_state& owner, block* b,
+                                                         const stream_handle* stream) {
   // One rule for every pool (a stream's own or a graph's private pool): the capture may use the
   // block if its stream, a recorded use or the stream of this free is capturing. Unless the
   // block belongs to that capture's own pool (where it may serve the capture again, stream
@@ -253,7 +275,8 @@ bool caching_allocator::impl::free_during_capture_locked(stream_state& owner, bl
 }
 
 void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, std::size_t size,
-                                                              std::size_t rounded, bool small, stream_handle stream) {
+                                                              std::size_t rounded, bool small,
+                                                              stream_handle stream) {
   stream_state* target = nullptr;
   if (const capture_record* c = capture_of_locked(stream)) {
     target = graph_state_locked(c->pool);
@@ -264,16 +287,21 @@ void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, 
   pool& p = pool_of(*target, small);
   block* b = take_cached_fit_locked(p, rounded);
   // Growth is the one backend call allowed (capture-safe in the CUDA backends).
-  if (!b) b = opts_.backend == backend_kind::expandable ? expandable_fit_locked(p, rounded) : new_segment_locked(p, rounded);
-  if (!b) throw_out_of_memory_locked(dlk, &slk, size, rounded, stream, target, capture_note_locked());
+  if (!b)
+    b = opts_.backend == backend_kind::expandable ? expandable_fit_locked(p, rounded)
+                                                  : new_segment_locked(p, rounded);
+  if (!b)
+    throw_out_of_memory_locked(dlk, &slk, size, rounded, stream, target, capture_note_locked());
   return finish_allocation(*target, b, rounded, size);
 }
 
 std::string caching_allocator::impl::capture_note_locked() const {
   std::string note = "; CUDA graph capture underway on";
-  for (const auto& c : captures_) note += " " + stream_name(c.stream) + " (graph " + std::to_string(c.graph) + ")";
+  for (const auto& c : captures_)
+    note += " " + stream_name(c.stream) + " (graph " + std::to_string(c.graph) + ")";
   return note +
-         ": cached memory is neither released nor moved between streams until the capture ends, and a capturing "
+         ": cached memory is neither released nor moved between streams until the capture ends, "
+         "and a capturing "
          "stream is served only from its graph's pool or new device memory";
 }
 
@@ -300,8 +328,9 @@ void caching_allocator::impl::release_released_pools_locked(device_lock& lk, str
   }
   release_batch batch = collect_releasable_locked(true);
   if (!batch.blocks.empty()) {
-    detail::log().debug("device {}: before a capture on stream {:#x}: releasing {} bytes of released graphs' pools",
-                        backend_.device(), stream, batch.bytes);
+    detail::log().debug(
+        "device {}: before a capture on stream {:#x}: releasing {} bytes of released graphs' pools",
+        backend_.device(), stream, batch.bytes);
     release_collected(lk, batch, opts_.empty_cache);
   }
   // A released pool's expandable segment with nothing mapped gives its address range back: each
@@ -313,12 +342,15 @@ void caching_allocator::impl::release_released_pools_locked(device_lock& lk, str
     detail::lock_guard<stream_lock> slk(st->mu);
     for (pool* p : {&st->small_pool, &st->large_pool}) {
       segment* seg = p->expandable;
-      if (!seg || seg->mapped_bytes != 0 || seg->first->next || seg->first->state != block_state::free) continue;
+      if (!seg || seg->mapped_bytes != 0 || seg->first->next ||
+          seg->first->state != block_state::free)
+        continue;
       try {
         backend_.release_address_range(reinterpret_cast<void*>(seg->base), seg->size);
       } catch (const std::exception& e) {  // opportunistic: the range stays, reusable by nobody
-        detail::log().warn("device {}: giving back a released graph pool's address range failed: {}",
-                           backend_.device(), e.what());
+        detail::log().warn(
+            "device {}: giving back a released graph pool's address range failed: {}",
+            backend_.device(), e.what());
         continue;
       }
       p->unmapped.erase(seg->first);
@@ -332,9 +364,12 @@ void caching_allocator::impl::release_released_pools_locked(device_lock& lk, str
   }
 }
 
-std::uint64_t caching_allocator::notify_capture_begin(stream_handle stream) { return notify_capture_begin(stream, 0); }
+std::uint64_t caching_allocator::notify_capture_begin(stream_handle stream) {
+  return notify_capture_begin(stream, 0);
+}
 
-std::uint64_t caching_allocator::notify_capture_begin(stream_handle stream, std::uint64_t share_pool_of_graph) {
+std::uint64_t caching_allocator::notify_capture_begin(stream_handle stream,
+                                                      std::uint64_t share_pool_of_graph) {
   impl& m = *impl_;
   if (m.inherited()) m.throw_inherited("notify_capture_begin");
   device_lock lk(m.mu_);
@@ -342,7 +377,8 @@ std::uint64_t caching_allocator::notify_capture_begin(stream_handle stream, std:
   const std::uint64_t graph = m.begin_capture_locked(stream, false, share_pool_of_graph);
   // A fence wait or release that started before the capture counted ends first.
   // (The predicate runs with mu_ held, which the analysis cannot see inside a lambda.)
-  m.driver_calls_done_.wait(lk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return m.driver_calls_in_flight_ == 0; });
+  m.driver_calls_done_.wait(
+      lk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return m.driver_calls_in_flight_ == 0; });
   return graph;
 }
 

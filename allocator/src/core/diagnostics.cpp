@@ -4,8 +4,8 @@
 // device lock (mu_) is held by every function here; largest_free_locked takes each stream lock
 // but that of `held`, which its caller holds.
 #include "allocator_state.hpp"
-#include "logging.hpp"
 #include "format.hpp"
+#include "logging.hpp"
 
 #include <algorithm>
 #include <sstream>
@@ -41,22 +41,25 @@ std::size_t caching_allocator::impl::largest_free_locked(const stream_state* hel
   return largest;
 }
 
-std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::size_t rounded, stream_handle stream,
-                                                         const stream_state* held) {
+std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::size_t rounded,
+                                                        stream_handle stream,
+                                                        const stream_state* held) {
   std::size_t free_bytes = 0, total_bytes = 0;
   try {
     backend_.memory_info(free_bytes, total_bytes);
   } catch (const std::exception&) {
   }
   std::int64_t allocated = 0;
-  for (auto& [s, state] : streams_) allocated += state->cur_allocated.load(std::memory_order_relaxed);
+  for (auto& [s, state] : streams_)
+    allocated += state->cur_allocated.load(std::memory_order_relaxed);
   std::ostringstream os;
   os << "streamsafe: out of memory on device " << backend_.device() << ": tried to allocate "
      << detail::bytes_with_count(size);
   if (rounded != size) os << " (rounded to " << detail::bytes_with_count(rounded) << ")";
-  os << " on stream " << hex(stream) << "; device total " << detail::bytes_with_count(total_bytes) << ", free "
-     << detail::bytes_with_count(free_bytes) << "; allocated " << detail::bytes_with_count(static_cast<std::size_t>(allocated))
-     << ", reserved " << detail::bytes_with_count(static_cast<std::size_t>(stats_.reserved_bytes.current))
+  os << " on stream " << hex(stream) << "; device total " << detail::bytes_with_count(total_bytes)
+     << ", free " << detail::bytes_with_count(free_bytes) << "; allocated "
+     << detail::bytes_with_count(static_cast<std::size_t>(allocated)) << ", reserved "
+     << detail::bytes_with_count(static_cast<std::size_t>(stats_.reserved_bytes.current))
      << ", largest free block " << detail::bytes_with_count(largest_free_locked(held)) << "; limit "
      << detail::bytes_with_count(limit_bytes_);
   if (deferred_bytes_ != 0) {
@@ -68,10 +71,12 @@ std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::s
       for (const auto& e : batch.fence) {
         bool done = true;
         try {
-          done = capturing() || backend_.query_event(e.event);  // no query during a capture (capture.cpp)
+          done = capturing() ||
+                 backend_.query_event(e.event);  // no query during a capture (capture.cpp)
         } catch (const std::exception&) {
         }
-        if (!done && std::find(busy.begin(), busy.end(), e.stream) == busy.end()) busy.push_back(e.stream);
+        if (!done && std::find(busy.begin(), busy.end(), e.stream) == busy.end())
+          busy.push_back(e.stream);
       }
     }
     os << "; " << detail::bytes_with_count(deferred_bytes_) << " waiting behind release fences";
@@ -82,17 +87,18 @@ std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::s
       for (stream_handle s : busy) os << " " << hex(s);
       os << ")";
     }
-    os << ": call reclaim() once that work has completed, or set empty_cache:wait to let the allocator wait "
+    os << ": call reclaim() once that work has completed, or set empty_cache:wait to let the "
+          "allocator wait "
           "on the fences";
   }
   return os.str();
 }
 
-void caching_allocator::impl::throw_out_of_memory_locked(device_lock& dlk,
-                                                         detail::unique_lock<stream_lock>* slk, std::size_t size,
-                                                         std::size_t rounded, stream_handle stream,
-                                                         const stream_state* held, const std::string& note)
-    STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {  // drops the caller's locks, which the analysis cannot follow
+void caching_allocator::impl::throw_out_of_memory_locked(
+    device_lock& dlk, detail::unique_lock<stream_lock>* slk, std::size_t size, std::size_t rounded,
+    stream_handle stream, const stream_state* held, const std::string& note)
+    STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {  // drops the caller's locks, which the analysis cannot
+                                            // follow
   ++stats_.num_ooms;
   trace(trace_action::oom, 0, size, stream);
   std::string msg = oom_message_locked(size, rounded, stream, held) + note;
@@ -102,7 +108,8 @@ void caching_allocator::impl::throw_out_of_memory_locked(device_lock& dlk,
   throw out_of_memory(msg);
 }
 
-void caching_allocator::impl::throw_invalid_pointer_locked(const void* ptr, const char* what) const {
+void caching_allocator::impl::throw_invalid_pointer_locked(const void* ptr,
+                                                           const char* what) const {
   // mu_ and the owning stream's lock (if any) are held.
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   std::ostringstream os;
@@ -115,20 +122,23 @@ void caching_allocator::impl::throw_invalid_pointer_locked(const void* ptr, cons
         if (addr < b->addr || addr >= b->addr + b->size) continue;
         if (b->addr == addr && b->free_held) {
           os << "double free: the block at this address (" << b->size
-             << " bytes) was already freed during a CUDA graph capture (the free completes after the capture, "
+             << " bytes) was already freed during a CUDA graph capture (the free completes after "
+                "the capture, "
                 "or when its graph is released)";
         } else if (b->addr == addr) {
-          os << "double free: the block at this address (" << b->size << " bytes) is " << state_name(b->state);
+          os << "double free: the block at this address (" << b->size << " bytes) is "
+             << state_name(b->state);
         } else {
-          os << "interior pointer: it lies " << (addr - b->addr) << " bytes into the block at " << hex(b->addr)
-             << " (" << b->size << " bytes, " << state_name(b->state)
+          os << "interior pointer: it lies " << (addr - b->addr) << " bytes into the block at "
+             << hex(b->addr) << " (" << b->size << " bytes, " << state_name(b->state)
              << "); pass the pointer that allocate returned";
         }
         throw invalid_pointer(os.str());
       }
     }
   }
-  os << "unknown pointer: not allocated by this allocator (a foreign pointer, e.g. from cudaMalloc, or "
+  os << "unknown pointer: not allocated by this allocator (a foreign pointer, e.g. from "
+        "cudaMalloc, or "
         "one owned by another device)";
   throw invalid_pointer(os.str());
 }

@@ -61,15 +61,16 @@ void caching_allocator::impl::order_after_locked(stream_handle waiter, stream_ha
 }
 
 void caching_allocator::impl::add_use_locked(block* b, stream_handle stream) {
-  if (stream != b->seg->stream && std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
+  if (stream != b->seg->stream &&
+      std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
     b->uses.push_back(stream);
   }
   note_use_locked(b->seg, stream);
 }
 
 void caching_allocator::impl::note_use_locked(segment* seg, stream_handle stream) {
-  if (stream != seg->stream &&
-      std::find(seg->used_streams.begin(), seg->used_streams.end(), stream) == seg->used_streams.end()) {
+  if (stream != seg->stream && std::find(seg->used_streams.begin(), seg->used_streams.end(),
+                                         stream) == seg->used_streams.end()) {
     seg->used_streams.push_back(stream);
   }
 }
@@ -78,7 +79,8 @@ void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) 
   st.pending.erase(b);
   trace(trace_action::free_completed, b->addr, b->size, b->seg->stream);
   for (auto& e : b->events) {
-    if (e.stream != detail::k_tombstone_stream) put_event(st, e.event);  // tombstones are not pooled here
+    if (e.stream != detail::k_tombstone_stream)
+      put_event(st, e.event);  // tombstones are not pooled here
     else tombstone_refs_.fetch_sub(1, std::memory_order_acq_rel);
   }
   b->events.clear();
@@ -115,7 +117,9 @@ void caching_allocator::impl::process_events_locked(stream_state& st) {
        x = x->pending_prev, ++walked) {
     for (const auto& e : x->events) {
       if (n == k_streams) break;
-      if (e.stream == detail::k_tombstone_stream || backend_.stream_is_per_thread(e.stream) || slot(e.stream) >= 0) continue;
+      if (e.stream == detail::k_tombstone_stream || backend_.stream_is_per_thread(e.stream) ||
+          slot(e.stream) >= 0)
+        continue;
       asked[n] = e.stream;
       done[n++] = backend_.query_event(e.event);
     }
@@ -123,7 +127,8 @@ void caching_allocator::impl::process_events_locked(stream_state& st) {
   // Then from the oldest, as PyTorch does: stop at the first block still in use.
   while (!st.pending.empty()) {
     block* b = st.pending.front();
-    if (b->events.empty()) return;  // freed from a slow path, its events not yet recorded (unfenced_)
+    if (b->events.empty())
+      return;  // freed from a slow path, its events not yet recorded (unfenced_)
     for (const auto& e : b->events) {
       const int i = e.stream == detail::k_tombstone_stream ? -1 : slot(e.stream);
       if (i >= 0 && done[i]) continue;
@@ -133,12 +138,15 @@ void caching_allocator::impl::process_events_locked(stream_state& st) {
   }
 }
 
-block* caching_allocator::impl::take_pending_locked(stream_state& st, pool& p, std::size_t rounded) {
+block* caching_allocator::impl::take_pending_locked(stream_state& st, pool& p,
+                                                    std::size_t rounded) {
   if (capturing()) return nullptr;  // a stream wait on an outside event breaks a capture
   block* best = nullptr;
   for (block* b : st.pending) {
     // A block with no events yet (unfenced_) has nothing to wait on: not a candidate.
-    if (b->seg->owner == &p && b->mapped && !b->events.empty() && b->size >= rounded && (!best || b->size < best->size)) best = b;
+    if (b->seg->owner == &p && b->mapped && !b->events.empty() && b->size >= rounded &&
+        (!best || b->size < best->size))
+      best = b;
   }
   if (!best) return nullptr;
   for (auto& e : best->events) {

@@ -43,9 +43,10 @@ bool caching_allocator::impl::inherited() const noexcept {
 }
 
 void caching_allocator::impl::throw_inherited(const char* what) const {
-  throw backend_error(std::string("streamsafe: ") + what + " on device " + std::to_string(backend_.device()) +
-                      " in a forked child: the allocator was made by the parent process, whose memory and "
-                      "streams the child does not own; make a new allocator in the child");
+  throw backend_error(
+      std::string("streamsafe: ") + what + " on device " + std::to_string(backend_.device()) +
+      " in a forked child: the allocator was made by the parent process, whose memory and "
+      "streams the child does not own; make a new allocator in the child");
 }
 
 }  // namespace streamsafe

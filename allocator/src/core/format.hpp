@@ -21,7 +21,8 @@ inline std::string hex(std::uintptr_t v) {
 inline std::string human_bytes(std::int64_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   const bool negative = bytes < 0;
-  const std::uint64_t magnitude = negative ? 0 - static_cast<std::uint64_t>(bytes) : static_cast<std::uint64_t>(bytes);
+  const std::uint64_t magnitude = negative ? 0 - static_cast<std::uint64_t>(bytes)
+                                           : static_cast<std::uint64_t>(bytes);
   double v = static_cast<double>(magnitude);
   int u = 0;
   while (v >= 1024 && u < 5) {

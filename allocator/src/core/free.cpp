@@ -62,7 +62,8 @@ void caching_allocator::impl::free_unfenced_locked(stream_state& st, block* b) {
   trace(trace_action::free_requested, b->addr, b->requested, st.handle);
   count_free_locked(st, b);
   b->uses.clear();
-  st.stats.pending_bytes.add(static_cast<std::int64_t>(b->size));  // still active: waiting for the fence
+  st.stats.pending_bytes.add(
+      static_cast<std::int64_t>(b->size));  // still active: waiting for the fence
   st.stats.pending.add(1);
   st.cur_pending.store(st.stats.pending_bytes.current, std::memory_order_relaxed);
   b->state = block_state::pending_free;
@@ -70,7 +71,8 @@ void caching_allocator::impl::free_unfenced_locked(stream_state& st, block* b) {
 }
 
 void caching_allocator::impl::fence_host_frees_locked(stream_state& st) {
-  if (st.unfenced.empty() || capturing()) return;  // a stream wait on an outside event breaks a capture
+  if (st.unfenced.empty() || capturing())
+    return;  // a stream wait on an outside event breaks a capture
   if (!st.alive.load(std::memory_order_acquire)) {
     fence_dead_stream_frees_locked(st);
     return;
@@ -80,7 +82,8 @@ void caching_allocator::impl::fence_host_frees_locked(stream_state& st) {
   // of the destroyed ones (their tombstones). st's own earlier work is before its next work by
   // stream order. A failing backend call leaves every block unfenced (pending, not reused).
   for (auto& [handle, other] : streams_) {
-    if (other.get() == &st || other->graph != 0 || !other->alive.load(std::memory_order_acquire)) continue;
+    if (other.get() == &st || other->graph != 0 || !other->alive.load(std::memory_order_acquire))
+      continue;
     order_after_locked(st.handle, handle);
   }
   for (const auto& t : tombstones_) {
@@ -132,7 +135,8 @@ void caching_allocator::impl::fence_dead_stream_frees_locked(stream_state& st) {
   }
 }
 
-void caching_allocator::impl::free_found_locked(stream_state& st, block* b, const stream_handle* stream) {
+void caching_allocator::impl::free_found_locked(stream_state& st, block* b,
+                                                const stream_handle* stream) {
   segment* seg = b->seg;
   if (!stream && opts_.reuse_fence == reuse_fence_scope::all_streams && st.graph == 0) {
     free_unfenced_locked(st, b);
@@ -152,7 +156,8 @@ void caching_allocator::impl::free_found_locked(stream_state& st, block* b, cons
   commit_free_locked(st, b, stream);
 }
 
-bool caching_allocator::impl::record_use_events_locked(block* b, const stream_handle* stream, bool device_locked) {
+bool caching_allocator::impl::record_use_events_locked(block* b, const stream_handle* stream,
+                                                       bool device_locked) {
   // One event per stream that may still use b: its record_stream uses and, for a stream-ordered
   // free, the stream of last use. Every event is recorded before anything changes: a failure
   // leaves b->events empty and the block as it was. A stream announced as destroyed gets no
@@ -204,7 +209,8 @@ bool caching_allocator::impl::record_use_events_locked(block* b, const stream_ha
       }
     }
     if (stream && *stream != seg->stream &&
-        std::find(b->uses.begin(), b->uses.end(), *stream) == b->uses.end() && !record_on(*stream)) {
+        std::find(b->uses.begin(), b->uses.end(), *stream) == b->uses.end() &&
+        !record_on(*stream)) {
       unwind();
       return false;
     }
@@ -215,7 +221,8 @@ bool caching_allocator::impl::record_use_events_locked(block* b, const stream_ha
   return true;
 }
 
-void caching_allocator::impl::commit_free_locked(stream_state& st, block* b, const stream_handle* stream) {
+void caching_allocator::impl::commit_free_locked(stream_state& st, block* b,
+                                                 const stream_handle* stream) {
   // b is out of the active map and b->events holds its recorded events (possibly none).
   segment* seg = b->seg;
   if (stream) note_use_locked(seg, *stream);
@@ -236,7 +243,8 @@ void caching_allocator::impl::commit_free_locked(stream_state& st, block* b, con
   st.pending.push_back(b);
 }
 
-void caching_allocator::impl::defer_fence_locked(stream_state& st, block* b, const stream_handle* stream) {
+void caching_allocator::impl::defer_fence_locked(stream_state& st, block* b,
+                                                 const stream_handle* stream) {
   // As commit_free_locked, without the events: the stream of a stream-ordered free becomes one
   // more use, and fence_unfenced_locked records one event per use later. Until then b is
   // pending with no events, which process_events_locked and take_pending_locked never retire.
@@ -297,7 +305,8 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
     auto& st = *static_cast<stream_state*>(last.state);
     detail::lock_guard<stream_lock> slk(st.mu);
     if (block* b = st.active.find_active(addr)) {
-      if (!stream && opts_.reuse_fence == reuse_fence_scope::all_streams && !b->free_held && st.graph == 0) {
+      if (!stream && opts_.reuse_fence == reuse_fence_scope::all_streams && !b->free_held &&
+          st.graph == 0) {
         free_unfenced_locked(st, b);  // a host free, fenced against every stream at its reuse
         return;
       }
@@ -309,7 +318,8 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
       bool recorded = false;
       try {
         // In a stream callback no backend call: the slow path below defers the events.
-        recorded = !b->free_held && !callback_scope::active() && record_use_events_locked(b, stream, false);
+        recorded = !b->free_held && !callback_scope::active() &&
+                   record_use_events_locked(b, stream, false);
       } catch (...) {
         st.active.insert(b);
         throw;
@@ -331,14 +341,16 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   if (capturing() && free_during_capture_locked(*owner, b, stream)) return;
   // On a thread that never allocated here (it may be a stream callback, K16) or inside a
   // callback_scope, no backend call: uses on other streams get their events from the next
-  // ordinary call that reaches the driver. A per-thread stream handle (cudaStreamPerThread) names this thread's stream only here: its
-  // event is recorded now, on this thread (in a stream callback the backend call then fails).
+  // ordinary call that reaches the driver. A per-thread stream handle (cudaStreamPerThread) names
+  // this thread's stream only here: its event is recorded now, on this thread (in a stream callback
+  // the backend call then fails).
   const auto per_thread = [&](stream_handle s) { return backend_.stream_is_per_thread(s); };
   if (!stream && opts_.reuse_fence == reuse_fence_scope::all_streams && owner->graph == 0) {
     free_unfenced_locked(*owner, b);  // as on the fast path: a host free waits for the reuse fence
   } else if (b->uses.empty() && (!stream || *stream == b->seg->stream)) {
     free_same_stream_locked(*owner, b);
-  } else if ((stream && per_thread(*stream)) || std::any_of(b->uses.begin(), b->uses.end(), per_thread) ||
+  } else if ((stream && per_thread(*stream)) ||
+             std::any_of(b->uses.begin(), b->uses.end(), per_thread) ||
              (!callback_scope::active() && thread_allocated_here())) {
     // A thread that has allocated from this allocator is an ordinary thread (a CUDA host
     // function thread that never allocated here is the case deferred below): its events are
@@ -351,18 +363,21 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
 
 void caching_allocator::deallocate(void* ptr) { impl_->deallocate_impl(ptr, nullptr); }
 
-void caching_allocator::deallocate(void* ptr, stream_handle stream) { impl_->deallocate_impl(ptr, &stream); }
+void caching_allocator::deallocate(void* ptr, stream_handle stream) {
+  impl_->deallocate_impl(ptr, &stream);
+}
 
 void caching_allocator::record_stream(void* ptr, stream_handle stream) {
   impl& m = *impl_;
   if (m.inherited()) return;  // a forked child (fork.cpp)
-  m.state_for(stream);  // the stream becomes known (for fences)
+  m.state_for(stream);        // the stream becomes known (for fences)
   // Fast path: a block of the stream this thread allocated from last, under that stream's lock
   // (which guards the block and its segment's used streams).
   if (const stream_cache_entry& last = t_cache.last_used; last.owner == m.id_) {
     auto& st = *static_cast<impl::stream_state*>(last.state);
     detail::lock_guard<stream_lock> slk(st.mu);
-    if (block* b = st.active.find_active(reinterpret_cast<std::uintptr_t>(ptr)); b && !b->free_held) {
+    if (block* b = st.active.find_active(reinterpret_cast<std::uintptr_t>(ptr));
+        b && !b->free_held) {
       m.add_use_locked(b, stream);
       return;
     }
@@ -382,7 +397,8 @@ void caching_allocator::notify_stream_destroyed(stream_handle stream) {
   detail::lock_guard<detail::mutex> lk(m.mu_);
   auto it = m.streams_.find(stream);
   if (it == m.streams_.end() || !it->second->alive.load()) return;
-  m.fence_unfenced_locked();  // blocks freed with uses on this stream get their events while it lives
+  m.fence_unfenced_locked();  // blocks freed with uses on this stream get their events while it
+                              // lives
   m.retire_dead_streams_locked();  // one query: the previous tombstone may be done
   // One tombstone for every destroyed stream: the stream waits on the previous tombstone, then
   // records the new one, whose completion proves both (the previous one is superseded).

@@ -52,7 +52,8 @@ class free_lists {
     b->free_prev = b->free_next = nullptr;
     b->free_class = -1;
     if (!heads_[c]) {
-      sub_bits_[c / k_subs] = static_cast<std::uint8_t>(sub_bits_[c / k_subs] & ~(1u << (c % k_subs)));
+      sub_bits_[c / k_subs] = static_cast<std::uint8_t>(sub_bits_[c / k_subs] &
+                                                        ~(1u << (c % k_subs)));
       if (!sub_bits_[c / k_subs]) power_bits_ &= ~(std::uint64_t{1} << (c / k_subs));
     }
     --count_;
@@ -66,7 +67,8 @@ class free_lists {
     block* best = nullptr;
     int scanned = 0;
     for (block* b = heads_[c]; b && scanned < k_scan; b = b->free_next, ++scanned) {
-      if (b->size >= size && (!best || b->size < best->size || (b->size == best->size && b->addr < best->addr))) {
+      if (b->size >= size &&
+          (!best || b->size < best->size || (b->size == best->size && b->addr < best->addr))) {
         best = b;
         if (b->size == size) break;
       }
@@ -76,7 +78,8 @@ class free_lists {
     if (next < 0) return nullptr;
     scanned = 0;
     for (block* b = heads_[next]; b && scanned < k_scan; b = b->free_next, ++scanned) {
-      if (!best || b->size < best->size || (b->size == best->size && b->addr < best->addr)) best = b;
+      if (!best || b->size < best->size || (b->size == best->size && b->addr < best->addr))
+        best = b;
     }
     return best;
   }
@@ -89,7 +92,9 @@ class free_lists {
       block* best = nullptr;
       int scanned = 0;
       for (block* b = heads_[c]; b && scanned < k_scan; b = b->free_next, ++scanned) {
-        if (b->size >= size && (!best || b->size < best->size || (b->size == best->size && b->addr < best->addr)) && ok(b)) {
+        if (b->size >= size &&
+            (!best || b->size < best->size || (b->size == best->size && b->addr < best->addr)) &&
+            ok(b)) {
           best = b;
         }
       }
@@ -126,7 +131,8 @@ class free_lists {
     int power = c / k_subs;
     const unsigned subs = sub_bits_[power] & (~0u << (c % k_subs)) & 0xffu;
     if (subs) return power * k_subs + __builtin_ctz(subs);
-    const std::uint64_t powers = power + 1 >= 64 ? 0 : power_bits_ & (~std::uint64_t{0} << (power + 1));
+    const std::uint64_t powers = power + 1 >= 64 ? 0
+                                                 : power_bits_ & (~std::uint64_t{0} << (power + 1));
     if (!powers) return -1;
     power = __builtin_ctzll(powers);
     return power * k_subs + __builtin_ctz(sub_bits_[power]);

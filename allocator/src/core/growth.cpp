@@ -10,8 +10,8 @@
 // growing pool's stream are held by every function here; steal_segment_locked also takes the
 // other stream's lock, re-checking its choice under it.
 #include "allocator_state.hpp"
-#include "logging.hpp"
 #include "format.hpp"
+#include "logging.hpp"
 #include "segment_fit.hpp"
 #include "size_classes.hpp"
 
@@ -21,7 +21,8 @@ namespace streamsafe {
 
 using detail::hex;
 
-block* caching_allocator::impl::add_segment_locked(pool& p, std::uintptr_t base, std::size_t size, bool mapped) {
+block* caching_allocator::impl::add_segment_locked(pool& p, std::uintptr_t base, std::size_t size,
+                                                   bool mapped) {
   auto* seg = new segment;
   seg->base = base;
   seg->size = size;
@@ -53,12 +54,13 @@ block* caching_allocator::impl::new_segment_locked(pool& p, std::size_t rounded)
   stats_.reserved_bytes.increase(static_cast<std::int64_t>(size));
   ++stats_.num_device_alloc;
   trace(trace_action::segment_alloc, b->addr, size, p.stream);
-  detail::log().debug("device {}: segment_alloc {} bytes at {} for stream {}", backend_.device(), size,
-                      hex(b->addr), hex(p.stream));
+  detail::log().debug("device {}: segment_alloc {} bytes at {} for stream {}", backend_.device(),
+                      size, hex(b->addr), hex(p.stream));
   return b;
 }
 
-std::size_t caching_allocator::impl::map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk) {
+std::size_t caching_allocator::impl::map_chunks_locked(std::uintptr_t addr, std::size_t bytes,
+                                                       std::size_t chunk) {
   // One backend map per chunk, so that any chunk can later be unmapped alone. Out of memory
   // part-way: the chunks mapped so far are unmapped again, except during a graph capture (no
   // unmap may run then), where they are kept, counted in the returned bytes.
@@ -79,23 +81,30 @@ std::size_t caching_allocator::impl::map_chunks_locked(std::uintptr_t addr, std:
   return done;
 }
 
-block* caching_allocator::impl::choose_unmapped_locked(pool& p, std::size_t rounded, std::size_t& map_bytes) const {
+block* caching_allocator::impl::choose_unmapped_locked(pool& p, std::size_t rounded,
+                                                       std::size_t& map_bytes) const {
   const std::size_t gran = p.small ? small_chunk_bytes_ : large_chunk_bytes_;
   // Bytes to map if we grow into unmapped block u, reusing a free mapped block just before it.
   auto need = [&](const block* u) -> std::size_t {
-    std::size_t have = (u->prev && u->prev->state == block_state::free && u->prev->mapped) ? u->prev->size : 0;
+    std::size_t have = (u->prev && u->prev->state == block_state::free && u->prev->mapped)
+                           ? u->prev->size
+                           : 0;
     return have >= rounded ? 0 : detail::round_up(rounded - have, gran);
   };
   block* choice = nullptr;
-  if (auto it = p.unmapped.lower_bound(detail::block_order::key{rounded, 0}); it != p.unmapped.end()) choice = *it;
+  if (auto it = p.unmapped.lower_bound(detail::block_order::key{rounded, 0});
+      it != p.unmapped.end())
+    choice = *it;
   if (!p.unmapped.empty()) {
     block* largest = *p.unmapped.rbegin();
-    if (largest->size >= need(largest) && (!choice || need(largest) < need(choice))) choice = largest;
+    if (largest->size >= need(largest) && (!choice || need(largest) < need(choice)))
+      choice = largest;
   }
   if (!choice) return nullptr;
   map_bytes = need(choice);
   if (map_bytes == 0 || map_bytes > choice->size) return nullptr;
-  if (static_cast<std::size_t>(stats_.reserved_bytes.current) + map_bytes > limit_bytes_) return nullptr;
+  if (static_cast<std::size_t>(stats_.reserved_bytes.current) + map_bytes > limit_bytes_)
+    return nullptr;
   return choice;
 }
 
@@ -114,7 +123,8 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
     // The first range, or no hole fits while the memory is there: a fresh range.
     const std::size_t reserve = detail::round_up(std::max(limit_bytes_, rounded), gran);
     void* base = backend_.reserve_address_range(reserve);
-    segment* seg = add_segment_locked(p, reinterpret_cast<std::uintptr_t>(base), reserve, false)->seg;
+    segment* seg =
+        add_segment_locked(p, reinterpret_cast<std::uintptr_t>(base), reserve, false)->seg;
     if (!p.expandable) p.expandable = seg;
     choice = choose_unmapped_locked(p, rounded, map_bytes);
   }
@@ -124,20 +134,22 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   const bool partial = mapped < map_bytes;  // kept during a capture: free memory, too little
   map_bytes = mapped;
   p.unmapped.erase(choice);
-  if (map_bytes < choice->size) p.unmapped.insert(split_off_locked(choice, map_bytes));  // the rest stays unmapped
+  if (map_bytes < choice->size)
+    p.unmapped.insert(split_off_locked(choice, map_bytes));  // the rest stays unmapped
   choice->mapped = true;
   choice->seg->mapped_bytes += map_bytes;
   stats_.reserved_bytes.increase(static_cast<std::int64_t>(map_bytes));
   stats_.num_device_alloc += map_bytes / gran;
   trace(trace_action::segment_map, choice->addr, map_bytes, p.stream);
-  detail::log().debug("device {}: segment_map {} bytes at {} (stream {})", backend_.device(), map_bytes,
-                      hex(choice->addr), hex(p.stream));
+  detail::log().debug("device {}: segment_map {} bytes at {} (stream {})", backend_.device(),
+                      map_bytes, hex(choice->addr), hex(p.stream));
   free_block_locked(choice);  // merges with the free mapped block before it
   return partial ? nullptr : best_fit(p, rounded);
 }
 
 block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounded) {
-  if (opts_.backend == backend_kind::expandable || opts_.release_fence == fence_scope::device) return nullptr;
+  if (opts_.backend == backend_kind::expandable || opts_.release_fence == fence_scope::device)
+    return nullptr;
   if (capturing()) return nullptr;
   // The other stream's lock is dropped between the search and the move, and that stream's fast
   // path (its lock alone, no mu_) may meanwhile allocate from the chosen segment: the move
@@ -187,8 +199,9 @@ block* caching_allocator::impl::move_segment_locked(segment* best, pool& p) {
   best->used_streams.clear();
   p.mapped.insert(best->first);
   ++stats_.segments_moved;
-  detail::log().debug("device {}: moved free segment {} ({} bytes) to stream {} behind an event wait",
-                      backend_.device(), hex(best->base), best->size, hex(p.stream));
+  detail::log().debug(
+      "device {}: moved free segment {} ({} bytes) to stream {} behind an event wait",
+      backend_.device(), hex(best->base), best->size, hex(p.stream));
   return best->first;
 }
 
@@ -196,7 +209,8 @@ block* caching_allocator::impl::adopt_dead_segment_locked(pool& p, std::size_t r
   // Before growing: a whole free segment of a destroyed stream, behind the tombstone (one
   // stream wait, none once the tombstone is seen complete). The search follows the destroyed
   // streams still holding memory, not the segments.
-  if (dead_states_.empty() || capturing() || opts_.release_fence == fence_scope::device) return nullptr;
+  if (dead_states_.empty() || capturing() || opts_.release_fence == fence_scope::device)
+    return nullptr;
   if (state_of(p).graph != 0) return nullptr;
   retire_dead_streams_locked();
   segment* best = nullptr;
@@ -209,7 +223,8 @@ block* caching_allocator::impl::adopt_dead_segment_locked(pool& p, std::size_t r
     if (q.quick.count) flush_quick_locked(q);
     segment* found = nullptr;
     q.mapped.for_each([&](block* b) {
-      if (!b->prev && !b->next && b->size >= rounded && (!found || b->size < found->size)) found = b->seg;
+      if (!b->prev && !b->next && b->size >= rounded && (!found || b->size < found->size))
+        found = b->seg;
     });
     if (found && (!best || found->size < best->size)) {
       best = found;
@@ -232,19 +247,24 @@ block* caching_allocator::impl::grow_locked(pool& p, std::size_t rounded) {
   return opts_.whole_segment_split_ratio != 0 ? fit_ignoring_whole_rule(p, rounded) : nullptr;
 }
 
-bool caching_allocator::impl::growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const {
-  if (opts_.backend == backend_kind::expandable) return expandable_growth_raises_peak_locked(p, rounded);
+bool caching_allocator::impl::growth_raises_peak_with_refused_locked(const pool& p,
+                                                                     std::size_t rounded) const {
+  if (opts_.backend == backend_kind::expandable)
+    return expandable_growth_raises_peak_locked(p, rounded);
   if (p.small || opts_.whole_segment_split_ratio == 0) return false;
   // Below the peak growth costs nothing; at the limit the rule gives way (find_block_locked).
-  const std::size_t grown = static_cast<std::size_t>(stats_.reserved_bytes.current) + detail::segment_bytes_for(rounded);
-  if (grown <= static_cast<std::size_t>(stats_.reserved_bytes.peak) || grown > limit_bytes_) return false;
+  const std::size_t grown = static_cast<std::size_t>(stats_.reserved_bytes.current) +
+                            detail::segment_bytes_for(rounded);
+  if (grown <= static_cast<std::size_t>(stats_.reserved_bytes.peak) || grown > limit_bytes_)
+    return false;
   // Worth the driver calls only when the idle segments would cover the growth.
   std::size_t idle = 0;
   p.mapped.for_each([&](const block* b) { idle += idle_at_growth(b, rounded) ? b->size : 0; });
   return idle >= detail::segment_bytes_for(rounded);
 }
 
-bool caching_allocator::impl::expandable_growth_raises_peak_locked(const pool& p, std::size_t rounded) const {
+bool caching_allocator::impl::expandable_growth_raises_peak_locked(const pool& p,
+                                                                   std::size_t rounded) const {
   // Mapping more for a large request past peak reserved, while at least as much free memory
   // sits mapped, raises the peak by memory that is idle: the free chunks are unmapped first
   // (behind their fence), so that the new chunks come out of them. Below the peak growth costs
@@ -254,7 +274,8 @@ bool caching_allocator::impl::expandable_growth_raises_peak_locked(const pool& p
   const std::size_t growth = detail::round_up(rounded, large_chunk_bytes_);
   if (reserved + growth <= static_cast<std::size_t>(stats_.reserved_bytes.peak)) return false;
   std::int64_t allocated = 0;
-  for (auto& [s, state] : streams_) allocated += state->cur_allocated.load(std::memory_order_relaxed);
+  for (auto& [s, state] : streams_)
+    allocated += state->cur_allocated.load(std::memory_order_relaxed);
   return static_cast<std::int64_t>(reserved) - allocated >= static_cast<std::int64_t>(growth);
 }
 
@@ -268,7 +289,8 @@ bool caching_allocator::impl::wants_collection_locked(std::size_t rounded) const
   }
   if (opts_.max_cached_bytes != 0) {
     std::int64_t allocated = 0;
-    for (auto& [s, state] : streams_) allocated += state->cur_allocated.load(std::memory_order_relaxed);
+    for (auto& [s, state] : streams_)
+      allocated += state->cur_allocated.load(std::memory_order_relaxed);
     const auto cached = static_cast<std::int64_t>(reserved) - allocated;
     if (cached > static_cast<std::int64_t>(opts_.max_cached_bytes)) return true;
   }

@@ -40,15 +40,19 @@ statistics caching_allocator::stats() const {
   for (auto& [base, seg] : m.segments_) {
     detail::lock_guard<stream_lock> slk(impl::state_of(*seg->owner).mu);
     for (const block* b = seg->first; b; b = b->next) {
-      if ((b->state == block_state::free || b->state == block_state::quick_cached) && b->mapped && (b->prev || b->next)) {
+      if ((b->state == block_state::free || b->state == block_state::quick_cached) && b->mapped &&
+          (b->prev || b->next)) {
         inactive_split += static_cast<std::int64_t>(b->size);
       }
     }
   }
   // Device-wide peaks: sampled whenever a stream passes its own peak (exact for one stream).
-  s.allocated_bytes.peak = std::max({s.allocated_bytes.peak, s.allocated_bytes.current, m.peak_allocated_.load()});
-  s.active_bytes.peak = std::max({s.active_bytes.peak, s.active_bytes.current, m.peak_active_.load()});
-  s.requested_bytes.peak = std::max({s.requested_bytes.peak, s.requested_bytes.current, m.peak_requested_.load()});
+  s.allocated_bytes.peak = std::max(
+      {s.allocated_bytes.peak, s.allocated_bytes.current, m.peak_allocated_.load()});
+  s.active_bytes.peak = std::max(
+      {s.active_bytes.peak, s.active_bytes.current, m.peak_active_.load()});
+  s.requested_bytes.peak = std::max(
+      {s.requested_bytes.peak, s.requested_bytes.current, m.peak_requested_.load()});
   s.inactive_split_bytes.current = inactive_split;
   s.inactive_split_bytes.peak = std::max(s.inactive_split_bytes.peak, inactive_split);
   return s;
@@ -61,7 +65,8 @@ void caching_allocator::reset_peak_stats() {
   for (auto& [h, st] : m.streams_) {
     detail::lock_guard<stream_lock> slk(st->mu);
     auto& x = st->stats;
-    for (impl::fast_stat* f : {&x.allocated_bytes, &x.requested_bytes, &x.allocation, &x.pending_bytes, &x.pending}) {
+    for (impl::fast_stat* f :
+         {&x.allocated_bytes, &x.requested_bytes, &x.allocation, &x.pending_bytes, &x.pending}) {
       f->peak = f->current;
     }
     x.active_bytes_peak = x.allocated_bytes.current + x.pending_bytes.current;
@@ -138,9 +143,7 @@ memory_snapshot caching_allocator::snapshot() const {
             if (e.stream != detail::k_tombstone_stream) bs.waiting_on.push_back(e.stream);
           }
           break;
-        case block_state::releasing:
-          bs.state = snapshot_block_state::releasing;
-          break;
+        case block_state::releasing: bs.state = snapshot_block_state::releasing; break;
         case block_state::free:
         case block_state::quick_cached:
           bs.state = b->mapped ? snapshot_block_state::inactive : snapshot_block_state::unmapped;

@@ -18,7 +18,9 @@ using detail::hex;
 
 namespace {
 
-[[noreturn]] void fail(const std::string& what) { throw std::logic_error("streamsafe invariant violated: " + what); }
+[[noreturn]] void fail(const std::string& what) {
+  throw std::logic_error("streamsafe invariant violated: " + what);
+}
 
 }  // namespace
 
@@ -41,7 +43,8 @@ void caching_allocator::impl::check_block_locked(const block* b, census& c) cons
       break;
     case block_state::active:
       if (in_pool || in_mapped) fail("active block " + hex(b->addr) + " is in a free pool");
-      if (owner.active.find(b->addr) != b) fail("active block missing from its stream's active map");
+      if (owner.active.find(b->addr) != b)
+        fail("active block missing from its stream's active map");
       c.allocated_bytes += bytes;
       c.active_bytes += bytes;
       ++c.active_blocks;
@@ -56,24 +59,29 @@ void caching_allocator::impl::check_block_locked(const block* b, census& c) cons
       if (in_pool || in_mapped) fail("releasing block in a free pool");
       break;
     case block_state::quick_cached:
-      if (in_pool || in_mapped) fail("quick-cached block " + hex(b->addr) + " is also in the free lists");
+      if (in_pool || in_mapped)
+        fail("quick-cached block " + hex(b->addr) + " is also in the free lists");
       if (!b->mapped) fail("quick-cached block is unmapped");
-      if (owner.active.find(b->addr) != b) fail("quick-cached block " + hex(b->addr) + " missing from its stream's active map");
+      if (owner.active.find(b->addr) != b)
+        fail("quick-cached block " + hex(b->addr) + " missing from its stream's active map");
       ++c.quick_cached_blocks;
       break;
   }
   c.held_blocks += b->free_held ? 1 : 0;
 }
 
-void caching_allocator::impl::check_segment_locked(std::uintptr_t key, const segment* seg, census& c) const {
+void caching_allocator::impl::check_segment_locked(std::uintptr_t key, const segment* seg,
+                                                   census& c) const {
   if (seg->base != key) fail("segment map key differs from its base");
   std::uintptr_t expect = seg->base;
   std::size_t mapped = 0;
   for (const block* b = seg->first; b; b = b->next) {
-    if (b->addr != expect) fail("blocks do not tile segment " + hex(seg->base) + " at " + hex(b->addr));
+    if (b->addr != expect)
+      fail("blocks do not tile segment " + hex(seg->base) + " at " + hex(b->addr));
     if (b->seg != seg) fail("block " + hex(b->addr) + " points at another segment");
     if (b->next && b->next->prev != b) fail("broken prev link after " + hex(b->addr));
-    if (b->size == 0 || b->size % detail::k_min_block_bytes != 0) fail("block size not a multiple of 512");
+    if (b->size == 0 || b->size % detail::k_min_block_bytes != 0)
+      fail("block size not a multiple of 512");
     if (b->mapped) mapped += b->size;
     if (!seg->expandable && !b->mapped) fail("unmapped block in a cuda_malloc segment");
     check_block_locked(b, c);
@@ -87,10 +95,12 @@ void caching_allocator::impl::check_segment_locked(std::uintptr_t key, const seg
 void caching_allocator::impl::check_pool_locked(const pool& p, census& c) const {
   c.free_list_blocks += p.mapped.size() + p.unmapped.size();
   p.mapped.for_each([&](const block* b) {
-    if (b->seg->owner != &p || !b->mapped || b->state != block_state::free) fail("pool holds a foreign or non-free block");
+    if (b->seg->owner != &p || !b->mapped || b->state != block_state::free)
+      fail("pool holds a foreign or non-free block");
   });
   for (const block* b : p.unmapped) {
-    if (b->seg->owner != &p || b->mapped || b->state != block_state::free) fail("unmapped pool holds a bad block");
+    if (b->seg->owner != &p || b->mapped || b->state != block_state::free)
+      fail("unmapped pool holds a bad block");
   }
   std::size_t in_quick = 0;
   p.quick.for_each([&](const block* b) {
@@ -108,36 +118,44 @@ void caching_allocator::impl::check_stream_locked(const stream_state& st, census
   c.pending_list_blocks += st.pending.size() + st.unfenced.size();
   c.active_map_blocks += st.active.size();
   st.active.for_each([&](const block* b) {
-    if (&state_of(*b->seg->owner) != &st || (b->state != block_state::active && b->state != block_state::quick_cached))
+    if (&state_of(*b->seg->owner) != &st ||
+        (b->state != block_state::active && b->state != block_state::quick_cached))
       fail("active map holds a block of another stream, or one neither active nor quick-cached");
   });
   c.stat_allocated_bytes += st.stats.allocated_bytes.current;
   c.stat_active_bytes += st.stats.allocated_bytes.current + st.stats.pending_bytes.current;
-  if (st.cur_allocated.load() != st.stats.allocated_bytes.current) fail("allocated mirror disagrees");
+  if (st.cur_allocated.load() != st.stats.allocated_bytes.current)
+    fail("allocated mirror disagrees");
 }
 
 void caching_allocator::impl::check_releasing_segments_locked(census& c) const {
   for (const segment* seg : releasing_segments_) {  // being freed with mu_ dropped (release.cpp)
     if (seg->expandable || seg->first->next || seg->first->state != block_state::releasing)
-      fail("segment " + hex(seg->base) + " out of the segment map is not a whole segment being released");
+      fail("segment " + hex(seg->base) +
+           " out of the segment map is not a whole segment being released");
     c.reserved_bytes += static_cast<std::int64_t>(seg->mapped_bytes);
   }
 }
 
 void caching_allocator::impl::check_held_frees_locked(const census& c) const {
   for (const auto& h : held_frees_) {
-    if (h.b->state != block_state::active || !h.b->free_held) fail("a free held during a capture is not an active held block");
+    if (h.b->state != block_state::active || !h.b->free_held)
+      fail("a free held during a capture is not an active held block");
   }
   if (c.held_blocks != held_frees_.size()) fail("held frees disagree with the blocks marked held");
 }
 
 void caching_allocator::impl::check_census_locked(const census& c) const {
   if (c.free_list_blocks != c.free_blocks) fail("pools hold blocks that are not in any segment");
-  if (c.quick_cache_blocks != c.quick_cached_blocks) fail("quick caches hold blocks that are not in any segment");
+  if (c.quick_cache_blocks != c.quick_cached_blocks)
+    fail("quick caches hold blocks that are not in any segment");
   if (c.pending_blocks != c.pending_list_blocks) fail("pending lists disagree with pending blocks");
-  if (c.active_blocks + c.quick_cached_blocks != c.active_map_blocks) fail("active maps hold blocks not in any segment");
-  if (c.reserved_bytes != stats_.reserved_bytes.current) fail("reserved bytes statistic disagrees with segments");
-  if (c.allocated_bytes != c.stat_allocated_bytes) fail("allocated bytes statistic disagrees with blocks");
+  if (c.active_blocks + c.quick_cached_blocks != c.active_map_blocks)
+    fail("active maps hold blocks not in any segment");
+  if (c.reserved_bytes != stats_.reserved_bytes.current)
+    fail("reserved bytes statistic disagrees with segments");
+  if (c.allocated_bytes != c.stat_allocated_bytes)
+    fail("allocated bytes statistic disagrees with blocks");
   if (c.active_bytes != c.stat_active_bytes) fail("active bytes statistic disagrees with blocks");
 }
 
@@ -166,7 +184,8 @@ void caching_allocator::impl::check_dead_streams_locked() const {
   for (const segment* seg : releasing_segments_) ++owned[&state_of(*seg->owner)];
   std::size_t dead = 0;
   for (auto& [h, st] : streams_) {
-    if (owned[st.get()] != st->segments) fail("a stream's segment count disagrees with the segments");
+    if (owned[st.get()] != st->segments)
+      fail("a stream's segment count disagrees with the segments");
     if (!st->alive.load(std::memory_order_acquire)) {
       ++dead;
       if (std::find(dead_states_.begin(), dead_states_.end(), st.get()) == dead_states_.end()) {
@@ -177,7 +196,8 @@ void caching_allocator::impl::check_dead_streams_locked() const {
   if (dead != dead_states_.size()) fail("the destroyed streams disagree with the stream states");
   if (tombstones_.size() > 1) fail("more than one tombstone");
   for (const auto& st : spare_states_) {
-    if (st->segments != 0 || st->cache_key.load(std::memory_order_acquire) != detail::k_tombstone_stream) {
+    if (st->segments != 0 ||
+        st->cache_key.load(std::memory_order_acquire) != detail::k_tombstone_stream) {
       fail("a retired stream state owns segments or names a stream");
     }
   }

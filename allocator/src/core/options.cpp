@@ -19,7 +19,8 @@ std::string_view trim(std::string_view s) {
   return s;
 }
 
-[[noreturn]] void bad_value(std::string_view key, std::string_view value, std::string_view accepted) {
+[[noreturn]] void bad_value(std::string_view key, std::string_view value,
+                            std::string_view accepted) {
   throw config_error("streamsafe: bad STREAMSAFE_ALLOC_CONF value '" + std::string(value) +
                      "' for key '" + std::string(key) + "'; accepted: " + std::string(accepted));
 }
@@ -42,7 +43,9 @@ constexpr std::string_view k_bytes_accepted =
 std::size_t parse_bytes(std::string_view key, std::string_view value) {
   constexpr std::string_view accepted = k_bytes_accepted;
   std::size_t digits = 0;
-  while (digits < value.size() && ((value[digits] >= '0' && value[digits] <= '9') || value[digits] == '.')) ++digits;
+  while (digits < value.size() &&
+         ((value[digits] >= '0' && value[digits] <= '9') || value[digits] == '.'))
+    ++digits;
   double number = parse_number(key, value.substr(0, digits), accepted);
   std::string suffix(value.substr(digits));
   for (auto& c : suffix) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
@@ -73,9 +76,13 @@ struct option_spec {
   std::string (*show)(const options& o);
 };
 
-[[noreturn]] void bad_value(const option_spec& spec, std::string_view value) { bad_value(spec.key, value, spec.accepted); }
+[[noreturn]] void bad_value(const option_spec& spec, std::string_view value) {
+  bad_value(spec.key, value, spec.accepted);
+}
 
-double number(const option_spec& spec, std::string_view value) { return parse_number(spec.key, value, spec.accepted); }
+double number(const option_spec& spec, std::string_view value) {
+  return parse_number(spec.key, value, spec.accepted);
+}
 
 // The position of `value` among the spec's accepted names.
 int choice(const option_spec& spec, std::string_view value) {
@@ -108,24 +115,35 @@ void set_memory_fraction(options& o, const option_spec& s, std::string_view v) {
 }
 
 const option_spec k_options[] = {
-    {"backend", "choice", "cuda_malloc, expandable", "how pools grow: one cudaMalloc per segment, or mapped chunks",
-     [](options& o, const option_spec& s, std::string_view v) { o.backend = static_cast<backend_kind>(choice(s, v)); },
+    {"backend", "choice", "cuda_malloc, expandable",
+     "how pools grow: one cudaMalloc per segment, or mapped chunks",
+     [](options& o, const option_spec& s, std::string_view v) {
+       o.backend = static_cast<backend_kind>(choice(s, v));
+     },
      [](const options& o) { return std::string(to_string(o.backend)); }},
-    {"expandable_segments", "choice", "True, true, False, false", "PyTorch's name: True means backend:expandable",
+    {"expandable_segments", "choice", "True, true, False, false",
+     "PyTorch's name: True means backend:expandable",
      [](options& o, const option_spec& s, std::string_view v) {
        o.backend = choice(s, v) < 2 ? backend_kind::expandable : backend_kind::cuda_malloc;
      },
      nullptr},
     {"release_fence", "choice", "used_streams, all_streams, device, allocation_stream",
      "which streams a release waits for",
-     [](options& o, const option_spec& s, std::string_view v) { o.release_fence = static_cast<fence_scope>(choice(s, v)); },
+     [](options& o, const option_spec& s, std::string_view v) {
+       o.release_fence = static_cast<fence_scope>(choice(s, v));
+     },
      [](const options& o) { return std::string(to_string(o.release_fence)); }},
     {"reuse_fence", "choice", "allocation_stream, all_streams",
      "which streams a host free is fenced against before its block is reused",
-     [](options& o, const option_spec& s, std::string_view v) { o.reuse_fence = static_cast<reuse_fence_scope>(choice(s, v)); },
+     [](options& o, const option_spec& s, std::string_view v) {
+       o.reuse_fence = static_cast<reuse_fence_scope>(choice(s, v));
+     },
      [](const options& o) { return std::string(to_string(o.reuse_fence)); }},
-    {"empty_cache", "choice", "wait, defer", "whether a release waits on its fence or queues what is not safe yet",
-     [](options& o, const option_spec& s, std::string_view v) { o.empty_cache = static_cast<empty_cache_mode>(choice(s, v)); },
+    {"empty_cache", "choice", "wait, defer",
+     "whether a release waits on its fence or queues what is not safe yet",
+     [](options& o, const option_spec& s, std::string_view v) {
+       o.empty_cache = static_cast<empty_cache_mode>(choice(s, v));
+     },
      [](const options& o) { return std::string(to_string(o.empty_cache)); }},
     {"release_worker", "choice", "off, on, auto",
      "in defer mode, unmap on a worker thread (auto: on for a real GPU through cuda::allocator)",
@@ -133,7 +151,8 @@ const option_spec k_options[] = {
        o.release_worker = static_cast<release_worker_mode>(choice(s, v));
      },
      [](const options& o) { return std::string(to_string(o.release_worker)); }},
-    {"max_split_size_mb", "number", "a size in MiB, at least 20 (0 = no limit)", "blocks larger than this are never split",
+    {"max_split_size_mb", "number", "a size in MiB, at least 20 (0 = no limit)",
+     "blocks larger than this are never split",
      [](options& o, const option_spec& s, std::string_view v) {
        const double mb = number(s, v);
        if (mb != 0 && mb < 20) bad_value(s, v);
@@ -152,15 +171,17 @@ const option_spec k_options[] = {
      },
      [](const options& o) { return show_number(o.whole_segment_split_ratio); }},
     {"memory_limit", "bytes", k_bytes_accepted, "cap on reserved bytes (0 = the device's memory)",
-     [](options& o, const option_spec& s, std::string_view v) { o.memory_limit_bytes = parse_bytes(s.key, v); },
+     [](options& o, const option_spec& s, std::string_view v) {
+       o.memory_limit_bytes = parse_bytes(s.key, v);
+     },
      [](const options& o) { return show_number(o.memory_limit_bytes); }},
-    {"memory_fraction", "number", "0 (unused) or a fraction in (0, 1]", "cap on reserved bytes as a fraction of the device's memory",
-     set_memory_fraction,
+    {"memory_fraction", "number", "0 (unused) or a fraction in (0, 1]",
+     "cap on reserved bytes as a fraction of the device's memory", set_memory_fraction,
      [](const options& o) { return show_number(o.memory_fraction); }},
-    {"per_process_memory_fraction", "number", "0 (unused) or a fraction in (0, 1]", "PyTorch's name for memory_fraction",
-     set_memory_fraction,
-     nullptr},
-    {"expandable_chunk_mb", "number", "a positive multiple of 2 (MiB)", "chunk mapped at a time in expandable large pools",
+    {"per_process_memory_fraction", "number", "0 (unused) or a fraction in (0, 1]",
+     "PyTorch's name for memory_fraction", set_memory_fraction, nullptr},
+    {"expandable_chunk_mb", "number", "a positive multiple of 2 (MiB)",
+     "chunk mapped at a time in expandable large pools",
      [](options& o, const option_spec& s, std::string_view v) {
        const std::size_t bytes = mib(s, v);
        if (bytes == 0 || bytes % (std::size_t{2} << 20) != 0) bad_value(s, v);
@@ -184,11 +205,17 @@ const option_spec k_options[] = {
        o.garbage_collection_threshold = f;
      },
      [](const options& o) { return show_number(o.garbage_collection_threshold); }},
-    {"max_cached_bytes", "bytes", k_bytes_accepted, "release free cached segments before growing past this many cached bytes",
-     [](options& o, const option_spec& s, std::string_view v) { o.max_cached_bytes = parse_bytes(s.key, v); },
+    {"max_cached_bytes", "bytes", k_bytes_accepted,
+     "release free cached segments before growing past this many cached bytes",
+     [](options& o, const option_spec& s, std::string_view v) {
+       o.max_cached_bytes = parse_bytes(s.key, v);
+     },
      [](const options& o) { return show_number(o.max_cached_bytes); }},
-    {"trace_capacity", "number", "a count of trace events (0 = off)", "events kept in the allocator's trace ring",
-     [](options& o, const option_spec& s, std::string_view v) { o.trace_capacity = static_cast<std::size_t>(number(s, v)); },
+    {"trace_capacity", "number", "a count of trace events (0 = off)",
+     "events kept in the allocator's trace ring",
+     [](options& o, const option_spec& s, std::string_view v) {
+       o.trace_capacity = static_cast<std::size_t>(number(s, v));
+     },
      [](const options& o) { return show_number(o.trace_capacity); }},
 };
 
@@ -201,7 +228,8 @@ const option_spec* find_option(std::string_view key) {
 
 std::string known_keys() {
   std::string keys;
-  for (const option_spec& spec : k_options) keys += (keys.empty() ? "" : ", ") + std::string(spec.key);
+  for (const option_spec& spec : k_options)
+    keys += (keys.empty() ? "" : ", ") + std::string(spec.key);
   return keys;
 }
 
@@ -209,7 +237,8 @@ std::string known_keys() {
 std::pair<std::string_view, std::string_view> split_item(std::string_view item) {
   const auto colon = item.find(':');
   if (colon == std::string_view::npos) {
-    throw config_error("streamsafe: STREAMSAFE_ALLOC_CONF item '" + std::string(item) + "' has no ':'; expected key:value");
+    throw config_error("streamsafe: STREAMSAFE_ALLOC_CONF item '" + std::string(item) +
+                       "' has no ':'; expected key:value");
   }
   return {trim(item.substr(0, colon)), trim(item.substr(colon + 1))};
 }
@@ -257,8 +286,9 @@ options options::parse(std::string_view conf, std::vector<std::string>* warnings
     if (item.empty()) continue;
     const auto [key, value] = split_item(item);
     if (auto it = seen.find(key); it != seen.end() && warnings) {
-      warnings->push_back("streamsafe: key '" + std::string(key) + "' given twice ('" + it->second + "' then '" +
-                          std::string(value) + "'); the last one, '" + std::string(value) + "', wins");
+      warnings->push_back("streamsafe: key '" + std::string(key) + "' given twice ('" + it->second +
+                          "' then '" + std::string(value) + "'); the last one, '" +
+                          std::string(value) + "', wins");
     }
     seen[std::string(key)] = std::string(value);
     const option_spec* spec = find_option(key);

@@ -60,11 +60,12 @@ struct quick_cache {
 struct pool {
   stream_handle stream = 0;
   bool small = false;
-  free_lists mapped;          // free blocks backed by memory
-  quick_cache quick;          // freed blocks parked for same-size reuse (state quick_cached)
-  free_set unmapped;          // free address space of expandable segments (slow path only)
-  segment* expandable = nullptr;  // this pool's first expandable segment (it may reserve more), if any
-  void* state = nullptr;          // the stream_state owning this pool (allocator_state.hpp)
+  free_lists mapped;  // free blocks backed by memory
+  quick_cache quick;  // freed blocks parked for same-size reuse (state quick_cached)
+  free_set unmapped;  // free address space of expandable segments (slow path only)
+  segment* expandable =
+      nullptr;            // this pool's first expandable segment (it may reserve more), if any
+  void* state = nullptr;  // the stream_state owning this pool (allocator_state.hpp)
 };
 
 }  // namespace streamsafe::detail

@@ -8,8 +8,8 @@
 // the device lock dropped; in defer mode nothing blocks: the blocks whose own fence streams are
 // idle now go back at once, the rest is queued and finished by later calls (reclaim,
 // empty_cache, the allocation slow path), or, with the release worker on, everything is queued
-// and a worker thread gives it back (release_worker.cpp), and when free_segment waits for the whole device
-// (cudaFree) a segment goes back only while every known stream is idle. Only then are
+// and a worker thread gives it back (release_worker.cpp), and when free_segment waits for the whole
+// device (cudaFree) a segment goes back only while every known stream is idle. Only then are
 // free_segment / unmap called, also without the lock. A failed driver call puts its memory back
 // in the pool. Every function here runs with the device lock (mu_) held on entry.
 // While a CUDA graph capture is underway on the device nothing here runs (capture.cpp): no
@@ -28,12 +28,14 @@ using detail::pending_event;
 
 namespace {
 
-constexpr stream_handle k_tombstone = detail::k_tombstone_stream;  // marks tombstone entries of a fence
+constexpr stream_handle k_tombstone =
+    detail::k_tombstone_stream;  // marks tombstone entries of a fence
 
 // Counts n tombstone references for its lifetime (a wait with the device lock dropped).
 class tombstone_pin {
  public:
-  tombstone_pin(std::atomic<std::int64_t>& refs, std::size_t n) : refs_(refs), n_(static_cast<std::int64_t>(n)) {
+  tombstone_pin(std::atomic<std::int64_t>& refs, std::size_t n)
+      : refs_(refs), n_(static_cast<std::int64_t>(n)) {
     refs_.fetch_add(n_, std::memory_order_acq_rel);
   }
   ~tombstone_pin() { refs_.fetch_sub(n_, std::memory_order_acq_rel); }
@@ -49,10 +51,11 @@ class tombstone_pin {
 
 std::vector<stream_handle> caching_allocator::impl::fence_streams_locked(const segment* seg) const {
   std::vector<stream_handle> out;
-  auto alive = [&](stream_handle s) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {  // under mu_, as its caller
-    auto it = streams_.find(s);
-    return it != streams_.end() && it->second->alive.load(std::memory_order_acquire);
-  };
+  auto alive =
+      [&](stream_handle s) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {  // under mu_, as its caller
+        auto it = streams_.find(s);
+        return it != streams_.end() && it->second->alive.load(std::memory_order_acquire);
+      };
   switch (opts_.release_fence) {
     case fence_scope::allocation_stream:
       if (alive(seg->stream)) out.push_back(seg->stream);
@@ -68,15 +71,16 @@ std::vector<stream_handle> caching_allocator::impl::fence_streams_locked(const s
         if (state->graph == 0 && state->alive.load(std::memory_order_acquire)) out.push_back(s);
       }
       break;
-    case fence_scope::device:
-      break;
+    case fence_scope::device: break;
   }
   return out;
 }
 
-void caching_allocator::impl::add_fence_streams_locked(release_batch& batch, const segment* seg) const {
+void caching_allocator::impl::add_fence_streams_locked(release_batch& batch,
+                                                       const segment* seg) const {
   for (stream_handle s : fence_streams_locked(seg)) {
-    if (std::find(batch.streams.begin(), batch.streams.end(), s) == batch.streams.end()) batch.streams.push_back(s);
+    if (std::find(batch.streams.begin(), batch.streams.end(), s) == batch.streams.end())
+      batch.streams.push_back(s);
   }
 }
 
@@ -89,7 +93,8 @@ void caching_allocator::impl::detach_whole_segment_locked(release_batch& batch, 
   add_fence_streams_locked(batch, seg);
 }
 
-caching_allocator::impl::release_batch caching_allocator::impl::collect_releasable_locked(bool released_graphs_only) {
+caching_allocator::impl::release_batch caching_allocator::impl::collect_releasable_locked(
+    bool released_graphs_only) {
   release_batch batch;
   for (auto& [base, seg] : segments_) {
     stream_state& owner = state_of(*seg->owner);
@@ -97,7 +102,8 @@ caching_allocator::impl::release_batch caching_allocator::impl::collect_releasab
     if (released_graphs_only && owner.graph == 0) continue;
     detail::lock_guard<stream_lock> slk(owner.mu);
     if (!seg->expandable) {
-      if (!seg->first->next && seg->first->state == block_state::free) detach_whole_segment_locked(batch, seg);
+      if (!seg->first->next && seg->first->state == block_state::free)
+        detach_whole_segment_locked(batch, seg);
       continue;
     }
     const std::size_t gran = chunk_bytes(seg);
@@ -113,7 +119,8 @@ caching_allocator::impl::release_batch caching_allocator::impl::collect_releasab
         mid = split_off_locked(b, lo - b->addr);
         seg->owner->mapped.insert(b);
       }
-      if (hi < mid->addr + mid->size) seg->owner->mapped.insert(split_off_locked(mid, hi - mid->addr));
+      if (hi < mid->addr + mid->size)
+        seg->owner->mapped.insert(split_off_locked(mid, hi - mid->addr));
       mid->state = block_state::releasing;
       batch.blocks.push_back(mid);
       batch.bytes += mid->size;
@@ -174,7 +181,8 @@ void caching_allocator::impl::wait_fence_unlocked(release_batch& batch) {
   } else {
     for (const auto& e : batch.fence) backend_.synchronize_event(e.event);
   }
-  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::steady_clock::now() - start);
   detail::lock_guard<detail::mutex> lk(mu_);
   if (batch.device_sync) ++stats_.num_sync_all_streams;
   stats_.fence_waits += batch.device_sync ? 1 : batch.fence.size();
@@ -187,7 +195,8 @@ std::size_t caching_allocator::impl::release_batch_memory(device_lock& lk, relea
   // A cudaFree'd segment leaves segments_ before the call: once cudaFree returns, cudaMalloc
   // (another thread's growth, while mu_ is dropped) may hand out the same base address, whose
   // new segment must find its key free. Until the lock is back it waits in releasing_segments_.
-  releasing_segments_.reserve(releasing_segments_.size() + batch.blocks.size());  // throws before anything moves
+  releasing_segments_.reserve(releasing_segments_.size() +
+                              batch.blocks.size());  // throws before anything moves
   for (block* b : batch.blocks) {
     if (b->seg->expandable) continue;
     segments_.erase(b->seg->base);
@@ -213,7 +222,8 @@ std::size_t caching_allocator::impl::release_batch_memory(device_lock& lk, relea
   }
   batch.fence.clear();
   std::size_t released = 0;
-  for (std::size_t i = 0; i < batch.blocks.size(); ++i) released += account_release_locked(batch.blocks[i], done[i] != 0);
+  for (std::size_t i = 0; i < batch.blocks.size(); ++i)
+    released += account_release_locked(batch.blocks[i], done[i] != 0);
   batch.blocks.clear();
   if (error) std::rethrow_exception(error);
   return released;
@@ -222,7 +232,8 @@ std::size_t caching_allocator::impl::release_batch_memory(device_lock& lk, relea
 std::size_t caching_allocator::impl::account_release_locked(block* b, bool released) {
   segment* seg = b->seg;
   if (!seg->expandable) {
-    releasing_segments_.erase(std::find(releasing_segments_.begin(), releasing_segments_.end(), seg));
+    releasing_segments_.erase(
+        std::find(releasing_segments_.begin(), releasing_segments_.end(), seg));
     if (!released) segments_.emplace(seg->base, seg);  // still ours: nobody got its address
   }
   stream_state& owner = state_of(*seg->owner);
@@ -239,12 +250,14 @@ std::size_t caching_allocator::impl::account_release_locked(block* b, bool relea
     seg->mapped_bytes -= bytes;
     b->mapped = false;
     trace(trace_action::segment_unmap, b->addr, bytes, seg->stream);
-    detail::log().debug("device {}: segment_unmap {} bytes at {:#x}", backend_.device(), bytes, b->addr);
+    detail::log().debug("device {}: segment_unmap {} bytes at {:#x}", backend_.device(), bytes,
+                        b->addr);
     free_block_locked(b);
   } else {
     ++stats_.num_device_free;
     trace(trace_action::segment_free, b->addr, bytes, seg->stream);
-    detail::log().debug("device {}: segment_free {} bytes at {:#x}", backend_.device(), bytes, b->addr);
+    detail::log().debug("device {}: segment_free {} bytes at {:#x}", backend_.device(), bytes,
+                        b->addr);
     stats_.segment.decrease(1);
     recycle_block(owner, b);
     --owner.segments;
@@ -262,8 +275,8 @@ std::size_t caching_allocator::impl::finish_deferred(device_lock& lk, bool wait)
     if (!wait) {
       // Never blocks: a cudaFree'd segment goes back only while every known stream is idle now.
       const auto& blocks = deferred_.front().blocks;
-      const bool frees_segment =
-          std::any_of(blocks.begin(), blocks.end(), [](const block* b) { return !b->seg->expandable; });
+      const bool frees_segment = std::any_of(blocks.begin(), blocks.end(),
+                                             [](const block* b) { return !b->seg->expandable; });
       if (frees_segment && free_segment_would_block_locked()) break;
     }
     if (!done) {
@@ -273,11 +286,13 @@ std::size_t caching_allocator::impl::finish_deferred(device_lock& lk, bool wait)
       waiting.fence = front.fence;
       waiting.device_sync = front.device_sync;
       for (auto& t : tombstones_) waiting.fence.push_back({t.event, k_tombstone});
-      tombstone_pin pin(tombstone_refs_, tombstones_.size());  // not pooled while waited on unlocked
+      tombstone_pin pin(tombstone_refs_,
+                        tombstones_.size());  // not pooled while waited on unlocked
       driver_call_scope in_flight(*this, lk);
       wait_fence_unlocked(waiting);
       in_flight.relock();
-      if (deferred_.empty() || deferred_.front().id != waited_id) continue;  // finished by another thread
+      if (deferred_.empty() || deferred_.front().id != waited_id)
+        continue;  // finished by another thread
     }
     release_batch batch = std::move(deferred_.front());
     deferred_.pop_front();
@@ -293,13 +308,16 @@ bool caching_allocator::impl::free_segment_would_block_locked() {
     if (!backend_.query_event(t.event)) return true;  // a dead stream's last work
   }
   for (auto& [s, st] : streams_) {
-    // Graph pools (st->graph != 0) are keyed by a graph id, not a stream: their streams are known too.
-    if (st->graph == 0 && st->alive.load(std::memory_order_acquire) && !backend_.query_stream(s)) return true;
+    // Graph pools (st->graph != 0) are keyed by a graph id, not a stream: their streams are known
+    // too.
+    if (st->graph == 0 && st->alive.load(std::memory_order_acquire) && !backend_.query_stream(s))
+      return true;
   }
   return false;
 }
 
-caching_allocator::impl::release_batch caching_allocator::impl::take_safe_locked(release_batch& batch) {
+caching_allocator::impl::release_batch caching_allocator::impl::take_safe_locked(
+    release_batch& batch) {
   // Polls every event first (a failing query throws before anything moves), then moves out the
   // blocks whose own fence streams (fence_streams_locked of their segment) are all idle.
   release_batch safe;
@@ -347,8 +365,9 @@ std::size_t caching_allocator::impl::release_cached(device_lock& lk, empty_cache
   if (capturing()) {  // runs, in defer mode, when the last capture ends (capture.cpp)
     empty_cache_after_capture_ = true;
     ++capture_deferrals_;
-    detail::log().debug("device {}: release of cached memory deferred until the CUDA graph capture ends",
-                        backend_.device());
+    detail::log().debug(
+        "device {}: release of cached memory deferred until the CUDA graph capture ends",
+        backend_.device());
     return 0;
   }
   prepare_release_locked();
@@ -357,7 +376,8 @@ std::size_t caching_allocator::impl::release_cached(device_lock& lk, empty_cache
   if (worker_releases_locked(mode)) return released;  // the worker finishes the queue
   released += finish_deferred(lk, mode == empty_cache_mode::wait);
   // Wait mode gives everything back before returning: also what the worker has in flight.
-  if (mode == empty_cache_mode::wait && stats_.release_worker_bytes != 0) wait_for_worker_locked(lk, nullptr);
+  if (mode == empty_cache_mode::wait && stats_.release_worker_bytes != 0)
+    wait_for_worker_locked(lk, nullptr);
   retire_dead_streams_locked();  // destroyed streams whose memory went back
   return released;
 }
@@ -422,8 +442,10 @@ std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, s
     for (segment* seg : refused) detach_whole_segment_locked(batch, seg);
   }
   if (batch.blocks.empty()) return 0;
-  detail::log().debug("device {}: releasing {} bytes of whole free segments refused to a {}-byte request before growing",
-                      backend_.device(), batch.bytes, rounded);
+  detail::log().debug(
+      "device {}: releasing {} bytes of whole free segments refused to a {}-byte request before "
+      "growing",
+      backend_.device(), batch.bytes, rounded);
   // Opportunistic: never waits, in either mode; what is busy is queued behind its fence.
   return release_collected(lk, batch, empty_cache_mode::defer);
 }
@@ -452,17 +474,20 @@ std::size_t caching_allocator::impl::release_collected(device_lock& lk, release_
       } else {
         if (!fence_done_locked(batch)) {
           for (auto& t : tombstones_) batch.fence.push_back({t.event, k_tombstone});
-          tombstone_pin pin(tombstone_refs_, tombstones_.size());  // not pooled while waited on unlocked
+          tombstone_pin pin(tombstone_refs_,
+                            tombstones_.size());  // not pooled while waited on unlocked
           driver_call_scope in_flight(*this, lk);
           wait_fence_unlocked(batch);
           in_flight.relock();
           // Waited on: the tombstone entries go (a queued batch must not keep them).
-          batch.fence.erase(std::remove_if(batch.fence.begin(), batch.fence.end(),
-                                           [](const pending_event& e) { return e.stream == k_tombstone; }),
-                            batch.fence.end());
-          detail::log().debug("device {}: waited on {} fence event(s) to release {} bytes", backend_.device(),
-                              batch.fence.size(), batch.bytes);
-          if (capturing()) queue_batch_locked(batch);  // a capture began meanwhile: release after it
+          batch.fence.erase(
+              std::remove_if(batch.fence.begin(), batch.fence.end(),
+                             [](const pending_event& e) { return e.stream == k_tombstone; }),
+              batch.fence.end());
+          detail::log().debug("device {}: waited on {} fence event(s) to release {} bytes",
+                              backend_.device(), batch.fence.size(), batch.bytes);
+          if (capturing())
+            queue_batch_locked(batch);  // a capture began meanwhile: release after it
         }
         now = std::move(batch);
         batch = release_batch{};
@@ -482,9 +507,10 @@ void caching_allocator::impl::queue_batch_locked(release_batch& batch) {
   ++stats_.releases_deferred;
   deferred_bytes_ += batch.bytes;
   batch.id = next_batch_id_++;
-  trace(trace_action::release_deferred, batch.blocks.front()->addr, batch.bytes, batch.blocks.front()->seg->stream);
-  detail::log().debug("device {}: release of {} bytes deferred behind {} fence event(s)", backend_.device(),
-                      batch.bytes, batch.fence.size());
+  trace(trace_action::release_deferred, batch.blocks.front()->addr, batch.bytes,
+        batch.blocks.front()->seg->stream);
+  detail::log().debug("device {}: release of {} bytes deferred behind {} fence event(s)",
+                      backend_.device(), batch.bytes, batch.fence.size());
   deferred_.push_back(std::move(batch));
   batch = release_batch{};
 }
@@ -557,7 +583,8 @@ void caching_allocator::impl::destroy_all() {
     captures_.clear();
     captures_underway_.store(0, std::memory_order_release);
     for (auto& [s, st] : streams_) st->graph_released = true;
-    for (auto& [s, st] : streams_) {  // reuse_fence:all_streams: unfenced host frees join the pending ones
+    for (auto& [s, st] :
+         streams_) {  // reuse_fence:all_streams: unfenced host frees join the pending ones
       detail::lock_guard<stream_lock> slk(st->mu);
       if (!st->unfenced.empty()) fence_host_frees_locked(*st);
     }
@@ -568,8 +595,9 @@ void caching_allocator::impl::destroy_all() {
       st->active.for_each([&](const block* b) { live += b->state == block_state::active ? 1 : 0; });
     }
     if (live != 0) {
-      detail::log().warn("device {}: allocator destroyed with {} live block(s); their device memory is kept",
-                         backend_.device(), live);
+      detail::log().warn(
+          "device {}: allocator destroyed with {} live block(s); their device memory is kept",
+          backend_.device(), live);
     }
     for (auto& [base, seg] : segments_) {
       if (seg->expandable && seg->mapped_bytes == 0) {
@@ -578,7 +606,8 @@ void caching_allocator::impl::destroy_all() {
     }
     destroy_events_locked();
   } catch (const std::exception& e) {
-    detail::log().error("device {}: error while destroying the allocator: {}", backend_.device(), e.what());
+    detail::log().error("device {}: error while destroying the allocator: {}", backend_.device(),
+                        e.what());
   }
   delete_host_bookkeeping();  // in every case
 }
@@ -588,7 +617,8 @@ void caching_allocator::impl::destroy_all() {
 std::size_t caching_allocator::empty_cache() { return empty_cache(impl_->opts_.empty_cache); }
 
 std::size_t caching_allocator::empty_cache(empty_cache_mode mode) {
-  if (impl_->inherited()) return 0;  // a forked child: nothing of the parent's is released (fork.cpp)
+  if (impl_->inherited())
+    return 0;  // a forked child: nothing of the parent's is released (fork.cpp)
   device_lock lk(impl_->mu_);
   if (callback_scope::active()) {  // no backend call in a stream callback: later, never waiting
     impl_->empty_cache_requested_ = true;
@@ -598,7 +628,7 @@ std::size_t caching_allocator::empty_cache(empty_cache_mode mode) {
 }
 
 std::size_t caching_allocator::reclaim() {
-  if (impl_->inherited()) return 0;  // a forked child (fork.cpp)
+  if (impl_->inherited()) return 0;        // a forked child (fork.cpp)
   if (callback_scope::active()) return 0;  // no backend call in a stream callback
   device_lock lk(impl_->mu_);
   impl_->detect_captures_locked(lk);

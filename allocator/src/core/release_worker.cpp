@@ -53,10 +53,13 @@ std::once_flag g_atfork_once;
 
 }  // namespace
 
-std::int64_t caching_allocator::impl::current_pid() noexcept { return static_cast<std::int64_t>(::getpid()); }
+std::int64_t caching_allocator::impl::current_pid() noexcept {
+  return static_cast<std::int64_t>(::getpid());
+}
 
 bool caching_allocator::impl::worker_usable_locked() const {
-  if (opts_.release_worker != release_worker_mode::on || worker_failed_ || worker_stop_) return false;
+  if (opts_.release_worker != release_worker_mode::on || worker_failed_ || worker_stop_)
+    return false;
   const std::int64_t pid = current_pid();
   return pid == creator_pid_ && (worker_pid_ == 0 || worker_pid_ == pid);
 }
@@ -76,15 +79,18 @@ void caching_allocator::impl::hand_to_worker_locked(release_batch& batch) {
       worker_pid_ = current_pid();
       std::call_once(g_atfork_once, [] {
         ::pthread_atfork(&impl::fork_prepare, &impl::fork_parent, &impl::fork_child);
-        std::atexit(&impl::at_exit);  // after the CUDA runtime's own handler: runs before its teardown
+        std::atexit(
+            &impl::at_exit);  // after the CUDA runtime's own handler: runs before its teardown
       });
       std::lock_guard<std::mutex> rlk(registry().mu);
       registry().live.push_back(this);
     } catch (const std::exception& e) {
       // The queue stays: later calls finish it on their own thread, as with the worker off.
       worker_failed_ = true;
-      detail::log().warn("device {}: the release worker could not start ({}); releases stay on the calling threads",
-                         backend_.device(), e.what());
+      detail::log().warn(
+          "device {}: the release worker could not start ({}); releases stay on the calling "
+          "threads",
+          backend_.device(), e.what());
       return;
     }
   }
@@ -104,7 +110,8 @@ std::size_t caching_allocator::impl::worker_pass_locked(device_lock& lk) {
       now.bytes += part.bytes;
       now.blocks.insert(now.blocks.end(), part.blocks.begin(), part.blocks.end());
       if (it->blocks.empty()) {
-        now.fence.insert(now.fence.end(), it->fence.begin(), it->fence.end());  // back to the pool after the release
+        now.fence.insert(now.fence.end(), it->fence.begin(),
+                         it->fence.end());  // back to the pool after the release
         it = deferred_.erase(it);
       } else {
         ++it;
@@ -128,8 +135,8 @@ std::size_t caching_allocator::impl::worker_pass_locked(device_lock& lk) {
     }
     stats_.release_worker_bytes -= bytes;
     ++stats_.release_worker_releases;
-    detail::log().debug("device {}: release worker gave back {} of {} bytes whose fences completed", backend_.device(),
-                        released, bytes);
+    detail::log().debug("device {}: release worker gave back {} of {} bytes whose fences completed",
+                        backend_.device(), released, bytes);
   }
   if (error) std::rethrow_exception(error);
   return released;
@@ -138,7 +145,9 @@ std::size_t caching_allocator::impl::worker_pass_locked(device_lock& lk) {
 void caching_allocator::impl::worker_main() {
   device_lock lk(mu_);
   auto delay = std::chrono::duration_cast<std::chrono::microseconds>(k_poll_min);
-  auto wake = [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return worker_stop_ || worker_kick_; };  // mu_ held
+  auto wake = [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+    return worker_stop_ || worker_kick_;
+  };  // mu_ held
   while (!worker_stop_) {
     const std::uint64_t pass = ++worker_passes_begun_;
     worker_kick_ = false;
@@ -147,8 +156,9 @@ void caching_allocator::impl::worker_main() {
       released = worker_pass_locked(lk);
     } catch (const std::exception& e) {
       if (!lk.owns_lock()) lk.lock();
-      detail::log().warn("device {}: release worker: {}; the memory stays cached (or queued) and is tried again",
-                         backend_.device(), e.what());
+      detail::log().warn(
+          "device {}: release worker: {}; the memory stays cached (or queued) and is tried again",
+          backend_.device(), e.what());
     } catch (...) {
       if (!lk.owns_lock()) lk.lock();
     }
@@ -165,17 +175,22 @@ void caching_allocator::impl::worker_main() {
       continue;
     }
     worker_wake_->wait_for(lk, delay, wake);
-    delay = released != 0 ? k_poll_min : std::min(delay * 2, std::chrono::duration_cast<std::chrono::microseconds>(k_poll_max));
+    delay = released != 0
+                ? k_poll_min
+                : std::min(delay * 2,
+                           std::chrono::duration_cast<std::chrono::microseconds>(k_poll_max));
   }
 }
 
-bool caching_allocator::impl::wait_for_worker_locked(device_lock& lk,
-                                                     const std::chrono::steady_clock::time_point* deadline) {
+bool caching_allocator::impl::wait_for_worker_locked(
+    device_lock& lk, const std::chrono::steady_clock::time_point* deadline) {
   if (!worker_ || !worker_usable_locked()) return true;
   const std::uint64_t target = worker_passes_begun_ + 1;  // the next pass begins after this call
   worker_kick_ = true;
   worker_wake_->notify_one();
-  auto done = [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return worker_stop_ || worker_passes_done_ >= target; };
+  auto done = [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+    return worker_stop_ || worker_passes_done_ >= target;
+  };
   if (!deadline) {
     worker_settled_->wait(lk, done);
     return true;

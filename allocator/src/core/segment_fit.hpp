@@ -28,8 +28,8 @@ inline constexpr std::size_t k_max_whole_segment_ratio = 1024;
 
 // True when a free block of `block_bytes` (a whole segment when `whole_segment`) must not be
 // split for a request of `rounded` bytes. ratio 0: the rule is off.
-inline constexpr bool keeps_segment_whole(std::size_t block_bytes, std::size_t rounded, std::size_t ratio,
-                                          bool whole_segment) noexcept {
+inline constexpr bool keeps_segment_whole(std::size_t block_bytes, std::size_t rounded,
+                                          std::size_t ratio, bool whole_segment) noexcept {
   return ratio != 0 && whole_segment && block_bytes - rounded > k_whole_segment_slack_bytes &&
          block_bytes / ratio >= rounded && block_bytes > rounded * ratio;
 }

@@ -45,7 +45,9 @@ const char* to_string(snapshot_block_state state) noexcept {
   return "?";
 }
 
-const char* to_string(snapshot_pool pool) noexcept { return pool == snapshot_pool::small ? "small" : "large"; }
+const char* to_string(snapshot_pool pool) noexcept {
+  return pool == snapshot_pool::small ? "small" : "large";
+}
 
 std::size_t segment_snapshot::bytes_in(snapshot_block_state state) const noexcept {
   std::size_t n = 0;
@@ -56,7 +58,9 @@ std::size_t segment_snapshot::bytes_in(snapshot_block_state state) const noexcep
 }
 
 void memory_snapshot::check_consistency() const {
-  auto fail = [](const std::string& what) { throw std::logic_error("streamsafe snapshot: " + what); };
+  auto fail = [](const std::string& what) {
+    throw std::logic_error("streamsafe snapshot: " + what);
+  };
   std::uintptr_t previous_end = 0;
   for (const segment_snapshot& seg : segments) {
     const std::string where = "segment " + hex(seg.address);
@@ -65,22 +69,29 @@ void memory_snapshot::check_consistency() const {
     std::uintptr_t expect = seg.address;
     std::size_t mapped = 0;
     for (const block_snapshot& b : seg.blocks) {
-      if (b.address != expect) fail(where + ": blocks do not tile it at " + hex(b.address) + " (expected " + hex(expect) + ")");
+      if (b.address != expect)
+        fail(where + ": blocks do not tile it at " + hex(b.address) + " (expected " + hex(expect) +
+             ")");
       if (b.size_bytes == 0) fail(where + ": empty block at " + hex(b.address));
       if (b.state == snapshot_block_state::unmapped) {
-        if (!seg.expandable) fail(where + ": unmapped block " + hex(b.address) + " in a segment that is not expandable");
+        if (!seg.expandable)
+          fail(where + ": unmapped block " + hex(b.address) +
+               " in a segment that is not expandable");
       } else {
         mapped += b.size_bytes;
       }
       if (!b.waiting_on.empty() && b.state != snapshot_block_state::pending_free) {
-        fail(where + ": block " + hex(b.address) + " waits on streams but is " + to_string(b.state));
+        fail(where + ": block " + hex(b.address) + " waits on streams but is " +
+             to_string(b.state));
       }
       expect += b.size_bytes;
     }
-    if (expect != seg.address + seg.size_bytes) fail(where + ": blocks cover " + std::to_string(expect - seg.address) +
-                                                     " of its " + std::to_string(seg.size_bytes) + " bytes");
-    if (mapped != seg.mapped_bytes) fail(where + ": mapped_bytes " + std::to_string(seg.mapped_bytes) +
-                                         " but its mapped blocks hold " + std::to_string(mapped));
+    if (expect != seg.address + seg.size_bytes)
+      fail(where + ": blocks cover " + std::to_string(expect - seg.address) + " of its " +
+           std::to_string(seg.size_bytes) + " bytes");
+    if (mapped != seg.mapped_bytes)
+      fail(where + ": mapped_bytes " + std::to_string(seg.mapped_bytes) +
+           " but its mapped blocks hold " + std::to_string(mapped));
   }
 }
 
@@ -134,22 +145,25 @@ void memory_snapshot::to_json(std::ostream& os) const {
     std::size_t allocated = 0, active = 0, requested = 0;
     for (const block_snapshot& b : seg.blocks) {
       if (b.state == snapshot_block_state::active) allocated += b.size_bytes;
-      if (b.state == snapshot_block_state::active || b.state == snapshot_block_state::pending_free) {
+      if (b.state == snapshot_block_state::active ||
+          b.state == snapshot_block_state::pending_free) {
         active += b.size_bytes;
         requested += b.requested_bytes;
       }
     }
     os << (first_seg ? "\n" : ",\n") << "{\"device\":" << device << ",\"address\":" << seg.address
        << ",\"total_size\":" << seg.size_bytes << ",\"mapped_size\":" << seg.mapped_bytes
-       << ",\"allocated_size\":" << allocated << ",\"active_size\":" << active << ",\"requested_size\":" << requested
-       << ",\"stream\":" << seg.stream << ",\"segment_type\":\"" << to_string(seg.pool)
+       << ",\"allocated_size\":" << allocated << ",\"active_size\":" << active
+       << ",\"requested_size\":" << requested << ",\"stream\":" << seg.stream
+       << ",\"segment_type\":\"" << to_string(seg.pool)
        << "\",\"is_expandable\":" << (seg.expandable ? "true" : "false") << ",\"blocks\":[";
     first_seg = false;
     bool first_block = true;
     for (const block_snapshot& b : seg.blocks) {
-      os << (first_block ? "" : ",") << "\n {\"address\":" << b.address << ",\"size\":" << b.size_bytes
-         << ",\"requested_size\":" << b.requested_bytes << ",\"state\":\"" << json_state(b.state)
-         << "\",\"stream\":" << b.stream << ",\"waiting_on\":[";
+      os << (first_block ? "" : ",") << "\n {\"address\":" << b.address
+         << ",\"size\":" << b.size_bytes << ",\"requested_size\":" << b.requested_bytes
+         << ",\"state\":\"" << json_state(b.state) << "\",\"stream\":" << b.stream
+         << ",\"waiting_on\":[";
       for (std::size_t i = 0; i < b.waiting_on.size(); ++i) os << (i ? "," : "") << b.waiting_on[i];
       os << "]}";
       first_block = false;
@@ -173,20 +187,23 @@ class summary_table {
     os_ << '|' << std::string(static_cast<std::size_t>(left), ' ') << text
         << std::string(static_cast<std::size_t>(pad > 0 ? pad - left : 0), ' ') << "|\n";
   }
-  void row(const char* metric, const std::string& a, const std::string& b, const std::string& c, const std::string& d) {
-    std::snprintf(line_, sizeof line_, "| %-24s| %12s | %12s | %12s | %12s |\n", metric, a.c_str(), b.c_str(),
-                  c.c_str(), d.c_str());
+  void row(const char* metric, const std::string& a, const std::string& b, const std::string& c,
+           const std::string& d) {
+    std::snprintf(line_, sizeof line_, "| %-24s| %12s | %12s | %12s | %12s |\n", metric, a.c_str(),
+                  b.c_str(), c.c_str(), d.c_str());
     os_ << line_;
   }
   void bytes_row(const char* metric, const stat& st) {
-    row(metric, human_bytes(st.current), human_bytes(st.peak), human_bytes(st.allocated), human_bytes(st.freed));
+    row(metric, human_bytes(st.current), human_bytes(st.peak), human_bytes(st.allocated),
+        human_bytes(st.freed));
   }
   void count_row(const char* metric, const stat& st) {
     row(metric, std::to_string(st.current), std::to_string(st.peak), std::to_string(st.allocated),
         std::to_string(st.freed));
   }
   void counters(const char* k1, const std::string& v1, const char* k2, const std::string& v2) {
-    std::snprintf(line_, sizeof line_, "| %-27s %12s | %-27s %12s |\n", k1, v1.c_str(), k2, v2.c_str());
+    std::snprintf(line_, sizeof line_, "| %-27s %12s | %-27s %12s |\n", k1, v1.c_str(), k2,
+                  v2.c_str());
     os_ << line_;
   }
   std::string str() const { return os_.str(); }
@@ -197,19 +214,21 @@ class summary_table {
 };
 
 void summary_counters(summary_table& t, const statistics& s) {
-  const double ratio = s.allocated_bytes.peak > 0
-                           ? static_cast<double>(s.reserved_bytes.peak) / static_cast<double>(s.allocated_bytes.peak)
-                           : 0.0;
+  const double ratio = s.allocated_bytes.peak > 0 ? static_cast<double>(s.reserved_bytes.peak) /
+                                                        static_cast<double>(s.allocated_bytes.peak)
+                                                  : 0.0;
   char ratio_text[32];
   std::snprintf(ratio_text, sizeof ratio_text, "%.4f", ratio);
   char wait_text[32];
   std::snprintf(wait_text, sizeof wait_text, "%.3f ms", static_cast<double>(s.fence_wait_ns) / 1e6);
-  t.counters("Alloc retries", std::to_string(s.num_alloc_retries), "OOMs", std::to_string(s.num_ooms));
+  t.counters("Alloc retries", std::to_string(s.num_alloc_retries), "OOMs",
+             std::to_string(s.num_ooms));
   t.counters("Device allocs (+maps)", std::to_string(s.num_device_alloc), "Device frees (+unmaps)",
              std::to_string(s.num_device_free));
   t.counters("Syncs of all streams", std::to_string(s.num_sync_all_streams), "Events recorded",
              std::to_string(s.events_recorded));
-  t.counters("Stream waits", std::to_string(s.stream_waits), "Segments moved", std::to_string(s.segments_moved));
+  t.counters("Stream waits", std::to_string(s.stream_waits), "Segments moved",
+             std::to_string(s.segments_moved));
   t.counters("Fence waits", std::to_string(s.fence_waits), "Fence wait time", wait_text);
   t.counters("Releases deferred", std::to_string(s.releases_deferred), "Bytes released",
              human_bytes(static_cast<std::int64_t>(s.bytes_released)));

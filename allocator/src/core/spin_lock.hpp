@@ -11,7 +11,8 @@
 
 namespace streamsafe::detail {
 
-// Waits until done() returns true: spins briefly, then yields the CPU between checks (as lock does).
+// Waits until done() returns true: spins briefly, then yields the CPU between checks (as lock
+// does).
 template <class Done>
 void spin_until(Done done) noexcept {
   for (int spins = 0; !done();) {
@@ -30,7 +31,8 @@ class STREAMSAFE_CAPABILITY("mutex") spin_lock {
     }
   }
   bool try_lock() noexcept STREAMSAFE_TRY_ACQUIRE(true) {
-    return !locked_.load(std::memory_order_relaxed) && !locked_.exchange(true, std::memory_order_acquire);
+    return !locked_.load(std::memory_order_relaxed) &&
+           !locked_.exchange(true, std::memory_order_acquire);
   }
   void unlock() noexcept STREAMSAFE_RELEASE() { locked_.store(false, std::memory_order_release); }
   // A relaxed look (no ordering): true while some thread holds the lock.

@@ -14,7 +14,7 @@ namespace streamsafe::detail {
 struct stream_cache_entry {
   std::uint64_t owner = 0;  // the allocator's id
   stream_handle stream = 0;
-  void* state = nullptr;    // its caching_allocator::impl::stream_state
+  void* state = nullptr;  // its caching_allocator::impl::stream_state
 };
 
 struct thread_cache {

@@ -23,8 +23,8 @@ using detail::thread_cache;
 
 thread_local detail::thread_cache detail::t_cache __attribute__((tls_model("initial-exec")));
 
-caching_allocator::impl::stream_state& caching_allocator::impl::new_state_locked(stream_handle key,
-                                                                                 stream_handle handle) {
+caching_allocator::impl::stream_state& caching_allocator::impl::new_state_locked(
+    stream_handle key, stream_handle handle) {
   if (!spare_states_.empty()) {
     // A retired state (retire_dead_streams_locked): empty, its counters folded into stats_.
     std::unique_ptr<stream_state> state = std::move(spare_states_.back());
@@ -98,7 +98,8 @@ void caching_allocator::impl::retire_dead_streams_locked() {
         stats_.events_recorded += x.events_recorded;
         stats_.stream_waits += x.stream_waits;
         st->stats = stream_stats{};
-        for (event_handle e : st->event_cache) put_event(e);  // only streams_' caches are destroyed at the end
+        for (event_handle e : st->event_cache)
+          put_event(e);  // only streams_' caches are destroyed at the end
         st->event_cache.clear();
       }
     }
@@ -113,7 +114,8 @@ void caching_allocator::impl::retire_dead_streams_locked() {
   dead_states_.resize(kept);
 }
 
-caching_allocator::impl::stream_state& caching_allocator::impl::get_or_create_stream_locked(stream_handle stream) {
+caching_allocator::impl::stream_state& caching_allocator::impl::get_or_create_stream_locked(
+    stream_handle stream) {
   auto it = streams_.find(stream);
   if (it == streams_.end()) {
     return new_state_locked(stream, stream);
@@ -130,7 +132,8 @@ caching_allocator::impl::stream_state& caching_allocator::impl::get_or_create_st
     }
     if (every_stream) {
       for (auto& [other, state] : streams_) {
-        if (other == stream || state->graph != 0 || !state->alive.load(std::memory_order_acquire)) continue;
+        if (other == stream || state->graph != 0 || !state->alive.load(std::memory_order_acquire))
+          continue;
         order_after_locked(stream, other);
       }
     }
@@ -145,7 +148,9 @@ caching_allocator::impl::stream_state& caching_allocator::impl::state_for(stream
   for (auto& e : tc.streams) {
     if (e.owner == id_ && e.stream == stream) {
       auto* st = static_cast<stream_state*>(e.state);
-      if (st->alive.load(std::memory_order_acquire) && st->cache_key.load(std::memory_order_acquire) == stream) return *st;
+      if (st->alive.load(std::memory_order_acquire) &&
+          st->cache_key.load(std::memory_order_acquire) == stream)
+        return *st;
       break;
     }
   }
@@ -171,7 +176,8 @@ void caching_allocator::impl::sample_peaks() {
   for (std::size_t i = 0; i < n; ++i) {
     const stream_state* st = stream_table_[i].load(std::memory_order_acquire);
     allocated += st->cur_allocated.load(std::memory_order_relaxed);
-    active += st->cur_allocated.load(std::memory_order_relaxed) + st->cur_pending.load(std::memory_order_relaxed);
+    active += st->cur_allocated.load(std::memory_order_relaxed) +
+              st->cur_pending.load(std::memory_order_relaxed);
     requested += st->cur_requested.load(std::memory_order_relaxed);
   }
   auto raise = [](std::atomic<std::int64_t>& peak, std::int64_t v) {
@@ -184,11 +190,13 @@ void caching_allocator::impl::sample_peaks() {
   raise(peak_requested_, requested);
 }
 
-caching_allocator::impl::stream_state* caching_allocator::impl::cached_live_state(stream_handle stream) const {
+caching_allocator::impl::stream_state* caching_allocator::impl::cached_live_state(
+    stream_handle stream) const {
   for (const auto& e : t_cache.streams) {
     if (e.owner == id_ && e.stream == stream) {
       auto* st = static_cast<stream_state*>(e.state);
-      const bool live = st->alive.load(std::memory_order_acquire) && st->cache_key.load(std::memory_order_acquire) == stream;
+      const bool live = st->alive.load(std::memory_order_acquire) &&
+                        st->cache_key.load(std::memory_order_acquire) == stream;
       return live ? st : nullptr;
     }
   }

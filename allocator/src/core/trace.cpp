@@ -94,15 +94,15 @@ std::uint64_t trace_recorder::now_us() noexcept {
                                         .count());
 }
 
-void write_trace_json(std::ostream& os, const std::vector<trace_event>& events, std::size_t capacity,
-                      std::uint64_t dropped) {
+void write_trace_json(std::ostream& os, const std::vector<trace_event>& events,
+                      std::size_t capacity, std::uint64_t dropped) {
   os << "{\"capacity\":" << capacity << ",\"recorded\":" << events.size() + dropped
      << ",\"dropped\":" << dropped << ",\"events\":[";
   bool first = true;
   for (const trace_event& e : events) {
-    os << (first ? "\n" : ",\n") << "{\"time_us\":" << e.time_us << ",\"action\":\"" << to_string(e.action)
-       << "\",\"addr\":" << e.address << ",\"size\":" << e.size << ",\"stream\":" << e.stream
-       << ",\"device\":" << e.device << '}';
+    os << (first ? "\n" : ",\n") << "{\"time_us\":" << e.time_us << ",\"action\":\""
+       << to_string(e.action) << "\",\"addr\":" << e.address << ",\"size\":" << e.size
+       << ",\"stream\":" << e.stream << ",\"device\":" << e.device << '}';
     first = false;
   }
   os << "\n]}\n";
@@ -111,8 +111,8 @@ void write_trace_json(std::ostream& os, const std::vector<trace_event>& events, 
 void write_trace_csv(std::ostream& os, const std::vector<trace_event>& events) {
   os << "time_us,action,address,size,stream\n";
   for (const trace_event& e : events) {
-    os << e.time_us << ',' << to_string(e.action) << ',' << e.address << ',' << e.size << ',' << e.stream
-       << '\n';
+    os << e.time_us << ',' << to_string(e.action) << ',' << e.address << ',' << e.size << ','
+       << e.stream << '\n';
   }
 }
 

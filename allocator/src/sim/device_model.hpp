@@ -43,18 +43,18 @@
 #include <streamsafe/core/errors.hpp>
 
 #include <algorithm>
+#include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <deque>
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <stdexcept>
-#include <utility>
-#include <cstddef>
-#include <cstdint>
-#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace streamsafe::sim {
@@ -130,8 +130,8 @@ struct work_item {
   std::string label;
   bool started = false;
   std::uint64_t start_us = 0;
-  bool opened = false;            // holds
-  std::uint64_t depends_on = 0;   // waits: id of the record marker (0: none)
+  bool opened = false;           // holds
+  std::uint64_t depends_on = 0;  // waits: id of the record marker (0: none)
 };
 
 struct stream_state {
@@ -160,9 +160,9 @@ struct graph_state {
 
 struct event_state {
   bool recorded = false;
-  std::uint64_t marker = 0;  // id of the current record marker
-  vector_clock captured;     // the recording stream's clock at record time
-  std::uint64_t capture = 0; // last recorded on a capturing stream: that graph's id (0: not)
+  std::uint64_t marker = 0;   // id of the current record marker
+  vector_clock captured;      // the recording stream's clock at record time
+  std::uint64_t capture = 0;  // last recorded on a capturing stream: that graph's id (0: not)
 };
 
 inline const char* kind_name(item_kind kind) {
@@ -183,13 +183,15 @@ using namespace detail;
 struct simulated_device::impl {
   explicit impl(device_config config) : config_(config) {
     if (config_.granularity_bytes == 0 || config_.granularity_bytes % 512 != 0) {
-      throw std::invalid_argument("simulated_device: granularity_bytes must be a positive "
-                                  "multiple of 512, got " +
-                                  std::to_string(config_.granularity_bytes));
+      throw std::invalid_argument(
+          "simulated_device: granularity_bytes must be a positive "
+          "multiple of 512, got " +
+          std::to_string(config_.granularity_bytes));
     }
     // Like unified virtual addressing: each device's addresses live in their own 16 TiB window.
-    next_address_ = round_up(address_space_base + (static_cast<std::uintptr_t>(config_.device) << 44),
-                             config_.granularity_bytes);
+    next_address_ = round_up(
+        address_space_base + (static_cast<std::uintptr_t>(config_.device) << 44),
+        config_.granularity_bytes);
     stream_state default_stream;
     default_stream.handle = 0;
     streams_.emplace(0, std::move(default_stream));
@@ -203,7 +205,7 @@ struct simulated_device::impl {
   std::uint64_t now_ = 0;
   std::uint64_t next_item_id_ = 1;
   std::map<std::uint64_t, work_item> pending_;
-  std::map<std::uint64_t, stream_state> streams_;  // uid -> state
+  std::map<std::uint64_t, stream_state> streams_;   // uid -> state
   std::map<stream_handle, std::uint64_t> handles_;  // live handle -> uid
   std::set<stream_handle> destroyed_handles_;       // destroyed and not (yet) recycled
   std::uint64_t next_stream_uid_ = 1;
@@ -297,21 +299,23 @@ struct simulated_device::impl {
     std::string captures;
     for (auto& [id, g] : graphs_) {
       if (!g.capturing) continue;
-      captures += (captures.empty() ? "" : ", ") + std::string("stream ") + std::to_string(g.stream) +
-                  " (graph " + std::to_string(id) + ")";
+      captures += (captures.empty() ? "" : ", ") + std::string("stream ") +
+                  std::to_string(g.stream) + " (graph " + std::to_string(id) + ")";
       if (!g.invalidated) {
         g.invalidated = true;
         g.invalidated_by = std::string(what) + ": " + why;
       }
     }
-    record_fault(fault_kind::capture_violation,
-                 std::string(what) + ": " + why + (captures.empty() ? "" : "; capturing: " + captures));
+    record_fault(
+        fault_kind::capture_violation,
+        std::string(what) + ": " + why + (captures.empty() ? "" : "; capturing: " + captures));
     fail(what, why + " (not permitted during stream capture; the capture is invalidated)");
   }
 
   // Releasing, synchronising and query calls are potentially unsafe while any stream captures.
   void check_not_capturing(const char* what) {
-    if (capturing_streams_ != 0) capture_violation(what, "called while a stream of the device captures a graph");
+    if (capturing_streams_ != 0)
+      capture_violation(what, "called while a stream of the device captures a graph");
   }
 
   // Appends a new item to the stream's queue and advances its vector clock.
@@ -321,8 +325,8 @@ struct simulated_device::impl {
     item.stream = stream.handle;
     item.seq = stream.next_seq++;
     stream.clock[stream_uid] = item.seq;
-    if (item.label.empty()) item.label = std::string(kind_name(item.kind)) + "#" +
-                                         std::to_string(item.id);
+    if (item.label.empty())
+      item.label = std::string(kind_name(item.kind)) + "#" + std::to_string(item.id);
     stream.queue.push_back(item.id);
     return pending_.emplace(item.id, std::move(item)).first->second;
   }
@@ -525,8 +529,8 @@ struct simulated_device::impl {
   bool idle() const { return pending_.empty(); }
 
   // launch() on a stream that is not capturing (mutex held).
-  std::uint64_t launch_locked(stream_handle stream, std::uint64_t duration_us, std::vector<range> ranges,
-                              std::string label);
+  std::uint64_t launch_locked(stream_handle stream, std::uint64_t duration_us,
+                              std::vector<range> ranges, std::string label);
 };
 
 }  // namespace streamsafe::sim

@@ -90,8 +90,9 @@ bool simulated_device::query_event(event_handle event) {
   const event_state& ev = d.live_event(event, "query_event");
   d.check_not_capturing("query_event");
   if (ev.capture != 0) {
-    d.capture_violation("query_event", "event " + std::to_string(event) + " was last recorded in a capture "
-                                       "(cudaErrorCapturedEvent)");
+    d.capture_violation("query_event", "event " + std::to_string(event) +
+                                           " was last recorded in a capture "
+                                           "(cudaErrorCapturedEvent)");
   }
   ++d.counters_.event_queries;
   return !ev.recorded || d.pending_.count(ev.marker) == 0;
@@ -104,8 +105,9 @@ void simulated_device::synchronize_event(event_handle event) {
   const event_state& ev = d.live_event(event, "synchronize_event");
   d.check_not_capturing("synchronize_event");
   if (ev.capture != 0) {
-    d.capture_violation("synchronize_event", "event " + std::to_string(event) + " was last recorded in a "
-                                             "capture (cudaErrorCapturedEvent)");
+    d.capture_violation("synchronize_event", "event " + std::to_string(event) +
+                                                 " was last recorded in a "
+                                                 "capture (cudaErrorCapturedEvent)");
   }
   const std::uint64_t marker = ev.recorded ? ev.marker : 0;
   if (!d.advance_until([&d, marker] { return d.pending_.count(marker) == 0; })) {
@@ -121,19 +123,21 @@ void simulated_device::stream_wait_event(stream_handle stream, event_handle even
   const event_state& ev = d.live_event(event, "stream_wait_event");
   stream_state& state = d.live_stream(stream, "stream_wait_event");
   if (ev.capture != 0 && ev.capture != state.capture) {
-    d.capture_violation("stream_wait_event",
-                        "stream " + std::to_string(stream) + " waits on event " + std::to_string(event) +
-                            ", captured in graph " + std::to_string(ev.capture) +
-                            (state.capture ? ", from another capture" : ", from outside the capture"));
+    d.capture_violation(
+        "stream_wait_event",
+        "stream " + std::to_string(stream) + " waits on event " + std::to_string(event) +
+            ", captured in graph " + std::to_string(ev.capture) +
+            (state.capture ? ", from another capture" : ", from outside the capture"));
   }
   if (ev.capture == 0 && state.capture != 0 && ev.recorded) {
-    d.capture_violation("stream_wait_event", "capturing stream " + std::to_string(stream) + " waits on event " +
-                                                 std::to_string(event) +
-                                                 ", recorded outside the capture (needs cudaEventWaitExternal)");
+    d.capture_violation("stream_wait_event",
+                        "capturing stream " + std::to_string(stream) + " waits on event " +
+                            std::to_string(event) +
+                            ", recorded outside the capture (needs cudaEventWaitExternal)");
   }
   ++d.counters_.stream_waits;
   if (ev.capture != 0) return;  // inside its own capture: ordering within the graph
-  if (!ev.recorded) return;  // waiting on a never-recorded event is a no-op, as in CUDA
+  if (!ev.recorded) return;     // waiting on a never-recorded event is a no-op, as in CUDA
   const std::uint64_t uid = d.handles_.at(stream);
   work_item item;
   item.kind = item_kind::wait;

@@ -45,12 +45,13 @@ void* simulated_device::allocate_segment(std::size_t size_bytes) {
   impl& d = *impl_;
   if (d.injected(call::allocate_segment)) return nullptr;
   if (size_bytes == 0 || size_bytes % 512 != 0) {
-    d.fail("allocate_segment", "size " + std::to_string(size_bytes) +
-                                   " is not a positive multiple of 512");
+    d.fail("allocate_segment",
+           "size " + std::to_string(size_bytes) + " is not a positive multiple of 512");
   }
   if (size_bytes > d.config_.total_bytes - d.bytes_in_use_) return nullptr;
   // One unused granule after each segment, so an overrun is an access_unmapped fault.
-  const std::size_t span = round_up(size_bytes, d.config_.granularity_bytes) + d.config_.granularity_bytes;
+  const std::size_t span = round_up(size_bytes, d.config_.granularity_bytes) +
+                           d.config_.granularity_bytes;
   std::uintptr_t base = d.next_address_;
   auto reuse = std::find_if(d.freed_ranges_.begin(), d.freed_ranges_.end(),
                             [span](const auto& r) { return r.second >= span; });
@@ -81,14 +82,16 @@ void simulated_device::free_segment(void* base, std::size_t size_bytes) {
                                " bytes, not " + std::to_string(size_bytes));
   }
   if (d.config_.free_segment_synchronizes && !d.advance_until([&d] { return d.idle(); })) {
-    d.fail("free_segment", d.deadlock_message("the device-wide wait of free_segment (as cudaFree)"));
+    d.fail("free_segment",
+           d.deadlock_message("the device-wide wait of free_segment (as cudaFree)"));
   }
   d.check_release("free_segment", addr, size_bytes);
   d.segments_.erase(it);
   d.bytes_in_use_ -= size_bytes;
   d.assign_contents(addr, addr + size_bytes, std::nullopt);
   if (d.config_.reuse_freed_addresses) {
-    d.freed_ranges_.emplace(addr, round_up(size_bytes, d.config_.granularity_bytes) + d.config_.granularity_bytes);
+    d.freed_ranges_.emplace(
+        addr, round_up(size_bytes, d.config_.granularity_bytes) + d.config_.granularity_bytes);
   }
   ++d.counters_.segment_frees;
 }
@@ -132,13 +135,12 @@ void simulated_device::release_address_range(void* base, std::size_t size_bytes)
   const auto addr = reinterpret_cast<std::uintptr_t>(base);
   auto it = d.reservations_.find(addr);
   if (it == d.reservations_.end() || it->second != size_bytes) {
-    d.fail("release_address_range",
-           "no reservation " + describe_range(addr, size_bytes));
+    d.fail("release_address_range", "no reservation " + describe_range(addr, size_bytes));
   }
   auto chunk = d.mapped_chunks_.lower_bound(addr);
   if (chunk != d.mapped_chunks_.end() && *chunk < addr + size_bytes) {
-    d.fail("release_address_range", "chunk " + hex(*chunk) + " of " +
-                                        describe_range(addr, size_bytes) + " is still mapped");
+    d.fail("release_address_range",
+           "chunk " + hex(*chunk) + " of " + describe_range(addr, size_bytes) + " is still mapped");
   }
   d.reservations_.erase(it);
 }
@@ -160,8 +162,8 @@ bool simulated_device::map(void* addr_ptr, std::size_t size_bytes) {
     d.fail("map", describe_range(addr, size_bytes) + " is not inside a reserved range");
   }
   for (std::uintptr_t chunk = addr; chunk < addr + size_bytes; chunk += gran) {
-    if (d.mapped_chunks_.count(chunk) != 0) d.fail("map", "chunk " + hex(chunk) +
-                                                              " is already mapped");
+    if (d.mapped_chunks_.count(chunk) != 0)
+      d.fail("map", "chunk " + hex(chunk) + " is already mapped");
   }
   if (size_bytes > d.config_.total_bytes - d.bytes_in_use_) return false;
   for (std::uintptr_t chunk = addr; chunk < addr + size_bytes; chunk += gran) {
@@ -187,8 +189,8 @@ void simulated_device::unmap(void* addr_ptr, std::size_t size_bytes) {
                         std::to_string(gran));
   }
   for (std::uintptr_t chunk = addr; chunk < addr + size_bytes; chunk += gran) {
-    if (d.mapped_chunks_.count(chunk) == 0) d.fail("unmap", "chunk " + hex(chunk) +
-                                                                " is not mapped");
+    if (d.mapped_chunks_.count(chunk) == 0)
+      d.fail("unmap", "chunk " + hex(chunk) + " is not mapped");
   }
   d.check_release("unmap", addr, size_bytes);
   for (std::uintptr_t chunk = addr; chunk < addr + size_bytes; chunk += gran) {

@@ -24,8 +24,7 @@ const char* to_string(fault_kind kind) noexcept {
 
 // ---- construction ---------------------------------------------------------------------
 
-simulated_device::simulated_device(device_config config)
-    : impl_(std::make_unique<impl>(config)) {}
+simulated_device::simulated_device(device_config config) : impl_(std::make_unique<impl>(config)) {}
 
 simulated_device::~simulated_device() = default;
 
@@ -52,10 +51,13 @@ stream_handle simulated_device::create_stream() {
 void simulated_device::destroy_stream(stream_handle stream) {
   std::lock_guard<std::mutex> lock(impl_->mutex_);
   impl& d = *impl_;
-  if (stream == 0) d.fail("destroy_stream", "stream 0 (the legacy default stream) cannot be "
-                                            "destroyed");
+  if (stream == 0)
+    d.fail("destroy_stream",
+           "stream 0 (the legacy default stream) cannot be "
+           "destroyed");
   stream_state& state = d.live_stream(stream, "destroy_stream");
-  if (state.capture != 0) d.fail("destroy_stream", "stream " + std::to_string(stream) + " is capturing a graph");
+  if (state.capture != 0)
+    d.fail("destroy_stream", "stream " + std::to_string(stream) + " is capturing a graph");
   state.destroyed = true;
   d.handles_.erase(stream);
   d.destroyed_handles_.insert(stream);
@@ -73,7 +75,8 @@ std::uint64_t simulated_device::launch(stream_handle stream, std::uint64_t durat
   impl& d = *impl_;
   stream_state& state = d.live_stream(stream, "launch");
   if (state.capture != 0) {
-    d.graphs_.at(state.capture).nodes.push_back(graph_node{duration_us, std::move(ranges), std::move(label)});
+    d.graphs_.at(state.capture)
+        .nodes.push_back(graph_node{duration_us, std::move(ranges), std::move(label)});
     return 0;
   }
   return d.launch_locked(stream, duration_us, std::move(ranges), std::move(label));
@@ -200,7 +203,8 @@ std::uint64_t simulated_device::end_capture(stream_handle stream) {
   std::lock_guard<std::mutex> lock(impl_->mutex_);
   impl& d = *impl_;
   stream_state& state = d.live_stream(stream, "end_capture");
-  if (state.capture == 0) d.fail("end_capture", "stream " + std::to_string(stream) + " is not capturing");
+  if (state.capture == 0)
+    d.fail("end_capture", "stream " + std::to_string(stream) + " is not capturing");
   const std::uint64_t id = state.capture;
   state.capture = 0;
   --d.capturing_streams_;
@@ -209,8 +213,9 @@ std::uint64_t simulated_device::end_capture(stream_handle stream) {
   if (g.invalidated) {
     const std::string why = g.invalidated_by;
     d.graphs_.erase(id);
-    d.fail("end_capture", "the capture of graph " + std::to_string(id) + " on stream " + std::to_string(stream) +
-                              " was invalidated by " + why + " (cudaErrorStreamCaptureInvalidated)");
+    d.fail("end_capture", "the capture of graph " + std::to_string(id) + " on stream " +
+                              std::to_string(stream) + " was invalidated by " + why +
+                              " (cudaErrorStreamCaptureInvalidated)");
   }
   return id;
 }
@@ -225,7 +230,8 @@ std::uint64_t simulated_device::launch_graph(std::uint64_t graph, stream_handle 
   impl& d = *impl_;
   auto it = d.graphs_.find(graph);
   if (it == d.graphs_.end() || it->second.capturing) {
-    throw std::invalid_argument("simulated_device: launch_graph: no captured graph " + std::to_string(graph));
+    throw std::invalid_argument("simulated_device: launch_graph: no captured graph " +
+                                std::to_string(graph));
   }
   if (d.live_stream(stream, "launch_graph").capture != 0) {
     d.fail("launch_graph", "stream " + std::to_string(stream) + " is capturing");
@@ -243,7 +249,8 @@ std::size_t simulated_device::graph_kernel_count(std::uint64_t graph) const {
   std::lock_guard<std::mutex> lock(impl_->mutex_);
   auto it = impl_->graphs_.find(graph);
   if (it == impl_->graphs_.end()) {
-    throw std::invalid_argument("simulated_device: graph_kernel_count: no graph " + std::to_string(graph));
+    throw std::invalid_argument("simulated_device: graph_kernel_count: no graph " +
+                                std::to_string(graph));
   }
   return it->second.nodes.size();
 }
@@ -272,8 +279,7 @@ void simulated_device::run_until_idle() {
   std::lock_guard<std::mutex> lock(impl_->mutex_);
   impl& d = *impl_;
   if (!d.advance_until([&d] { return d.idle(); })) {
-    throw std::logic_error("simulated_device: run_until_idle: " +
-                           d.deadlock_message("the device"));
+    throw std::logic_error("simulated_device: run_until_idle: " + d.deadlock_message("the device"));
   }
 }
 

@@ -4,10 +4,10 @@
 // Builds everywhere (CUDA runtime only); where there is no GPU make_gpu_device throws.
 #include "replay.hpp"
 
-#include <streamsafe/core/errors.hpp>
 #include <streamsafe/backends/cuda_malloc_backend.hpp>
 #include <streamsafe/backends/expandable_backend.hpp>
 #include <streamsafe/backends/gpu.hpp>
+#include <streamsafe/core/errors.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -20,7 +20,8 @@ namespace {
 class gpu_replay_device final : public replay_device {
  public:
   gpu_replay_device(int device, backend_kind kind) : device_(device), kind_(kind) {
-    if (kind == backend_kind::expandable) backend_ = std::make_unique<cuda::expandable_backend>(device);
+    if (kind == backend_kind::expandable)
+      backend_ = std::make_unique<cuda::expandable_backend>(device);
     else backend_ = std::make_unique<cuda::cuda_malloc_backend>(device);
     cudaDeviceProp prop{};
     if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) name_ = prop.name;
@@ -47,7 +48,8 @@ class gpu_replay_device final : public replay_device {
     cudaSetDevice(previous);
     if (err != cudaSuccess) {
       throw backend_error(std::string("streamsafe-replay: cudaStreamCreateWithFlags on device ") +
-                          std::to_string(device_) + ": " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+                          std::to_string(device_) + ": " + cudaGetErrorName(err) + ": " +
+                          cudaGetErrorString(err));
     }
     const auto handle = reinterpret_cast<stream_handle>(s);
     streams_.emplace(trace_stream, handle);
@@ -73,8 +75,8 @@ std::unique_ptr<replay_device> make_gpu_device(int device, backend_kind kind) {
   const int count = cuda::device_count();
   if (device < 0 || device >= count) {
     throw backend_error("streamsafe-replay: --gpu " + std::to_string(device) + ": " +
-                        (count == 0 ? std::string("no GPU on this machine") :
-                                      "only " + std::to_string(count) + " GPU(s) here"));
+                        (count == 0 ? std::string("no GPU on this machine")
+                                    : "only " + std::to_string(count) + " GPU(s) here"));
   }
   return std::make_unique<gpu_replay_device>(device, kind);
 }

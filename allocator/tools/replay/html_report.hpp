@@ -36,10 +36,10 @@ struct usage_point {
 struct html_report_input {
   std::string title;
   std::vector<std::pair<std::string, std::string>> facts;  // shown as a table, in this order
-  std::vector<usage_point> usage;                           // in time order
-  std::optional<memory_snapshot> snapshot;                  // the map; omitted when empty
+  std::vector<usage_point> usage;                          // in time order
+  std::optional<memory_snapshot> snapshot;                 // the map; omitted when empty
   std::string snapshot_label = "at the peak of allocated bytes";
-  std::optional<statistics> final_stats;                    // memory_summary(); omitted when empty
+  std::optional<statistics> final_stats;  // memory_summary(); omitted when empty
 };
 
 void write_html_report(std::ostream& os, const html_report_input& input);

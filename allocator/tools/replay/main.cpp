@@ -18,8 +18,8 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
-#include <optional>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -78,7 +78,8 @@ std::string human(double bytes) {
 }
 
 std::string bytes_text(std::int64_t b) {
-  return commas(static_cast<std::uint64_t>(b < 0 ? 0 : b)) + " B (" + human(static_cast<double>(b)) + ")";
+  return commas(static_cast<std::uint64_t>(b < 0 ? 0 : b)) + " B (" +
+         human(static_cast<double>(b)) + ")";
 }
 
 std::string fixed(double v, int digits) {
@@ -93,7 +94,8 @@ std::string base_name(const std::string& path) {
 }
 
 bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 struct cli {
@@ -132,7 +134,8 @@ cli parse_args(int argc, char** argv) {
     auto number = [&](const std::string& text, double lo) {
       char* end = nullptr;
       const double v = std::strtod(text.c_str(), &end);
-      if (text.empty() || *end != '\0' || !(v >= lo)) usage_error("bad value '" + text + "' for " + a);
+      if (text.empty() || *end != '\0' || !(v >= lo))
+        usage_error("bad value '" + text + "' for " + a);
       return v;
     };
     if (a == "-h" || a == "--help") {
@@ -150,9 +153,11 @@ cli parse_args(int argc, char** argv) {
     } else if (a == "--device-memory") {
       const std::string v = next();
       try {
-        c.device_bytes = options::parse("memory_limit:" + v).memory_limit_bytes;  // the same size syntax
+        c.device_bytes =
+            options::parse("memory_limit:" + v).memory_limit_bytes;  // the same size syntax
       } catch (const config_error&) {
-        usage_error("bad --device-memory '" + v + "'; give bytes with an optional K, M, G (KiB, MiB, GiB) suffix");
+        usage_error("bad --device-memory '" + v +
+                    "'; give bytes with an optional K, M, G (KiB, MiB, GiB) suffix");
       }
       if (c.device_bytes == 0) usage_error("--device-memory must be positive");
     } else if (a == "--gpu") {
@@ -181,7 +186,8 @@ cli parse_args(int argc, char** argv) {
   return c;
 }
 
-void write_file(const std::string& path, const std::string& what, const std::function<void(std::ostream&)>& body) {
+void write_file(const std::string& path, const std::string& what,
+                const std::function<void(std::ostream&)>& body) {
   std::ofstream f(path, std::ios::binary);
   if (f) body(f);
   if (!f) {
@@ -213,16 +219,18 @@ int main(int argc, char** argv) {
       std::cerr << "streamsafe-replay: " << e.what() << '\n';
       return std::string(e.what()).rfind("cannot open", 0) == 0 ? k_exit_usage : k_exit_rejected;
     }
-    std::cerr << c.trace_path << ':' << e.line() << ": " << e.what() << "\nstreamsafe-replay: trace rejected"
-              << (c.read.strict ? " (--strict)" : "") << '\n';
+    std::cerr << c.trace_path << ':' << e.line() << ": " << e.what()
+              << "\nstreamsafe-replay: trace rejected" << (c.read.strict ? " (--strict)" : "")
+              << '\n';
     return k_exit_rejected;
   }
   for (std::size_t i = 0; i < program.bad_lines.size() && i < c.show_bad_lines; ++i) {
-    std::cerr << c.trace_path << ':' << program.bad_lines[i].line << ": " << program.bad_lines[i].message
-              << " (skipped)\n";
+    std::cerr << c.trace_path << ':' << program.bad_lines[i].line << ": "
+              << program.bad_lines[i].message << " (skipped)\n";
   }
   if (program.bad_lines.size() > c.show_bad_lines) {
-    std::cerr << "... and " << program.bad_lines.size() - c.show_bad_lines << " more malformed line(s)\n";
+    std::cerr << "... and " << program.bad_lines.size() - c.show_bad_lines
+              << " more malformed line(s)\n";
   }
 
   replay_settings settings;
@@ -257,54 +265,72 @@ int main(int argc, char** argv) {
     facts.emplace_back(k, v);
     std::printf("%-16s %s\n", k.c_str(), v.c_str());
   };
-  fact("trace", c.trace_path + " (" + to_string(program.format) + " format, " + commas(program.lines) + " lines)");
-  fact("replayed", commas(r.steps) + " events: " + commas(program.allocs) + " alloc, " + commas(program.frees) +
-                       " free, on " + std::to_string(program.trace_streams.size()) + " stream(s)");
+  fact("trace", c.trace_path + " (" + to_string(program.format) + " format, " +
+                    commas(program.lines) + " lines)");
+  fact("replayed", commas(r.steps) + " events: " + commas(program.allocs) + " alloc, " +
+                       commas(program.frees) + " free, on " +
+                       std::to_string(program.trace_streams.size()) + " stream(s)");
   std::string not_replayed;
-  if (program.ignored_free_completed) not_replayed += commas(program.ignored_free_completed) + " free_completed, ";
+  if (program.ignored_free_completed)
+    not_replayed += commas(program.ignored_free_completed) + " free_completed, ";
   if (program.segment_rows) not_replayed += commas(program.segment_rows) + " segment rows, ";
   if (program.other_rows) not_replayed += commas(program.other_rows) + " other rows, ";
-  if (program.zero_size_allocs) not_replayed += commas(program.zero_size_allocs) + " zero-size or null, ";
+  if (program.zero_size_allocs)
+    not_replayed += commas(program.zero_size_allocs) + " zero-size or null, ";
   not_replayed += commas(program.live_at_end) + " blocks never freed";
   fact("not replayed", not_replayed);
-  fact("bad lines", commas(program.bad_lines.size()) + (program.bad_lines.empty() ? "" : " (skipped)"));
+  fact("bad lines",
+       commas(program.bad_lines.size()) + (program.bad_lines.empty() ? "" : " (skipped)"));
   fact("device", rep.device);
   fact("options", opts.to_string());
   fact("events/s", fixed(eps / 1e6, 2) + " M (" + fixed(eps > 0 ? 1e9 / eps : 0, 0) +
                        " ns per event: allocator CPU time, " +
-                       (c.passes > 1 ? "best of " + std::to_string(c.passes) + " passes" : std::string("one pass")) + ")");
+                       (c.passes > 1 ? "best of " + std::to_string(c.passes) + " passes"
+                                     : std::string("one pass")) +
+                       ")");
   fact("peak allocated", bytes_text(s.allocated_bytes.peak));
   fact("peak reserved", bytes_text(s.reserved_bytes.peak));
   fact("ratio", fixed(ratio, 4) + " (peak reserved / peak allocated)");
-  fact("segment ops", commas(r.segment_ops.segment_allocs) + " segment_alloc, " + commas(r.segment_ops.segment_frees) +
-                          " segment_free, " + commas(r.segment_ops.maps) + " segment_map, " +
+  fact("segment ops", commas(r.segment_ops.segment_allocs) + " segment_alloc, " +
+                          commas(r.segment_ops.segment_frees) + " segment_free, " +
+                          commas(r.segment_ops.maps) + " segment_map, " +
                           commas(r.segment_ops.unmaps) + " segment_unmap");
-  if (r.ooms) fact("out of memory", commas(r.ooms) + " allocation(s) failed; " + commas(r.frees_skipped) + " free(s) skipped");
+  if (r.ooms)
+    fact("out of memory",
+         commas(r.ooms) + " allocation(s) failed; " + commas(r.frees_skipped) + " free(s) skipped");
   if (program.recorded_reserved_peak && s.allocated_bytes.peak > 0) {
-    fact("recorded run", "peak reserved " + bytes_text(static_cast<std::int64_t>(program.recorded_reserved_peak)) +
+    fact("recorded run", "peak reserved " +
+                             bytes_text(static_cast<std::int64_t>(program.recorded_reserved_peak)) +
                              " from the trace's segment rows: " +
                              fixed(static_cast<double>(program.recorded_reserved_peak) /
-                                       static_cast<double>(s.allocated_bytes.peak), 4) +
+                                       static_cast<double>(s.allocated_bytes.peak),
+                                   4) +
                              " x peak allocated here");
   }
 
   if (!c.out.empty()) {
     write_file(c.out, "the trace", [&](std::ostream& os) {
-      if (ends_with(c.out, ".json")) write_trace_json(os, rep.trace, settings.trace_capacity, rep.trace_dropped);
+      if (ends_with(c.out, ".json"))
+        write_trace_json(os, rep.trace, settings.trace_capacity, rep.trace_dropped);
       else write_trace_csv(os, rep.trace);
     });
-    std::printf("%-16s %s (%s events)\n", "trace written", c.out.c_str(), commas(rep.trace.size()).c_str());
+    std::printf("%-16s %s (%s events)\n", "trace written", c.out.c_str(),
+                commas(rep.trace.size()).c_str());
   }
   if (!c.snapshot.empty() && rep.peak_snapshot) {
-    write_file(c.snapshot, "the snapshot", [&](std::ostream& os) { rep.peak_snapshot->to_json(os); });
+    write_file(c.snapshot, "the snapshot",
+               [&](std::ostream& os) { rep.peak_snapshot->to_json(os); });
     std::printf("%-16s %s\n", "snapshot written", c.snapshot.c_str());
   }
   if (!c.html.empty()) {
     html_report_input in;
-    in.title = "streamsafe replay of " + base_name(c.trace_path) + ", backend " + to_string(opts.backend);
+    in.title = "streamsafe replay of " + base_name(c.trace_path) + ", backend " +
+               to_string(opts.backend);
     in.facts = facts;
     in.facts.erase(std::remove_if(in.facts.begin(), in.facts.end(),
-                                  [](const auto& f) { return f.first == "bad lines" || f.first == "not replayed"; }),
+                                  [](const auto& f) {
+                                    return f.first == "bad lines" || f.first == "not replayed";
+                                  }),
                    in.facts.end());
     for (auto& f : in.facts) {
       if (f.first != "options") continue;  // let the browser wrap it
@@ -312,14 +338,16 @@ int main(int argc, char** argv) {
       for (char ch : f.second) spaced += ch == ',' ? std::string(", ") : std::string(1, ch);
       f.second = spaced;
     }
-    for (const timeline_point& p : r.timeline) in.usage.push_back({p.time_us, p.allocated, p.reserved});
+    for (const timeline_point& p : r.timeline)
+      in.usage.push_back({p.time_us, p.allocated, p.reserved});
     in.snapshot = rep.peak_snapshot;
     in.final_stats = s;
     write_file(c.html, "the HTML report", [&](std::ostream& os) { write_html_report(os, in); });
     std::printf("%-16s %s\n", "html written", c.html.c_str());
   }
   if (c.max_ratio && ratio > *c.max_ratio) {
-    std::fprintf(stderr, "streamsafe-replay: ratio %.4f is above --max-ratio %.4f\n", ratio, *c.max_ratio);
+    std::fprintf(stderr, "streamsafe-replay: ratio %.4f is above --max-ratio %.4f\n", ratio,
+                 *c.max_ratio);
     return k_exit_ratio;
   }
   return k_exit_ok;

@@ -4,7 +4,8 @@
 
 namespace streamsafe::replay {
 
-void recording_backend::set_context(std::uint64_t time_us, stream_handle trace_stream, bool small_request) noexcept {
+void recording_backend::set_context(std::uint64_t time_us, stream_handle trace_stream,
+                                    bool small_request) noexcept {
   std::lock_guard<std::mutex> lk(mu_);
   time_us_ = time_us;
   stream_ = trace_stream;
@@ -32,10 +33,12 @@ std::map<std::uintptr_t, recording_backend::segment_view> recording_backend::seg
 }
 
 void recording_backend::note_locked(trace_action action, std::uintptr_t address, std::size_t size) {
-  if (recorder_) recorder_->record(trace_event{time_us_, action, address, size, stream_, inner_.device()});
+  if (recorder_)
+    recorder_->record(trace_event{time_us_, action, address, size, stream_, inner_.device()});
 }
 
-recording_backend::segment_view* recording_backend::range_containing_locked(std::uintptr_t address) {
+recording_backend::segment_view* recording_backend::range_containing_locked(
+    std::uintptr_t address) {
   auto it = segments_.upper_bound(address);
   if (it == segments_.begin()) return nullptr;
   --it;

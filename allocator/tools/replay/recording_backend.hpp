@@ -29,9 +29,9 @@ class recording_backend final : public device_backend {
   struct segment_view {
     std::uintptr_t base = 0;
     std::size_t size_bytes = 0;
-    bool expandable = false;  // a reserved range: only `mapped` is backed
-    stream_handle stream = 0; // trace stream of the request that created it
-    bool small = false;       // created for a request of at most 1 MiB
+    bool expandable = false;                       // a reserved range: only `mapped` is backed
+    stream_handle stream = 0;                      // trace stream of the request that created it
+    bool small = false;                            // created for a request of at most 1 MiB
     std::map<std::uintptr_t, std::size_t> mapped;  // expandable: address -> bytes, one per map()
   };
   struct counts {
@@ -54,26 +54,38 @@ class recording_backend final : public device_backend {
   const char* name() const noexcept override { return inner_.name(); }
   void* allocate_segment(std::size_t size_bytes) override;
   void free_segment(void* base, std::size_t size_bytes) override;
-  bool free_segment_synchronizes() const noexcept override { return inner_.free_segment_synchronizes(); }
+  bool free_segment_synchronizes() const noexcept override {
+    return inner_.free_segment_synchronizes();
+  }
   bool supports_expandable() const noexcept override { return inner_.supports_expandable(); }
-  std::size_t map_granularity_bytes() const noexcept override { return inner_.map_granularity_bytes(); }
+  std::size_t map_granularity_bytes() const noexcept override {
+    return inner_.map_granularity_bytes();
+  }
   void* reserve_address_range(std::size_t size_bytes) override;
   void release_address_range(void* base, std::size_t size_bytes) override;
   bool map(void* addr, std::size_t size_bytes) override;
   void unmap(void* addr, std::size_t size_bytes) override;
   event_handle create_event() override { return inner_.create_event(); }
   void destroy_event(event_handle event) noexcept override { inner_.destroy_event(event); }
-  void record_event(event_handle event, stream_handle stream) override { inner_.record_event(event, stream); }
+  void record_event(event_handle event, stream_handle stream) override {
+    inner_.record_event(event, stream);
+  }
   bool query_event(event_handle event) override { return inner_.query_event(event); }
   void synchronize_event(event_handle event) override { inner_.synchronize_event(event); }
-  void stream_wait_event(stream_handle stream, event_handle event) override { inner_.stream_wait_event(stream, event); }
+  void stream_wait_event(stream_handle stream, event_handle event) override {
+    inner_.stream_wait_event(stream, event);
+  }
   bool query_stream(stream_handle stream) override { return inner_.query_stream(stream); }
   void synchronize_device() override { inner_.synchronize_device(); }
   void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override {
     inner_.memory_info(free_bytes, total_bytes);
   }
-  bool stream_is_capturing(stream_handle stream) noexcept override { return inner_.stream_is_capturing(stream); }
-  bool stream_is_per_thread(stream_handle stream) const noexcept override { return inner_.stream_is_per_thread(stream); }
+  bool stream_is_capturing(stream_handle stream) noexcept override {
+    return inner_.stream_is_capturing(stream);
+  }
+  bool stream_is_per_thread(stream_handle stream) const noexcept override {
+    return inner_.stream_is_per_thread(stream);
+  }
 
  private:
   void note_locked(trace_action action, std::uintptr_t address, std::size_t size);
@@ -82,12 +94,12 @@ class recording_backend final : public device_backend {
   device_backend& inner_;
   mutable std::mutex mu_;
   std::map<std::uintptr_t, segment_view> segments_;  // guarded by mu_
-  std::int64_t reserved_ = 0;                         // guarded by mu_
-  counts counts_;                                     // guarded by mu_
-  trace_recorder* recorder_ = nullptr;                // guarded by mu_
-  std::uint64_t time_us_ = 0;                         // guarded by mu_
-  stream_handle stream_ = 0;                          // guarded by mu_
-  bool small_ = false;                                // guarded by mu_
+  std::int64_t reserved_ = 0;                        // guarded by mu_
+  counts counts_;                                    // guarded by mu_
+  trace_recorder* recorder_ = nullptr;               // guarded by mu_
+  std::uint64_t time_us_ = 0;                        // guarded by mu_
+  stream_handle stream_ = 0;                         // guarded by mu_
+  bool small_ = false;                               // guarded by mu_
 };
 
 }  // namespace streamsafe::replay

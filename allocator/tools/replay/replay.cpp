@@ -32,7 +32,8 @@ class simulated_replay_device final : public replay_device {
     std::size_t free_bytes = 0, total = 0;
     const_cast<sim::simulated_device&>(dev_).memory_info(free_bytes, total);
     char buf[96];
-    std::snprintf(buf, sizeof buf, "simulated device, %.2f GiB", static_cast<double>(total) / (1u << 30));
+    std::snprintf(buf, sizeof buf, "simulated device, %.2f GiB",
+                  static_cast<double>(total) / (1u << 30));
     return buf;
   }
 
@@ -63,15 +64,17 @@ pass_result run_pass(const replay_program& prog, replay_device& device, const op
   recording_backend rec(device.backend());
   rec.set_recorder(pass.trace);
   std::vector<stream_handle> streams(prog.trace_streams.size());
-  for (std::size_t i = 0; i < streams.size(); ++i) streams[i] = device.stream(prog.trace_streams[i]);
+  for (std::size_t i = 0; i < streams.size(); ++i)
+    streams[i] = device.stream(prog.trace_streams[i]);
   std::vector<void*> ptrs(prog.slot_count, nullptr);
   std::vector<std::uint32_t> slot_stream(prog.slot_count, 0);
-  const bool instrumented =
-      pass.trace || pass.timeline_points != 0 || pass.track_peak || pass.snapshot_after_step.has_value();
+  const bool instrumented = pass.trace || pass.timeline_points != 0 || pass.track_peak ||
+                            pass.snapshot_after_step.has_value();
   std::vector<std::size_t> slot_block(instrumented ? prog.slot_count : 0, 0);
   std::vector<std::size_t> slot_requested(instrumented ? prog.slot_count : 0, 0);
-  const std::size_t end =
-      pass.snapshot_after_step ? std::min(*pass.snapshot_after_step + 1, prog.steps.size()) : prog.steps.size();
+  const std::size_t end = pass.snapshot_after_step
+                              ? std::min(*pass.snapshot_after_step + 1, prog.steps.size())
+                              : prog.steps.size();
   const int dev_id = device.backend().device();
 
   pass_result r;
@@ -113,13 +116,15 @@ pass_result run_pass(const replay_program& prog, replay_device& device, const op
           slot_requested[s.slot] = s.size_bytes;
           allocated += static_cast<std::int64_t>(slot_block[s.slot]);
           if (pass.trace) {
-            pass.trace->record({s.time_us, trace_action::alloc, reinterpret_cast<std::uintptr_t>(p), s.size_bytes,
-                                trace_stream, dev_id});
+            pass.trace->record({s.time_us, trace_action::alloc, reinterpret_cast<std::uintptr_t>(p),
+                                s.size_bytes, trace_stream, dev_id});
           }
         } catch (const out_of_memory&) {
           ptrs[s.slot] = nullptr;
           ++r.ooms;
-          if (pass.trace) pass.trace->record({s.time_us, trace_action::oom, 0, s.size_bytes, trace_stream, dev_id});
+          if (pass.trace)
+            pass.trace->record(
+                {s.time_us, trace_action::oom, 0, s.size_bytes, trace_stream, dev_id});
         }
       } else if (void* p = ptrs[s.slot]) {
         const bool same_stream = slot_stream[s.slot] == s.stream;
@@ -129,10 +134,12 @@ pass_result run_pass(const replay_program& prog, replay_device& device, const op
         allocated -= static_cast<std::int64_t>(slot_block[s.slot]);
         if (pass.trace) {
           const auto addr = reinterpret_cast<std::uintptr_t>(p);
-          pass.trace->record({s.time_us, trace_action::free_requested, addr, s.size_bytes, trace_stream, dev_id});
+          pass.trace->record(
+              {s.time_us, trace_action::free_requested, addr, s.size_bytes, trace_stream, dev_id});
           // A free on another stream completes when its events do, which the tool cannot see.
           if (same_stream) {
-            pass.trace->record({s.time_us, trace_action::free_completed, addr, s.size_bytes, trace_stream, dev_id});
+            pass.trace->record({s.time_us, trace_action::free_completed, addr, s.size_bytes,
+                                trace_stream, dev_id});
           }
         }
       } else {
@@ -161,8 +168,8 @@ pass_result run_pass(const replay_program& prog, replay_device& device, const op
     std::vector<live_block> blocks;
     for (std::size_t slot = 0; slot < ptrs.size(); ++slot) {
       if (!ptrs[slot]) continue;
-      blocks.push_back({reinterpret_cast<std::uintptr_t>(ptrs[slot]), slot_block[slot], slot_requested[slot],
-                        prog.trace_streams[slot_stream[slot]]});
+      blocks.push_back({reinterpret_cast<std::uintptr_t>(ptrs[slot]), slot_block[slot],
+                        slot_requested[slot], prog.trace_streams[slot_stream[slot]]});
     }
     const std::uint64_t t = end ? prog.steps[end - 1].time_us : 0;
     r.snapshot = build_snapshot(rec.segments(), std::move(blocks), r.stats, dev_id, t);
@@ -179,9 +186,9 @@ double replay_report::events_per_second() const {
 
 double replay_report::ratio() const {
   const auto& s = result.stats;
-  return s.allocated_bytes.peak > 0
-             ? static_cast<double>(s.reserved_bytes.peak) / static_cast<double>(s.allocated_bytes.peak)
-             : 0.0;
+  return s.allocated_bytes.peak > 0 ? static_cast<double>(s.reserved_bytes.peak) /
+                                          static_cast<double>(s.allocated_bytes.peak)
+                                    : 0.0;
 }
 
 replay_report run_replay(const replay_program& program, const replay_settings& settings) {
@@ -217,10 +224,11 @@ replay_report run_replay(const replay_program& program, const replay_settings& s
   return rep;
 }
 
-memory_snapshot build_snapshot(const std::map<std::uintptr_t, recording_backend::segment_view>& segments,
-                               std::vector<live_block> blocks, const statistics& stats, int device,
-                               std::uint64_t time_us) {
-  std::sort(blocks.begin(), blocks.end(), [](const live_block& a, const live_block& b) { return a.address < b.address; });
+memory_snapshot build_snapshot(
+    const std::map<std::uintptr_t, recording_backend::segment_view>& segments,
+    std::vector<live_block> blocks, const statistics& stats, int device, std::uint64_t time_us) {
+  std::sort(blocks.begin(), blocks.end(),
+            [](const live_block& a, const live_block& b) { return a.address < b.address; });
   memory_snapshot snap;
   snap.device = device;
   snap.time_us = time_us;
@@ -242,8 +250,8 @@ memory_snapshot build_snapshot(const std::map<std::uintptr_t, recording_backend:
         else mapped.push_back({addr, addr + bytes});
       }
     }
-    auto add = [&](std::uintptr_t addr, std::size_t size, snapshot_block_state state, std::size_t requested,
-                   stream_handle stream) {
+    auto add = [&](std::uintptr_t addr, std::size_t size, snapshot_block_state state,
+                   std::size_t requested, stream_handle stream) {
       block_snapshot b;
       b.address = addr;
       b.size_bytes = size;
@@ -260,15 +268,18 @@ memory_snapshot build_snapshot(const std::map<std::uintptr_t, recording_backend:
       pos = lo;
       for (; it != blocks.end() && it->address < hi; ++it) {
         if (it->address < pos) continue;  // not inside a mapped interval: cannot happen
-        if (it->address > pos) add(pos, it->address - pos, snapshot_block_state::inactive, 0, view.stream);
-        add(it->address, it->size_bytes, snapshot_block_state::active, it->requested_bytes, it->stream);
+        if (it->address > pos)
+          add(pos, it->address - pos, snapshot_block_state::inactive, 0, view.stream);
+        add(it->address, it->size_bytes, snapshot_block_state::active, it->requested_bytes,
+            it->stream);
         pos = it->address + it->size_bytes;
       }
       if (pos < hi) add(pos, hi - pos, snapshot_block_state::inactive, 0, view.stream);
       seg.mapped_bytes += hi - lo;
       pos = hi;
     }
-    if (pos < base + view.size_bytes) add(pos, base + view.size_bytes - pos, snapshot_block_state::unmapped, 0, view.stream);
+    if (pos < base + view.size_bytes)
+      add(pos, base + view.size_bytes - pos, snapshot_block_state::unmapped, 0, view.stream);
     snap.segments.push_back(std::move(seg));
   }
   return snap;

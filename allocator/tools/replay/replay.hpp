@@ -61,18 +61,18 @@ struct timeline_point {
 
 // What one pass asks for beyond the replay itself (all off: a timed pass).
 struct pass_options {
-  trace_recorder* trace = nullptr;   // the tool-level trace of the pass
-  std::size_t timeline_points = 0;   // 0: no timeline; else at most this many buckets
-  bool track_peak = false;           // follow allocated bytes to find the step of the peak
+  trace_recorder* trace = nullptr;  // the tool-level trace of the pass
+  std::size_t timeline_points = 0;  // 0: no timeline; else at most this many buckets
+  bool track_peak = false;          // follow allocated bytes to find the step of the peak
   std::optional<std::size_t> snapshot_after_step;  // stop after this step and take a snapshot
 };
 
 struct pass_result {
-  double seconds = 0;             // host time of the step loop
-  std::size_t steps = 0;          // steps run
-  std::size_t ooms = 0;           // allocations that threw out_of_memory
-  std::size_t frees_skipped = 0;  // frees of those allocations
-  statistics stats;               // after the steps, before the cleanup frees
+  double seconds = 0;               // host time of the step loop
+  std::size_t steps = 0;            // steps run
+  std::size_t ooms = 0;             // allocations that threw out_of_memory
+  std::size_t frees_skipped = 0;    // frees of those allocations
+  statistics stats;                 // after the steps, before the cleanup frees
   std::int64_t peak_allocated = 0;  // track_peak: the most allocated bytes seen by the tool
   std::size_t peak_step = 0;        // track_peak: first step reaching peak_allocated
   std::int64_t reserved_end = 0;    // recording_backend's reserved bytes after the steps
@@ -88,21 +88,21 @@ pass_result run_pass(const replay_program& program, replay_device& device, const
 struct replay_settings {
   options alloc_options;
   std::function<std::unique_ptr<replay_device>()> make_device;  // called once per pass
-  int timed_passes = 3;                 // 0: no timed pass (seconds from the instrumented one)
-  std::size_t trace_capacity = 0;       // 0: no trace
-  std::size_t timeline_points = 2000;   // 0: no timeline
+  int timed_passes = 3;                // 0: no timed pass (seconds from the instrumented one)
+  std::size_t trace_capacity = 0;      // 0: no trace
+  std::size_t timeline_points = 2000;  // 0: no timeline
   bool snapshot_at_peak = false;
 };
 
 struct replay_report {
-  std::string device;        // description of the device
-  double best_seconds = 0;   // fastest timed pass (or the instrumented pass when none)
-  pass_result result;        // the instrumented pass
+  std::string device;       // description of the device
+  double best_seconds = 0;  // fastest timed pass (or the instrumented pass when none)
+  pass_result result;       // the instrumented pass
   std::vector<trace_event> trace;
   std::uint64_t trace_dropped = 0;
   std::optional<memory_snapshot> peak_snapshot;
   double events_per_second() const;
-  double ratio() const;      // peak reserved / peak allocated (0 when nothing was allocated)
+  double ratio() const;  // peak reserved / peak allocated (0 when nothing was allocated)
 };
 
 replay_report run_replay(const replay_program& program, const replay_settings& settings);
@@ -115,8 +115,8 @@ struct live_block {
   std::size_t requested_bytes = 0;
   stream_handle stream = 0;
 };
-memory_snapshot build_snapshot(const std::map<std::uintptr_t, recording_backend::segment_view>& segments,
-                               std::vector<live_block> blocks, const statistics& stats, int device,
-                               std::uint64_t time_us);
+memory_snapshot build_snapshot(
+    const std::map<std::uintptr_t, recording_backend::segment_view>& segments,
+    std::vector<live_block> blocks, const statistics& stats, int device, std::uint64_t time_us);
 
 }  // namespace streamsafe::replay

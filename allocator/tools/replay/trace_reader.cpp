@@ -25,8 +25,10 @@ namespace streamsafe::replay {
 namespace {
 
 std::string_view trim(std::string_view s) {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t' || s.front() == '"')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '"' || s.back() == '\r')) s.remove_suffix(1);
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t' || s.front() == '"'))
+    s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '"' || s.back() == '\r'))
+    s.remove_suffix(1);
   return s;
 }
 
@@ -129,7 +131,8 @@ class parser {
     std::size_t start = 0;
     while (true) {
       const auto comma = line.find(',', start);
-      fields_.push_back(trim(line.substr(start, comma == std::string_view::npos ? line.npos : comma - start)));
+      fields_.push_back(
+          trim(line.substr(start, comma == std::string_view::npos ? line.npos : comma - start)));
       if (comma == std::string_view::npos) break;
       start = comma + 1;
     }
@@ -153,22 +156,28 @@ class parser {
       is_header_ = true;
       format_ = rmm_header ? trace_format::rmm : trace_format::pytorch;
       if (opts_.format && *opts_.format != format_) {
-        throw trace_parse_error(line_no_, std::string("the header is that of the ") + to_string(format_) +
-                                              " format, but the " + to_string(*opts_.format) + " format was asked for");
+        throw trace_parse_error(line_no_, std::string("the header is that of the ") +
+                                              to_string(format_) + " format, but the " +
+                                              to_string(*opts_.format) + " format was asked for");
       }
       if (format_ == trace_format::rmm) {
-        cols_ = {find({"time"}), find({"action"}), find({"pointer"}), find({"size"}), find({"stream"})};
-      } else {
-        cols_ = {find({"time_us", "time"}), find({"action"}), find({"address", "addr"}), find({"size"}),
+        cols_ = {find({"time"}), find({"action"}), find({"pointer"}), find({"size"}),
                  find({"stream"})};
+      } else {
+        cols_ = {find({"time_us", "time"}), find({"action"}), find({"address", "addr"}),
+                 find({"size"}), find({"stream"})};
       }
       if (cols_.size < 0) throw trace_parse_error(line_no_, "the header has no 'size' column");
       prog_.format = format_;
       return;
     }
     // No header: the forced format, or a guess from the first event line; canonical column order.
-    auto pytorch_action = [&](std::string_view a) { return parse_trace_action(a) || a == "snapshot" || a == "workspace_snapshot"; };
-    auto rmm_action = [&](std::string_view a) { return a == "allocate" || a == "free" || a == "deallocate" || a == "allocate failure"; };
+    auto pytorch_action = [&](std::string_view a) {
+      return parse_trace_action(a) || a == "snapshot" || a == "workspace_snapshot";
+    };
+    auto rmm_action = [&](std::string_view a) {
+      return a == "allocate" || a == "free" || a == "deallocate" || a == "allocate failure";
+    };
     if (opts_.format) {
       format_ = *opts_.format;
     } else if (fields_.size() >= 5 && pytorch_action(fields_[1])) {
@@ -176,10 +185,11 @@ class parser {
     } else if (fields_.size() >= 6 && rmm_action(lower(fields_[2]))) {
       format_ = trace_format::rmm;
     } else {
-      throw trace_parse_error(line_no_, "unrecognised trace format: expected a header "
-                                        "'time_us,action,address,size,stream' (PyTorch style) or "
-                                        "'Thread,Time,Action,Pointer,Size,Stream' (RMM), found " +
-                                            quote(fields_.empty() ? std::string_view{} : fields_[0]));
+      throw trace_parse_error(line_no_,
+                              "unrecognised trace format: expected a header "
+                              "'time_us,action,address,size,stream' (PyTorch style) or "
+                              "'Thread,Time,Action,Pointer,Size,Stream' (RMM), found " +
+                                  quote(fields_.empty() ? std::string_view{} : fields_[0]));
     }
     cols_ = format_ == trace_format::rmm ? columns{1, 2, 3, 4, 5} : columns{0, 1, 2, 3, 4};
     prog_.format = format_;
@@ -191,19 +201,22 @@ class parser {
   }
 
   std::uint32_t stream_index(std::uint64_t id) {
-    auto [it, inserted] = streams_.emplace(id, static_cast<std::uint32_t>(prog_.trace_streams.size()));
+    auto [it, inserted] = streams_.emplace(id,
+                                           static_cast<std::uint32_t>(prog_.trace_streams.size()));
     if (inserted) prog_.trace_streams.push_back(id);
     return it->second;
   }
 
-  bool field_u64(int col, std::string_view what, std::string_view line, std::uint64_t& out, bool hex = false) {
+  bool field_u64(int col, std::string_view what, std::string_view line, std::uint64_t& out,
+                 bool hex = false) {
     if (col < 0) {
       out = 0;
       return true;
     }
     if (parse_u64(fields_[static_cast<std::size_t>(col)], out, hex)) return true;
-    bad(line_no_, "bad " + std::string(what) + " '" + std::string(fields_[static_cast<std::size_t>(col)].substr(0, 40)) +
-                      "' in " + quote(line));
+    bad(line_no_, "bad " + std::string(what) + " '" +
+                      std::string(fields_[static_cast<std::size_t>(col)].substr(0, 40)) + "' in " +
+                      quote(line));
     return false;
   }
 
@@ -215,7 +228,8 @@ class parser {
     std::string_view seconds_text;
     while (n < 4) {
       const auto colon = s.find(':', start);
-      std::string_view part = s.substr(start, colon == std::string_view::npos ? s.npos : colon - start);
+      std::string_view part = s.substr(start,
+                                       colon == std::string_view::npos ? s.npos : colon - start);
       if (n == 2) seconds_text = part;
       if (n == 2 && part.find('.') != std::string_view::npos) {
         if (!parse_seconds_us(part, parts[2])) return false;
@@ -228,7 +242,8 @@ class parser {
       if (colon == std::string_view::npos) break;
       start = colon + 1;
     }
-    if (n < 3 || parts[0] > 23 || parts[1] > 59 || parts[2] >= 61'000'000 || parts[3] > 999'999) return false;
+    if (n < 3 || parts[0] > 23 || parts[1] > 59 || parts[2] >= 61'000'000 || parts[3] > 999'999)
+      return false;
     if (n == 4 && seconds_text.find('.') != std::string_view::npos) return false;
     std::uint64_t of_day = (parts[0] * 3600 + parts[1] * 60) * 1'000'000 + parts[2] + parts[3];
     constexpr std::uint64_t day = 86'400'000'000ull;
@@ -241,8 +256,8 @@ class parser {
 
   void data_line(std::string_view line) {
     if (static_cast<int>(fields_.size()) < cols_.needed()) {
-      bad(line_no_, "expected " + std::to_string(cols_.needed()) + " fields, found " + std::to_string(fields_.size()) +
-                        ": " + quote(line));
+      bad(line_no_, "expected " + std::to_string(cols_.needed()) + " fields, found " +
+                        std::to_string(fields_.size()) + ": " + quote(line));
       return;
     }
     const std::string_view action_text = fields_[static_cast<std::size_t>(cols_.action)];
@@ -254,7 +269,8 @@ class parser {
           ++prog_.other_rows;
           return;
         }
-        bad(line_no_, "unknown action '" + std::string(action_text.substr(0, 40)) + "' in " + quote(line));
+        bad(line_no_,
+            "unknown action '" + std::string(action_text.substr(0, 40)) + "' in " + quote(line));
         return;
       }
       switch (*a) {
@@ -273,7 +289,8 @@ class parser {
       else if (a == "free" || a == "deallocate") k = kind::free;
       else if (a == "allocate failure" || a == "allocate_failure") k = kind::other;
       else {
-        bad(line_no_, "unknown action '" + std::string(action_text.substr(0, 40)) + "' in " + quote(line));
+        bad(line_no_,
+            "unknown action '" + std::string(action_text.substr(0, 40)) + "' in " + quote(line));
         return;
       }
     }
@@ -281,15 +298,17 @@ class parser {
     std::uint64_t time_us = 0, address = 0, size = 0, stream = 0;
     if (cols_.time >= 0) {
       const std::string_view text = fields_[static_cast<std::size_t>(cols_.time)];
-      const bool ok = format_ == trace_format::rmm ? rmm_time(text, time_us) : parse_u64(text, time_us);
+      const bool ok = format_ == trace_format::rmm ? rmm_time(text, time_us)
+                                                   : parse_u64(text, time_us);
       if (!ok) {
         bad(line_no_, "bad time '" + std::string(text.substr(0, 40)) + "' in " + quote(line));
         return;
       }
     }
-    if (!field_u64(cols_.address, format_ == trace_format::rmm ? "pointer" : "address", line, address,
-                   format_ == trace_format::rmm) ||
-        !field_u64(cols_.size, "size", line, size) || !field_u64(cols_.stream, "stream", line, stream)) {
+    if (!field_u64(cols_.address, format_ == trace_format::rmm ? "pointer" : "address", line,
+                   address, format_ == trace_format::rmm) ||
+        !field_u64(cols_.size, "size", line, size) ||
+        !field_u64(cols_.stream, "stream", line, stream)) {
       return;
     }
     if (k == kind::other) {
@@ -325,8 +344,10 @@ class parser {
         slot = next_slot_++;
       }
       const std::uint32_t s = stream_index(stream);
-      live_.emplace(address, live_block{slot, static_cast<std::size_t>(size), static_cast<std::uint32_t>(line_no_)});
-      prog_.steps.push_back({time_us, static_cast<std::size_t>(size), slot, s, true, static_cast<std::uint32_t>(line_no_)});
+      live_.emplace(address, live_block{slot, static_cast<std::size_t>(size),
+                                        static_cast<std::uint32_t>(line_no_)});
+      prog_.steps.push_back({time_us, static_cast<std::size_t>(size), slot, s, true,
+                             static_cast<std::uint32_t>(line_no_)});
       ++prog_.allocs;
       requested_ += size;
       prog_.requested_peak = std::max(prog_.requested_peak, requested_);
@@ -343,13 +364,15 @@ class parser {
         ++prog_.ignored_free_completed;  // the free_requested before it did the work
         return;
       }
-      bad(line_no_, "free of address " + std::to_string(address) + ", which no live alloc holds: " + quote(line));
+      bad(line_no_, "free of address " + std::to_string(address) +
+                        ", which no live alloc holds: " + quote(line));
       return;
     }
     const live_block b = it->second;
     live_.erase(it);
     free_slots_.push_back(b.slot);
-    prog_.steps.push_back({time_us, b.size, b.slot, stream_index(stream), false, static_cast<std::uint32_t>(line_no_)});
+    prog_.steps.push_back({time_us, b.size, b.slot, stream_index(stream), false,
+                           static_cast<std::uint32_t>(line_no_)});
     ++prog_.frees;
     requested_ -= b.size;
   }
@@ -386,7 +409,9 @@ struct gz_closer {
 
 }  // namespace
 
-const char* to_string(trace_format format) noexcept { return format == trace_format::rmm ? "rmm" : "pytorch"; }
+const char* to_string(trace_format format) noexcept {
+  return format == trace_format::rmm ? "rmm" : "pytorch";
+}
 
 replay_program read_trace(std::istream& in, const read_options& opts) {
   parser p(opts);
@@ -411,7 +436,8 @@ replay_program read_trace_file(const std::string& path, const read_options& opts
   errno = 0;
   std::unique_ptr<gzFile_s, gz_closer> f(gzopen(path.c_str(), "rb"));
   if (!f) {
-    throw trace_parse_error(0, "cannot open " + path + ": " + (errno ? std::strerror(errno) : "zlib could not allocate"));
+    throw trace_parse_error(0, "cannot open " + path + ": " +
+                                   (errno ? std::strerror(errno) : "zlib could not allocate"));
   }
   gzbuffer(f.get(), 1 << 17);
   parser p(opts);
@@ -441,8 +467,9 @@ replay_program read_trace_file(const std::string& path, const read_options& opts
   const char* message = gzerror(f.get(), &err);
   if (!partial.empty()) p.feed(partial);
   if (n < 0 || (err != Z_OK && err != Z_STREAM_END)) {
-    const std::string what = path + ": " + (err == Z_BUF_ERROR ? "the compressed data ends early (truncated file)"
-                                                              : std::string("decompression failed: ") + message);
+    const std::string what = path + ": " +
+                             (err == Z_BUF_ERROR ? "the compressed data ends early (truncated file)"
+                                                 : std::string("decompression failed: ") + message);
     p.file_problem(what);  // throws in strict mode
   }
   return p.finish();

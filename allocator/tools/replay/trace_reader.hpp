@@ -54,12 +54,12 @@ class trace_parse_error : public std::runtime_error {
 };
 
 struct replay_step {
-  std::uint64_t time_us = 0;     // from the trace (RMM: microseconds since its first midnight)
-  std::size_t size_bytes = 0;    // alloc: requested bytes; free: the alloc's requested bytes
-  std::uint32_t slot = 0;        // the block, 0 .. slot_count-1 (reused after its free)
-  std::uint32_t stream = 0;      // index into replay_program::trace_streams
-  bool alloc = false;            // else free
-  std::uint32_t line = 0;        // 1-based line of the trace
+  std::uint64_t time_us = 0;   // from the trace (RMM: microseconds since its first midnight)
+  std::size_t size_bytes = 0;  // alloc: requested bytes; free: the alloc's requested bytes
+  std::uint32_t slot = 0;      // the block, 0 .. slot_count-1 (reused after its free)
+  std::uint32_t stream = 0;    // index into replay_program::trace_streams
+  bool alloc = false;          // else free
+  std::uint32_t line = 0;      // 1-based line of the trace
 };
 
 struct replay_program {
@@ -67,7 +67,7 @@ struct replay_program {
   std::vector<replay_step> steps;
   std::vector<std::uint64_t> trace_streams;  // the trace's stream ids, by first appearance
   std::uint32_t slot_count = 0;
-  std::size_t lines = 0;        // lines read, header and blank lines included
+  std::size_t lines = 0;  // lines read, header and blank lines included
   std::size_t allocs = 0, frees = 0;
   std::size_t ignored_free_completed = 0;  // free_completed after a free_requested of the block
   std::size_t segment_rows = 0;            // segment_* rows (PyTorch format)
@@ -76,7 +76,7 @@ struct replay_program {
   std::size_t live_at_end = 0;             // allocs the trace never frees
   // What the recording allocator reserved, from the segment rows (0 when there are none).
   std::uint64_t recorded_reserved_peak = 0;
-  std::uint64_t requested_peak = 0;        // peak of live requested bytes over the trace
+  std::uint64_t requested_peak = 0;  // peak of live requested bytes over the trace
   std::vector<bad_line> bad_lines;
 };
 

@@ -25,7 +25,8 @@ class relaxed_capture_mode {
     }
   }
   ~relaxed_capture_mode() {
-    if (swapped_ && cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) (void)cudaGetLastError();
+    if (swapped_ && cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess)
+      (void)cudaGetLastError();
   }
   relaxed_capture_mode(const relaxed_capture_mode&) = delete;
   relaxed_capture_mode& operator=(const relaxed_capture_mode&) = delete;

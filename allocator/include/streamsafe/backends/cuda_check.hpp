@@ -17,8 +17,8 @@
 // Thread safety: stateless; usable from any thread.
 #pragma once
 
-#include <streamsafe/core/errors.hpp>
 #include <streamsafe/backends/driver_api.hpp>
+#include <streamsafe/core/errors.hpp>
 
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -31,8 +31,7 @@ namespace streamsafe::cuda::detail {
 
 // "streamsafe: <call> failed: <name> (<text>, code <n>) [current device <d>] at <file>:<line>"
 inline std::string describe_failure(const char* call, const char* error_name,
-                                    const char* error_text, int code, const char* file,
-                                    int line) {
+                                    const char* error_text, int code, const char* file, int line) {
   std::string message = "streamsafe: ";
   message += call;
   message += " failed: ";
@@ -68,8 +67,8 @@ inline void log_message(spdlog::level::level_enum level, const char* message) no
   std::fprintf(stderr, "%s\n", message);
 }
 
-inline void log_failure(const char* call, const char* error_name, const char* error_text,
-                        int code, const char* file, int line) noexcept {
+inline void log_failure(const char* call, const char* error_name, const char* error_text, int code,
+                        const char* file, int line) noexcept {
   try {
     const std::string message = describe_failure(call, error_name, error_text, code, file, line);
     log_message(spdlog::level::err, message.c_str());
@@ -96,12 +95,11 @@ inline void log_cuda_error(cudaError_t error, const char* call, const char* file
 [[noreturn]] inline void throw_cu_error(CUresult result, const char* call, const char* file,
                                         int line) {
   throw backend_error(describe_failure(call, driver::error_name(result),
-                                       driver::error_string(result), static_cast<int>(result),
-                                       file, line));
+                                       driver::error_string(result), static_cast<int>(result), file,
+                                       line));
 }
 
-inline void log_cu_error(CUresult result, const char* call, const char* file,
-                         int line) noexcept {
+inline void log_cu_error(CUresult result, const char* call, const char* file, int line) noexcept {
   if (result == CUDA_ERROR_DEINITIALIZED) return;
   log_failure(call, driver::error_name(result), driver::error_string(result),
               static_cast<int>(result), file, line);
@@ -109,38 +107,37 @@ inline void log_cu_error(CUresult result, const char* call, const char* file,
 
 }  // namespace streamsafe::cuda::detail
 
-#define STREAMSAFE_CUDA_CHECK(call)                                                       \
-  do {                                                                                    \
-    const cudaError_t streamsafe_cuda_status_ = (call);                                   \
-    if (streamsafe_cuda_status_ != cudaSuccess) {                                         \
-      ::streamsafe::cuda::detail::throw_cuda_error(streamsafe_cuda_status_, #call,        \
-                                                   __FILE__, __LINE__);                   \
-    }                                                                                     \
+#define STREAMSAFE_CUDA_CHECK(call)                                                          \
+  do {                                                                                       \
+    const cudaError_t streamsafe_cuda_status_ = (call);                                      \
+    if (streamsafe_cuda_status_ != cudaSuccess) {                                            \
+      ::streamsafe::cuda::detail::throw_cuda_error(streamsafe_cuda_status_, #call, __FILE__, \
+                                                   __LINE__);                                \
+    }                                                                                        \
   } while (0)
 
-#define STREAMSAFE_CUDA_CHECK_NOTHROW(call)                                               \
-  do {                                                                                    \
-    const cudaError_t streamsafe_cuda_status_ = (call);                                   \
-    if (streamsafe_cuda_status_ != cudaSuccess) {                                         \
+#define STREAMSAFE_CUDA_CHECK_NOTHROW(call)                                                \
+  do {                                                                                     \
+    const cudaError_t streamsafe_cuda_status_ = (call);                                    \
+    if (streamsafe_cuda_status_ != cudaSuccess) {                                          \
       ::streamsafe::cuda::detail::log_cuda_error(streamsafe_cuda_status_, #call, __FILE__, \
-                                                 __LINE__);                               \
-    }                                                                                     \
+                                                 __LINE__);                                \
+    }                                                                                      \
   } while (0)
 
-#define STREAMSAFE_CU_CHECK(call)                                                         \
-  do {                                                                                    \
-    const CUresult streamsafe_cu_status_ = (call);                                        \
-    if (streamsafe_cu_status_ != CUDA_SUCCESS) {                                          \
-      ::streamsafe::cuda::detail::throw_cu_error(streamsafe_cu_status_, #call, __FILE__,  \
-                                                 __LINE__);                               \
-    }                                                                                     \
+#define STREAMSAFE_CU_CHECK(call)                                                        \
+  do {                                                                                   \
+    const CUresult streamsafe_cu_status_ = (call);                                       \
+    if (streamsafe_cu_status_ != CUDA_SUCCESS) {                                         \
+      ::streamsafe::cuda::detail::throw_cu_error(streamsafe_cu_status_, #call, __FILE__, \
+                                                 __LINE__);                              \
+    }                                                                                    \
   } while (0)
 
-#define STREAMSAFE_CU_CHECK_NOTHROW(call)                                                 \
-  do {                                                                                    \
-    const CUresult streamsafe_cu_status_ = (call);                                        \
-    if (streamsafe_cu_status_ != CUDA_SUCCESS) {                                          \
-      ::streamsafe::cuda::detail::log_cu_error(streamsafe_cu_status_, #call, __FILE__,    \
-                                               __LINE__);                                 \
-    }                                                                                     \
+#define STREAMSAFE_CU_CHECK_NOTHROW(call)                                                         \
+  do {                                                                                            \
+    const CUresult streamsafe_cu_status_ = (call);                                                \
+    if (streamsafe_cu_status_ != CUDA_SUCCESS) {                                                  \
+      ::streamsafe::cuda::detail::log_cu_error(streamsafe_cu_status_, #call, __FILE__, __LINE__); \
+    }                                                                                             \
   } while (0)

@@ -68,11 +68,11 @@ class device_backend {
   virtual void unmap(void* addr, std::size_t size_bytes) = 0;
 
   // ---- events and streams ---------------------------------------------------------------
-  virtual event_handle create_event() = 0;                    // timing disabled
+  virtual event_handle create_event() = 0;  // timing disabled
   virtual void destroy_event(event_handle event) noexcept = 0;
   virtual void record_event(event_handle event, stream_handle stream) = 0;
-  virtual bool query_event(event_handle event) = 0;           // true once complete
-  virtual void synchronize_event(event_handle event) = 0;     // blocks the host
+  virtual bool query_event(event_handle event) = 0;        // true once complete
+  virtual void synchronize_event(event_handle event) = 0;  // blocks the host
   virtual void stream_wait_event(stream_handle stream, event_handle event) = 0;  // no host block
   // True when all work enqueued on `stream` so far has completed (cudaStreamQuery); never blocks.
   // The default records a fresh event and queries it, which may report an idle stream as busy
@@ -90,7 +90,7 @@ class device_backend {
     destroy_event(e);
     return idle;
   }
-  virtual void synchronize_device() = 0;                      // blocks the host on every stream
+  virtual void synchronize_device() = 0;  // blocks the host on every stream
   virtual void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) = 0;
   // True while `stream` is capturing a CUDA graph. Never throws (an error answers false); the
   // legacy default stream (0) is never capturing.

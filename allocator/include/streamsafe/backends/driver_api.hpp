@@ -37,8 +37,7 @@ CUresult mem_set_access(CUdeviceptr ptr, std::size_t size, const CUmemAccessDesc
 CUresult mem_address_reserve(CUdeviceptr* ptr, std::size_t size, std::size_t alignment,
                              CUdeviceptr addr, unsigned long long flags) noexcept;
 CUresult mem_address_free(CUdeviceptr ptr, std::size_t size) noexcept;
-CUresult mem_get_allocation_granularity(std::size_t* granularity,
-                                        const CUmemAllocationProp* prop,
+CUresult mem_get_allocation_granularity(std::size_t* granularity, const CUmemAllocationProp* prop,
                                         CUmemAllocationGranularity_flags option) noexcept;
 
 // cuEventRecord, cuEventQuery, cuStreamWaitEvent: the event calls of the allocator's

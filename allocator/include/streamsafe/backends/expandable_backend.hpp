@@ -75,8 +75,7 @@ class expandable_backend final : public cuda_event_ops {
 
   std::size_t rounded_size(std::size_t size_bytes) const;
   CUdeviceptr checked_range(void* addr, std::size_t size_bytes, const char* call) const;
-  void unmap_and_release(CUdeviceptr base, const mapping* maps,
-                         std::size_t count) const noexcept;
+  void unmap_and_release(CUdeviceptr base, const mapping* maps, std::size_t count) const noexcept;
 
   CUmemAllocationProp prop_{};
   std::vector<int> peers_;

@@ -75,8 +75,8 @@ class caching_allocator {
   // garbage_collection_threshold, whole segments refused before a growth) never wait in
   // either mode: they release what is safe now and leave the rest cached, queueing nothing.
   // In a callback_scope it makes no backend call: it is served from cached free blocks or
-  // throws std::logic_error at once. With empty_cache == defer the out-of-memory path never blocks the
-  // host: it releases only memory whose fence has already completed (and, when free_segment
+  // throws std::logic_error at once. With empty_cache == defer the out-of-memory path never blocks
+  // the host: it releases only memory whose fence has already completed (and, when free_segment
   // waits for the whole device as cudaFree does, only while every known stream is idle),
   // queues the rest, and throws out_of_memory if that is not enough; the message then names
   // the bytes waiting behind fences and the streams still busy (case K8: a fenced stream may
@@ -125,8 +125,9 @@ class caching_allocator {
   // call puts that memory back in its pool (logged) and the worker goes on. An allocation that
   // cannot be served otherwise waits, no lock held, for the worker's pass and release in flight
   // before out_of_memory; empty_cache(wait) and reclaim() wait for the release in flight too.
-  // reclaim() stays synchronous and never blocks on a fence. A forked child has no worker (synchronous there).
-  // True when nothing is queued and nothing is in flight (also when the worker is off).
+  // reclaim() stays synchronous and never blocks on a fence. A forked child has no worker
+  // (synchronous there). True when nothing is queued and nothing is in flight (also when the worker
+  // is off).
   bool release_worker_idle() const;
   // Wakes the worker and waits until it has finished a pass over the queue begun after this
   // call (everything whose fence had completed is back with the driver) with nothing in flight;

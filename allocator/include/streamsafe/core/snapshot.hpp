@@ -33,7 +33,13 @@
 
 namespace streamsafe {
 
-enum class snapshot_block_state : std::uint8_t { active, pending_free, inactive, unmapped, releasing };
+enum class snapshot_block_state : std::uint8_t {
+  active,
+  pending_free,
+  inactive,
+  unmapped,
+  releasing
+};
 enum class snapshot_pool : std::uint8_t { small, large };
 
 // "active", "pending_free", "inactive", "unmapped", "releasing".
@@ -46,7 +52,7 @@ struct block_snapshot {
   std::size_t size_bytes = 0;
   std::size_t requested_bytes = 0;  // what the caller asked for (active / pending_free), else 0
   snapshot_block_state state = snapshot_block_state::inactive;
-  stream_handle stream = 0;  // the allocation stream (the segment's pool stream)
+  stream_handle stream = 0;               // the allocation stream (the segment's pool stream)
   std::vector<stream_handle> waiting_on;  // pending_free: streams whose events are pending
 };
 

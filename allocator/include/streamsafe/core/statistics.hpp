@@ -33,19 +33,20 @@ struct stat {
 
 struct statistics {
   stat allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes;
-  stat allocation, segment, active;  // counts of blocks / segments
-  std::uint64_t num_alloc_retries = 0;    // allocations that released cache and retried
-  std::uint64_t num_ooms = 0;             // out_of_memory thrown
-  std::uint64_t num_device_alloc = 0;     // segment allocations / chunk maps from the driver
-  std::uint64_t num_device_free = 0;      // segment frees / chunk unmaps to the driver
-  std::uint64_t num_sync_all_streams = 0; // device-wide synchronisations
-  std::uint64_t events_recorded = 0;      // every event record (uses at free, fences, moves)
-  std::uint64_t stream_waits = 0;         // cudaStreamWaitEvent issued to reuse a block
-  std::uint64_t fence_waits = 0;          // host waits on a release fence event
-  std::uint64_t fence_wait_ns = 0;        // host time spent in those waits
-  std::uint64_t releases_deferred = 0;    // release batches queued (a fence pending, or for the worker)
-  std::uint64_t bytes_released = 0;       // bytes given back to the driver
-  std::uint64_t segments_moved = 0;       // free segments moved to another stream's pool
+  stat allocation, segment, active;        // counts of blocks / segments
+  std::uint64_t num_alloc_retries = 0;     // allocations that released cache and retried
+  std::uint64_t num_ooms = 0;              // out_of_memory thrown
+  std::uint64_t num_device_alloc = 0;      // segment allocations / chunk maps from the driver
+  std::uint64_t num_device_free = 0;       // segment frees / chunk unmaps to the driver
+  std::uint64_t num_sync_all_streams = 0;  // device-wide synchronisations
+  std::uint64_t events_recorded = 0;       // every event record (uses at free, fences, moves)
+  std::uint64_t stream_waits = 0;          // cudaStreamWaitEvent issued to reuse a block
+  std::uint64_t fence_waits = 0;           // host waits on a release fence event
+  std::uint64_t fence_wait_ns = 0;         // host time spent in those waits
+  std::uint64_t releases_deferred =
+      0;                             // release batches queued (a fence pending, or for the worker)
+  std::uint64_t bytes_released = 0;  // bytes given back to the driver
+  std::uint64_t segments_moved = 0;  // free segments moved to another stream's pool
   // Release worker (options::release_worker): bytes queued behind fences (pending_release_bytes()
   // less what is in flight), bytes the worker is giving back to the driver right now, and the
   // release batches it has finished (each one or more unmap / free_segment calls).

@@ -173,8 +173,8 @@ class allocator {
   int device_count_ = 0;
   std::unique_ptr<std::atomic<caching_allocator*>[]> devices_;  // by index; null until created
   std::atomic<int> created_{0};
-  std::mutex create_mutex_;                   // guards states_ and creation
-  std::unique_ptr<device_state[]> states_;    // by index; owned here
+  std::mutex create_mutex_;                 // guards states_ and creation
+  std::unique_ptr<device_state[]> states_;  // by index; owned here
 };
 
 // The stream handle the caching allocators use for a CUDA stream: cudaStreamLegacy becomes 0;

@@ -54,8 +54,9 @@ class cub_allocator {
   static constexpr int INVALID_DEVICE_ORDINAL = -1;
 
   // CUB's constructors. The bin parameters are recorded only; max_cached_bytes is honoured.
-  cub_allocator(unsigned int bin_growth_, unsigned int min_bin_ = 1, unsigned int max_bin_ = INVALID_BIN,
-                         std::size_t max_cached_bytes_ = INVALID_SIZE, bool skip_cleanup_ = false)
+  cub_allocator(unsigned int bin_growth_, unsigned int min_bin_ = 1,
+                unsigned int max_bin_ = INVALID_BIN, std::size_t max_cached_bytes_ = INVALID_SIZE,
+                bool skip_cleanup_ = false)
       : bin_growth(bin_growth_), min_bin(min_bin_), max_bin(max_bin_),
         max_cached_bytes(max_cached_bytes_), skip_cleanup(skip_cleanup_) {}
   cub_allocator(bool skip_cleanup_ = false, bool debug_ = false)  // NOLINT: implicit, as CUB's
@@ -72,7 +73,8 @@ class cub_allocator {
     return cudaSuccess;
   }
 
-  cudaError_t DeviceAllocate(int device, void** d_ptr, std::size_t bytes, cudaStream_t active_stream = nullptr) {
+  cudaError_t DeviceAllocate(int device, void** d_ptr, std::size_t bytes,
+                             cudaStream_t active_stream = nullptr) {
     if (!d_ptr) return report(cudaErrorInvalidValue, "DeviceAllocate: d_ptr is null");
     *d_ptr = nullptr;
     return guarded("DeviceAllocate", [&] {
@@ -82,7 +84,8 @@ class cub_allocator {
     });
   }
 
-  cudaError_t DeviceAllocate(void** d_ptr, std::size_t bytes, cudaStream_t active_stream = nullptr) {
+  cudaError_t DeviceAllocate(void** d_ptr, std::size_t bytes,
+                             cudaStream_t active_stream = nullptr) {
     return DeviceAllocate(INVALID_DEVICE_ORDINAL, d_ptr, bytes, active_stream);
   }
 
@@ -123,7 +126,8 @@ class cub_allocator {
 
   cudaError_t report(cudaError_t error, const char* what) const noexcept {
     log_debug(what);
-    if (debug) std::fprintf(stderr, "streamsafe cub_allocator: %s (%s)\n", what, cudaGetErrorName(error));
+    if (debug)
+      std::fprintf(stderr, "streamsafe cub_allocator: %s (%s)\n", what, cudaGetErrorName(error));
     return error;
   }
 

@@ -37,9 +37,9 @@
 
 #include <streamsafe/frontends/allocator.hpp>
 
+#include <cuda_runtime_api.h>
 #include <cuda/memory_resource>
 #include <cuda/stream_ref>
-#include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <exception>
@@ -55,12 +55,14 @@ class memory_resource {
   // Over the process allocator (allocator::instance(); throws its config_error).
   memory_resource() : memory_resource(allocator::instance()) {}
   // Over `alloc`, which must outlive the resource; device -1: the current device at each call.
-  explicit memory_resource(allocator& alloc, int device = -1) noexcept : alloc_(&alloc), device_(device) {}
+  explicit memory_resource(allocator& alloc, int device = -1) noexcept
+      : alloc_(&alloc), device_(device) {}
 
   void* allocate(std::size_t bytes, std::size_t alignment = alignment_bytes) {
     return allocate_async(bytes, alignment, ::cuda::stream_ref{cudaStreamLegacy});
   }
-  void deallocate(void* ptr, std::size_t /*bytes*/, std::size_t /*alignment*/ = alignment_bytes) noexcept {
+  void deallocate(void* ptr, std::size_t /*bytes*/,
+                  std::size_t /*alignment*/ = alignment_bytes) noexcept {
     if (!ptr) return;
     try {
       alloc_->deallocate(ptr);
@@ -85,7 +87,9 @@ class memory_resource {
   }
 
   // Tensor.record_stream for memory from this resource.
-  void record_stream(void* ptr, ::cuda::stream_ref stream) { alloc_->record_stream(ptr, stream.get()); }
+  void record_stream(void* ptr, ::cuda::stream_ref stream) {
+    alloc_->record_stream(ptr, stream.get());
+  }
 
   allocator& upstream_allocator() const noexcept { return *alloc_; }
   int device() const noexcept { return device_; }
@@ -93,7 +97,9 @@ class memory_resource {
   friend bool operator==(const memory_resource& a, const memory_resource& b) noexcept {
     return a.alloc_ == b.alloc_ && a.device_ == b.device_;
   }
-  friend bool operator!=(const memory_resource& a, const memory_resource& b) noexcept { return !(a == b); }
+  friend bool operator!=(const memory_resource& a, const memory_resource& b) noexcept {
+    return !(a == b);
+  }
 
   // Device memory: accessible from the device, not from the host.
   friend void get_property(const memory_resource&, ::cuda::mr::device_accessible) noexcept {}
@@ -101,8 +107,8 @@ class memory_resource {
  private:
   static void check_alignment(std::size_t alignment) {
     if (alignment == 0 || (alignment & (alignment - 1)) != 0 || alignment > alignment_bytes) {
-      throw std::invalid_argument("streamsafe: memory_resource alignment " + std::to_string(alignment) +
-                                  " is not a power of two up to 512");
+      throw std::invalid_argument("streamsafe: memory_resource alignment " +
+                                  std::to_string(alignment) + " is not a power of two up to 512");
     }
   }
 
@@ -110,7 +116,8 @@ class memory_resource {
   int device_;
 };
 
-static_assert(::cuda::mr::resource<memory_resource>, "memory_resource must satisfy cuda::mr::resource");
+static_assert(::cuda::mr::resource<memory_resource>,
+              "memory_resource must satisfy cuda::mr::resource");
 static_assert(::cuda::mr::async_resource_with<memory_resource, ::cuda::mr::device_accessible>,
               "memory_resource must satisfy cuda::mr::async_resource_with<device_accessible>");
 static_assert(!::cuda::mr::resource_with<memory_resource, ::cuda::mr::host_accessible>,
@@ -138,7 +145,8 @@ class thrust_allocator {
                                                     ::cuda::stream_ref{stream_}));
   }
   void deallocate(T* p, std::size_t n) noexcept {
-    resource_.deallocate_async(p, n * sizeof(T), memory_resource::alignment_bytes, ::cuda::stream_ref{stream_});
+    resource_.deallocate_async(p, n * sizeof(T), memory_resource::alignment_bytes,
+                               ::cuda::stream_ref{stream_});
   }
 
   memory_resource resource() const noexcept { return resource_; }
@@ -147,7 +155,9 @@ class thrust_allocator {
   friend bool operator==(const thrust_allocator& a, const thrust_allocator& b) noexcept {
     return a.resource_ == b.resource_ && a.stream_ == b.stream_;
   }
-  friend bool operator!=(const thrust_allocator& a, const thrust_allocator& b) noexcept { return !(a == b); }
+  friend bool operator!=(const thrust_allocator& a, const thrust_allocator& b) noexcept {
+    return !(a == b);
+  }
 
  private:
   memory_resource resource_;

@@ -48,7 +48,12 @@ struct range {
   std::optional<std::uint8_t> value;  // for writes: the byte value written when it completes
 };
 
-enum class fault_kind { release_under_pending_work, cross_stream_race, access_unmapped, capture_violation };
+enum class fault_kind {
+  release_under_pending_work,
+  cross_stream_race,
+  access_unmapped,
+  capture_violation
+};
 
 struct fault {
   fault_kind kind;
@@ -60,8 +65,17 @@ const char* to_string(fault_kind kind) noexcept;
 
 // Backend calls that fault injection can make fail.
 enum class call {
-  allocate_segment, free_segment, reserve_address_range, release_address_range, map, unmap,
-  create_event, record_event, query_event, synchronize_event, stream_wait_event,
+  allocate_segment,
+  free_segment,
+  reserve_address_range,
+  release_address_range,
+  map,
+  unmap,
+  create_event,
+  record_event,
+  query_event,
+  synchronize_event,
+  stream_wait_event,
   synchronize_device,
 };
 

@@ -70,15 +70,24 @@ class simulated_platform {
   // A simulated device seen through an address shift.
   class shifted_backend final : public device_backend {
    public:
-    shifted_backend(sim::simulated_device& dev, std::uintptr_t offset) : dev_(dev), offset_(offset) {}
+    shifted_backend(sim::simulated_device& dev, std::uintptr_t offset)
+        : dev_(dev), offset_(offset) {}
 
     int device() const noexcept override { return dev_.device(); }
     const char* name() const noexcept override { return dev_.name(); }
-    void* allocate_segment(std::size_t size_bytes) override { return out(dev_.allocate_segment(size_bytes)); }
-    void free_segment(void* base, std::size_t size_bytes) override { dev_.free_segment(in(base), size_bytes); }
-    bool free_segment_synchronizes() const noexcept override { return dev_.free_segment_synchronizes(); }
+    void* allocate_segment(std::size_t size_bytes) override {
+      return out(dev_.allocate_segment(size_bytes));
+    }
+    void free_segment(void* base, std::size_t size_bytes) override {
+      dev_.free_segment(in(base), size_bytes);
+    }
+    bool free_segment_synchronizes() const noexcept override {
+      return dev_.free_segment_synchronizes();
+    }
     bool supports_expandable() const noexcept override { return dev_.supports_expandable(); }
-    std::size_t map_granularity_bytes() const noexcept override { return dev_.map_granularity_bytes(); }
+    std::size_t map_granularity_bytes() const noexcept override {
+      return dev_.map_granularity_bytes();
+    }
     void* reserve_address_range(std::size_t size_bytes) override {
       return out(dev_.reserve_address_range(size_bytes));
     }
@@ -89,7 +98,9 @@ class simulated_platform {
     void unmap(void* addr, std::size_t size_bytes) override { dev_.unmap(in(addr), size_bytes); }
     event_handle create_event() override { return dev_.create_event(); }
     void destroy_event(event_handle event) noexcept override { dev_.destroy_event(event); }
-    void record_event(event_handle event, stream_handle stream) override { dev_.record_event(event, stream); }
+    void record_event(event_handle event, stream_handle stream) override {
+      dev_.record_event(event, stream);
+    }
     bool query_event(event_handle event) override { return dev_.query_event(event); }
     void synchronize_event(event_handle event) override { dev_.synchronize_event(event); }
     void stream_wait_event(stream_handle stream, event_handle event) override {
@@ -100,7 +111,9 @@ class simulated_platform {
     void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override {
       dev_.memory_info(free_bytes, total_bytes);
     }
-    bool stream_is_capturing(stream_handle stream) noexcept override { return dev_.stream_is_capturing(stream); }
+    bool stream_is_capturing(stream_handle stream) noexcept override {
+      return dev_.stream_is_capturing(stream);
+    }
 
    private:
     void* out(void* p) const noexcept {

@@ -1,11 +1,11 @@
 // streamsafe: cuda_event_ops (see cuda_event_ops.hpp). Stateless apart from the device index;
 // thread-safe.
-#include <streamsafe/core/errors.hpp>
 #include <streamsafe/backends/cuda_check.hpp>
 #include <streamsafe/backends/cuda_event_ops.hpp>
 #include <streamsafe/backends/device_guard.hpp>
 #include <streamsafe/backends/driver_api.hpp>
 #include <streamsafe/backends/gpu.hpp>
+#include <streamsafe/core/errors.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -33,8 +33,8 @@ bool completed(cudaError_t result, const char* call, int line) {
 int checked_device(int device) {
   const int count = device_count();
   if (device < 0 || device >= count) {
-    throw backend_error("streamsafe: CUDA device " + std::to_string(device) +
-                        " does not exist (" + std::to_string(count) + " device(s) present)");
+    throw backend_error("streamsafe: CUDA device " + std::to_string(device) + " does not exist (" +
+                        std::to_string(count) + " device(s) present)");
   }
   return device;
 }
@@ -107,16 +107,19 @@ CUresult on_device(bool device_current, int device, DriverCall call) {
 }  // namespace
 
 void cuda_event_ops::record_event(event_handle event, stream_handle stream) {
-  const CUresult r = on_device(device_is_current(), device_,
-                               [&] { return driver::event_record(to_cu(event), to_cu_stream(stream)); });
+  const CUresult r = on_device(device_is_current(), device_, [&] {
+    return driver::event_record(to_cu(event), to_cu_stream(stream));
+  });
   if (r == CUDA_SUCCESS) return;
-  if (!needs_runtime(r)) detail::throw_cu_error(r, "cuEventRecord(event, stream)", __FILE__, __LINE__);
+  if (!needs_runtime(r))
+    detail::throw_cu_error(r, "cuEventRecord(event, stream)", __FILE__, __LINE__);
   device_guard guard(device_);
   STREAMSAFE_CUDA_CHECK(cudaEventRecord(to_event(event), to_stream(stream)));
 }
 
 bool cuda_event_ops::query_event(event_handle event) {
-  const CUresult r = on_device(device_is_current(), device_, [&] { return driver::event_query(to_cu(event)); });
+  const CUresult r = on_device(device_is_current(), device_,
+                               [&] { return driver::event_query(to_cu(event)); });
   if (r == CUDA_SUCCESS) return true;
   if (r == CUDA_ERROR_NOT_READY) return false;
   if (!needs_runtime(r)) detail::throw_cu_error(r, "cuEventQuery(event)", __FILE__, __LINE__);
@@ -130,10 +133,12 @@ void cuda_event_ops::synchronize_event(event_handle event) {
 }
 
 void cuda_event_ops::stream_wait_event(stream_handle stream, event_handle event) {
-  const CUresult r = on_device(device_is_current(), device_,
-                               [&] { return driver::stream_wait_event(to_cu_stream(stream), to_cu(event), 0); });
+  const CUresult r = on_device(device_is_current(), device_, [&] {
+    return driver::stream_wait_event(to_cu_stream(stream), to_cu(event), 0);
+  });
   if (r == CUDA_SUCCESS) return;
-  if (!needs_runtime(r)) detail::throw_cu_error(r, "cuStreamWaitEvent(stream, event)", __FILE__, __LINE__);
+  if (!needs_runtime(r))
+    detail::throw_cu_error(r, "cuStreamWaitEvent(stream, event)", __FILE__, __LINE__);
   device_guard guard(device_);
   STREAMSAFE_CUDA_CHECK(cudaStreamWaitEvent(to_stream(stream), to_event(event), 0));
 }

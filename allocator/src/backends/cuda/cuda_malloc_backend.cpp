@@ -1,10 +1,10 @@
 // streamsafe: cuda_malloc_backend (see cuda_malloc_backend.hpp). Stateless apart from the
 // device index; thread-safe.
-#include <streamsafe/core/errors.hpp>
 #include <streamsafe/backends/capture_mode.hpp>
 #include <streamsafe/backends/cuda_check.hpp>
 #include <streamsafe/backends/cuda_malloc_backend.hpp>
 #include <streamsafe/backends/device_guard.hpp>
+#include <streamsafe/core/errors.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -51,9 +51,7 @@ void cuda_malloc_backend::release_address_range(void* /*base*/, std::size_t /*si
   not_supported("release_address_range");
 }
 
-bool cuda_malloc_backend::map(void* /*addr*/, std::size_t /*size_bytes*/) {
-  not_supported("map");
-}
+bool cuda_malloc_backend::map(void* /*addr*/, std::size_t /*size_bytes*/) { not_supported("map"); }
 
 void cuda_malloc_backend::unmap(void* /*addr*/, std::size_t /*size_bytes*/) {
   not_supported("unmap");

@@ -3,11 +3,11 @@
 //
 // Thread safety: the table is a function-local static, initialised once by whichever thread
 // comes first (C++11 guarantees the others wait); it is read-only afterwards.
-#include <streamsafe/core/errors.hpp>
 #include <streamsafe/backends/driver_api.hpp>
+#include <streamsafe/core/errors.hpp>
 
-#include <cuda_runtime_api.h>
 #include <cudaTypedefs.h>
+#include <cuda_runtime_api.h>
 
 #include <cstring>
 #include <string>
@@ -43,8 +43,8 @@ template <typename Function>
 void fetch(const char* symbol, Function& fn, std::string& error) {
   void* address = nullptr;
   cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-  const cudaError_t result = cudaGetDriverEntryPointByVersion(
-      symbol, &address, entry_point_version, cudaEnableDefault, &status);
+  const cudaError_t result = cudaGetDriverEntryPointByVersion(symbol, &address, entry_point_version,
+                                                              cudaEnableDefault, &status);
   if (result != cudaSuccess || status != cudaDriverEntryPointSuccess || address == nullptr) {
     (void)cudaGetLastError();
     if (error.empty()) {
@@ -165,8 +165,7 @@ CUresult mem_set_access(CUdeviceptr ptr, std::size_t size, const CUmemAccessDesc
 CUresult mem_address_reserve(CUdeviceptr* ptr, std::size_t size, std::size_t alignment,
                              CUdeviceptr addr, unsigned long long flags) noexcept {
   const entry_points* t = usable();
-  return t ? t->mem_address_reserve(ptr, size, alignment, addr, flags)
-           : CUDA_ERROR_NOT_INITIALIZED;
+  return t ? t->mem_address_reserve(ptr, size, alignment, addr, flags) : CUDA_ERROR_NOT_INITIALIZED;
 }
 
 CUresult mem_address_free(CUdeviceptr ptr, std::size_t size) noexcept {
@@ -174,8 +173,7 @@ CUresult mem_address_free(CUdeviceptr ptr, std::size_t size) noexcept {
   return t ? t->mem_address_free(ptr, size) : CUDA_ERROR_NOT_INITIALIZED;
 }
 
-CUresult mem_get_allocation_granularity(std::size_t* granularity,
-                                        const CUmemAllocationProp* prop,
+CUresult mem_get_allocation_granularity(std::size_t* granularity, const CUmemAllocationProp* prop,
                                         CUmemAllocationGranularity_flags option) noexcept {
   const entry_points* t = usable();
   return t ? t->mem_get_allocation_granularity(granularity, prop, option)

@@ -2,12 +2,12 @@
 // mutex_, held only around table reads and updates, never across a driver call.
 #include "core/format.hpp"
 
-#include <streamsafe/core/errors.hpp>
 #include <streamsafe/backends/capture_mode.hpp>
 #include <streamsafe/backends/cuda_check.hpp>
 #include <streamsafe/backends/device_guard.hpp>
 #include <streamsafe/backends/driver_api.hpp>
 #include <streamsafe/backends/expandable_backend.hpp>
+#include <streamsafe/core/errors.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -23,7 +23,9 @@ namespace {
 
 constexpr std::size_t min_granularity = std::size_t{2} << 20;
 
-std::string hex(CUdeviceptr address) { return streamsafe::detail::hex(static_cast<std::uintptr_t>(address)); }
+std::string hex(CUdeviceptr address) {
+  return streamsafe::detail::hex(static_cast<std::uintptr_t>(address));
+}
 
 [[noreturn]] void invalid_range(const char* call, CUdeviceptr base, std::size_t size_bytes,
                                 const char* why) {
@@ -43,8 +45,8 @@ expandable_backend::expandable_backend(int device) : cuda_event_ops(device) {
   prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
   // A device without virtual memory management fails here (CUDA_ERROR_NOT_SUPPORTED).
   std::size_t recommended = 0;
-  STREAMSAFE_CU_CHECK(driver::mem_get_allocation_granularity(
-      &recommended, &prop_, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+  STREAMSAFE_CU_CHECK(driver::mem_get_allocation_granularity(&recommended, &prop_,
+                                                             CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
   if (recommended == 0) recommended = min_granularity;
   granularity_ = (min_granularity + recommended - 1) / recommended * recommended;
   CUmemAccessDesc self{};
@@ -100,8 +102,7 @@ std::size_t expandable_backend::rounded_size(std::size_t size_bytes) const {
 CUdeviceptr expandable_backend::checked_range(void* addr, std::size_t size_bytes,
                                               const char* call) const {
   const auto base = static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(addr));
-  if (base == 0 || size_bytes == 0 || base % granularity_ != 0 ||
-      size_bytes % granularity_ != 0) {
+  if (base == 0 || size_bytes == 0 || base % granularity_ != 0 || size_bytes % granularity_ != 0) {
     invalid_range(call, base, size_bytes,
                   ("address and size must be non-zero multiples of the granularity (" +
                    std::to_string(granularity_) + " bytes)")
@@ -191,7 +192,8 @@ bool expandable_backend::map(void* addr, std::size_t size_bytes) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = chunks_.upper_bound(base);
-    if (it != chunks_.begin() && std::prev(it)->first + std::prev(it)->second.size_bytes > base) --it;
+    if (it != chunks_.begin() && std::prev(it)->first + std::prev(it)->second.size_bytes > base)
+      --it;
     if (it != chunks_.end() && it->first < base + size_bytes) {
       invalid_range("map", base, size_bytes,
                     ("the range at " + hex(it->first) + " is already mapped").c_str());
@@ -236,7 +238,8 @@ void expandable_backend::unmap(void* addr, std::size_t size_bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
     CUdeviceptr at = base;
     for (auto it = chunks_.find(base); at < base + size_bytes; ++it) {
-      if (it == chunks_.end() || it->first != at || it->first + it->second.size_bytes > base + size_bytes) {
+      if (it == chunks_.end() || it->first != at ||
+          it->first + it->second.size_bytes > base + size_bytes) {
         invalid_range("unmap", base, size_bytes,
                       ("the range at " + hex(at) + " is not exactly a mapped range").c_str());
       }

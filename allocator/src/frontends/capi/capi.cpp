@@ -11,10 +11,10 @@
 // destroyed, so that a thread still holding one cannot see it freed.
 #include "core/logging.hpp"
 
+#include <streamsafe/streamsafe.h>
 #include <streamsafe/core/errors.hpp>
 #include <streamsafe/frontends/allocator.hpp>
 #include <streamsafe/sim/simulated_platform.hpp>
-#include <streamsafe/streamsafe.h>
 
 #include <cuda_runtime_api.h>
 
@@ -105,8 +105,8 @@ allocator& target() {
     for (const auto& w : warnings) streamsafe::detail::log().warn("{}", w);
     s.configured = true;
   }
-  auto a = std::make_unique<allocator>(s.opts, s.sim ? s.sim->make_platform()
-                                                     : streamsafe::cuda::platform::cuda());
+  auto a = std::make_unique<allocator>(
+      s.opts, s.sim ? s.sim->make_platform() : streamsafe::cuda::platform::cuda());
   s.allocators.push_back(std::move(a));
   s.current.store(s.allocators.back().get(), std::memory_order_release);
   return *s.allocators.back();
@@ -295,7 +295,8 @@ streamsafe_status streamsafe_use_simulated_devices(int device_count, size_t byte
   if (device_count <= 0 || device_count > 64) {
     return invalid_argument("streamsafe_use_simulated_devices: device_count must be in [1, 64]");
   }
-  if (bytes_per_device == 0) return invalid_argument("streamsafe_use_simulated_devices: bytes_per_device is 0");
+  if (bytes_per_device == 0)
+    return invalid_argument("streamsafe_use_simulated_devices: bytes_per_device is 0");
   return guarded([&] {
     state& s = global();
     std::lock_guard<std::mutex> lk(s.mutex);
@@ -321,7 +322,8 @@ streamsafe_status streamsafe_sim_create_stream(int device, void** stream) {
   if (!stream) return invalid_argument("streamsafe_sim_create_stream: stream is NULL");
   *stream = nullptr;
   simulated_platform* sim = simulated();
-  if (!sim) return fail(STREAMSAFE_ERROR_STATE, "streamsafe_sim_create_stream: not in simulated mode");
+  if (!sim)
+    return fail(STREAMSAFE_ERROR_STATE, "streamsafe_sim_create_stream: not in simulated mode");
   if (device < 0 || device >= sim->device_count()) {
     return invalid_argument("streamsafe_sim_create_stream: no such simulated device");
   }
@@ -330,7 +332,8 @@ streamsafe_status streamsafe_sim_create_stream(int device, void** stream) {
 
 streamsafe_status streamsafe_sim_synchronize(void) {
   simulated_platform* sim = simulated();
-  if (!sim) return fail(STREAMSAFE_ERROR_STATE, "streamsafe_sim_synchronize: not in simulated mode");
+  if (!sim)
+    return fail(STREAMSAFE_ERROR_STATE, "streamsafe_sim_synchronize: not in simulated mode");
   return guarded([&] {
     for (int d = 0; d < sim->device_count(); ++d) sim->device(d).run_until_idle();
   });

@@ -9,12 +9,12 @@
 #include "core/format.hpp"
 #include "core/logging.hpp"
 
-#include <streamsafe/core/errors.hpp>
-#include <streamsafe/frontends/allocator.hpp>
 #include <streamsafe/backends/cuda_check.hpp>
 #include <streamsafe/backends/cuda_malloc_backend.hpp>
 #include <streamsafe/backends/expandable_backend.hpp>
 #include <streamsafe/backends/gpu.hpp>
+#include <streamsafe/core/errors.hpp>
+#include <streamsafe/frontends/allocator.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -30,7 +30,9 @@ namespace {
 constexpr stream_handle legacy_stream = 1;      // cudaStreamLegacy
 constexpr stream_handle per_thread_stream = 2;  // cudaStreamPerThread
 
-std::string hex(const void* p) { return streamsafe::detail::hex(reinterpret_cast<std::uintptr_t>(p)); }
+std::string hex(const void* p) {
+  return streamsafe::detail::hex(reinterpret_cast<std::uintptr_t>(p));
+}
 
 }  // namespace
 
@@ -68,7 +70,8 @@ platform platform::cuda() {
     return device;
   };
   p.make_backend = [](int device, const options& opts) -> std::unique_ptr<device_backend> {
-    if (opts.backend == backend_kind::expandable) return std::make_unique<expandable_backend>(device);
+    if (opts.backend == backend_kind::expandable)
+      return std::make_unique<expandable_backend>(device);
     return std::make_unique<cuda_malloc_backend>(device);
   };
   p.real_device = true;
@@ -127,7 +130,8 @@ caching_allocator& allocator::get_or_create(int device) {
   // device's caching_allocator::config() says what was resolved.
   options resolved = options_;
   if (resolved.release_worker == release_worker_mode::automatic) {
-    resolved.release_worker = platform_.real_device && resolved.empty_cache == empty_cache_mode::defer
+    resolved.release_worker = platform_.real_device &&
+                                      resolved.empty_cache == empty_cache_mode::defer
                                   ? release_worker_mode::on
                                   : release_worker_mode::off;
   }
@@ -177,7 +181,8 @@ void allocator::route(void* ptr, const char* what, Op&& op) {
   }
   auto where = [&] {
     std::string devices;
-    for (std::size_t i = 0; i < n; ++i) devices += (i ? ", " : "") + std::to_string(in_use[i]->device());
+    for (std::size_t i = 0; i < n; ++i)
+      devices += (i ? ", " : "") + std::to_string(in_use[i]->device());
     return "; devices searched: " + (devices.empty() ? std::string("none") : devices) + " (" +
            std::to_string(n) + " of " + std::to_string(device_count_) +
            " device(s) have a streamsafe allocator)";
@@ -195,7 +200,8 @@ void allocator::route(void* ptr, const char* what, Op&& op) {
       if (caching_allocator* a = existing(current); a && a->find_block(ptr).address != 0) owner = a;
     }
     for (std::size_t i = 0; !owner && i < n; ++i) {
-      if (in_use[i]->device() != current && in_use[i]->find_block(ptr).address != 0) owner = in_use[i];
+      if (in_use[i]->device() != current && in_use[i]->find_block(ptr).address != 0)
+        owner = in_use[i];
     }
   }
   if (owner) {
@@ -296,11 +302,16 @@ void allocator::notify_stream_destroyed(cudaStream_t stream, int device) {
   if (caching_allocator* a = existing(device)) a->notify_stream_destroyed(to_stream_handle(stream));
 }
 
-std::uint64_t allocator::notify_capture_begin(cudaStream_t stream) { return notify_capture_begin(stream, 0); }
+std::uint64_t allocator::notify_capture_begin(cudaStream_t stream) {
+  return notify_capture_begin(stream, 0);
+}
 
-std::uint64_t allocator::notify_capture_begin(cudaStream_t stream, std::uint64_t share_pool_of_graph) {
+std::uint64_t allocator::notify_capture_begin(cudaStream_t stream,
+                                              std::uint64_t share_pool_of_graph) {
   const stream_handle h = to_stream_handle(stream);
-  if (h == 0) return device_allocator(current_device()).notify_capture_begin(h, share_pool_of_graph);  // throws: stream 0
+  if (h == 0)
+    return device_allocator(current_device())
+        .notify_capture_begin(h, share_pool_of_graph);  // throws: stream 0
   return device_allocator(platform_.stream_device(h)).notify_capture_begin(h, share_pool_of_graph);
 }
 

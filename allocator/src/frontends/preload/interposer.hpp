@@ -12,11 +12,11 @@
 #include "preload_backend.hpp"
 #include "real_cuda.hpp"
 
-#include <streamsafe/core/errors.hpp>
-#include <streamsafe/frontends/allocator.hpp>
 #include <streamsafe/backends/device_guard.hpp>
 #include <streamsafe/backends/expandable_backend.hpp>
 #include <streamsafe/backends/gpu.hpp>
+#include <streamsafe/core/errors.hpp>
+#include <streamsafe/frontends/allocator.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -52,10 +52,10 @@ struct counters {
 
 // The per-device state of the interposer.
 struct device_slot {
-  std::mutex mutex;                   // guards the fields below (not the counters)
-  std::vector<void*> open;            // freed by cudaFree since the last fence
-  std::unordered_set<void*> queued;   // open + in flight (double-free detection)
-  std::deque<fenced_batch> in_flight; // fenced, oldest first
+  std::mutex mutex;                    // guards the fields below (not the counters)
+  std::vector<void*> open;             // freed by cudaFree since the last fence
+  std::unordered_set<void*> queued;    // open + in flight (double-free detection)
+  std::deque<fenced_batch> in_flight;  // fenced, oldest first
   std::vector<cudaEvent_t> spare_events;
   std::atomic<cudaStream_t> private_stream{nullptr};  // cudaMalloc's pool stream
   counters count;
@@ -116,7 +116,8 @@ class interposer {
     }
     stream_info info;
     unsigned int flags = 0;
-    if (cudaStreamGetDevice(s, &info.device) != cudaSuccess || cudaStreamGetFlags(s, &flags) != cudaSuccess) {
+    if (cudaStreamGetDevice(s, &info.device) != cudaSuccess ||
+        cudaStreamGetFlags(s, &flags) != cudaSuccess) {
       (void)cudaGetLastError();
       return false;
     }
@@ -148,7 +149,8 @@ class interposer {
   bool close_open_locked(int device, device_slot& slot, cudaStream_t extra = nullptr) {
     if (slot.open.empty()) return true;
     std::vector<cudaStream_t> targets = fence_streams(device);
-    if (extra && std::find(targets.begin(), targets.end(), extra) == targets.end()) targets.push_back(extra);
+    if (extra && std::find(targets.begin(), targets.end(), extra) == targets.end())
+      targets.push_back(extra);
     fenced_batch batch;
     try {
       cuda::device_guard guard(device);
@@ -164,7 +166,8 @@ class interposer {
         if (cudaEventRecord(e, s) != cudaSuccess) {
           (void)cudaGetLastError();
           slot.spare_events.push_back(e);
-          if (s == cudaStreamLegacy) throw backend_error("cudaEventRecord on the legacy stream failed");
+          if (s == cudaStreamLegacy)
+            throw backend_error("cudaEventRecord on the legacy stream failed");
           forget(s);  // a stream destroyed behind our back: it has no work left to fence
           continue;
         }
@@ -189,7 +192,8 @@ class interposer {
     while (!slot.in_flight.empty()) {
       fenced_batch& b = slot.in_flight.front();
       for (cudaEvent_t e : b.events) {
-        if (cudaEventQuery(e) != cudaSuccess) return;  // cudaErrorNotReady: not recorded as last error
+        if (cudaEventQuery(e) != cudaSuccess)
+          return;  // cudaErrorNotReady: not recorded as last error
       }
       for (void* p : b.ptrs) slot.queued.erase(p);
       done.insert(done.end(), b.ptrs.begin(), b.ptrs.end());
@@ -285,18 +289,25 @@ class interposer {
         buf, sizeof buf,
         "{\"device\": %d, \"cudaMalloc\": %llu, \"cudaFree\": %llu, \"cudaMallocAsync\": %llu, "
         "\"cudaFreeAsync\": %llu, \"passthrough_allocs\": %llu, \"passthrough_frees\": %llu, "
-        "\"free_batches\": %llu, \"batched_frees\": %llu, \"fence_events\": %llu, \"queued_frees\": %zu, "
+        "\"free_batches\": %llu, \"batched_frees\": %llu, \"fence_events\": %llu, "
+        "\"queued_frees\": %zu, "
         "\"batches_in_flight\": %zu, \"flushes\": %llu, \"private_stream_syncs\": %llu, "
         "\"errors\": %llu, \"num_device_alloc\": %llu, \"num_device_free\": %llu, "
         "\"allocated_bytes\": %lld, \"allocated_bytes_peak\": %lld, \"reserved_bytes\": %lld, "
-        "\"reserved_bytes_peak\": %lld, \"events_recorded\": %llu, \"stream_waits\": %llu, \"num_ooms\": %llu}",
-        device, ull(c.mallocs), ull(c.frees), ull(c.malloc_asyncs), ull(c.free_asyncs), ull(c.passthrough_allocs),
-        ull(c.passthrough_frees), ull(c.batches), ull(c.batched_frees), ull(c.fence_events), queued, in_flight,
-        ull(c.flushes), ull(c.private_syncs), ull(c.errors), static_cast<unsigned long long>(s.num_device_alloc),
-        static_cast<unsigned long long>(s.num_device_free), static_cast<long long>(s.allocated_bytes.current),
-        static_cast<long long>(s.allocated_bytes.peak), static_cast<long long>(s.reserved_bytes.current),
-        static_cast<long long>(s.reserved_bytes.peak), static_cast<unsigned long long>(s.events_recorded),
-        static_cast<unsigned long long>(s.stream_waits), static_cast<unsigned long long>(s.num_ooms));
+        "\"reserved_bytes_peak\": %lld, \"events_recorded\": %llu, \"stream_waits\": %llu, "
+        "\"num_ooms\": %llu}",
+        device, ull(c.mallocs), ull(c.frees), ull(c.malloc_asyncs), ull(c.free_asyncs),
+        ull(c.passthrough_allocs), ull(c.passthrough_frees), ull(c.batches), ull(c.batched_frees),
+        ull(c.fence_events), queued, in_flight, ull(c.flushes), ull(c.private_syncs), ull(c.errors),
+        static_cast<unsigned long long>(s.num_device_alloc),
+        static_cast<unsigned long long>(s.num_device_free),
+        static_cast<long long>(s.allocated_bytes.current),
+        static_cast<long long>(s.allocated_bytes.peak),
+        static_cast<long long>(s.reserved_bytes.current),
+        static_cast<long long>(s.reserved_bytes.peak),
+        static_cast<unsigned long long>(s.events_recorded),
+        static_cast<unsigned long long>(s.stream_waits),
+        static_cast<unsigned long long>(s.num_ooms));
     return buf;
   }
 
@@ -309,13 +320,17 @@ class interposer {
         const statistics s = a.stats(d);
         const counters& c = slots_[d].count;
         detail::log().info(
-            "preload summary, device {}: cudaMalloc {} / cudaFree {} / cudaMallocAsync {} / cudaFreeAsync {} "
-            "served; driver allocations {}, driver frees {}; passed through: {} allocations, {} frees; "
-            "{} frees in {} fenced batches ({} events); peak reserved {:.1f} MiB, peak allocated {:.1f} MiB; "
+            "preload summary, device {}: cudaMalloc {} / cudaFree {} / cudaMallocAsync {} / "
+            "cudaFreeAsync {} "
+            "served; driver allocations {}, driver frees {}; passed through: {} allocations, {} "
+            "frees; "
+            "{} frees in {} fenced batches ({} events); peak reserved {:.1f} MiB, peak allocated "
+            "{:.1f} MiB; "
             "flushes (empty_cache, out of memory) {}",
-            d, ull(c.mallocs), ull(c.frees), ull(c.malloc_asyncs), ull(c.free_asyncs), s.num_device_alloc,
-            s.num_device_free, ull(c.passthrough_allocs), ull(c.passthrough_frees), ull(c.batched_frees),
-            ull(c.batches), ull(c.fence_events), static_cast<double>(s.reserved_bytes.peak) / 1048576.0,
+            d, ull(c.mallocs), ull(c.frees), ull(c.malloc_asyncs), ull(c.free_asyncs),
+            s.num_device_alloc, s.num_device_free, ull(c.passthrough_allocs),
+            ull(c.passthrough_frees), ull(c.batched_frees), ull(c.batches), ull(c.fence_events),
+            static_cast<double>(s.reserved_bytes.peak) / 1048576.0,
             static_cast<double>(s.allocated_bytes.peak) / 1048576.0, ull(c.flushes));
         detail::log().info("preload summary, device {}: {}", d, stats_json(d));
       }
@@ -343,8 +358,9 @@ class interposer {
         const cudaError_t e = real().stream_create_with_flags(&stream, cudaStreamNonBlocking);
         if (e != cudaSuccess) {
           (void)cudaGetLastError();
-          throw backend_error(std::string("streamsafe preload: creating the private stream failed: ") +
-                              cudaGetErrorString(e));
+          throw backend_error(
+              std::string("streamsafe preload: creating the private stream failed: ") +
+              cudaGetErrorString(e));
         }
         s.private_stream.store(stream);
       }
@@ -354,8 +370,8 @@ class interposer {
       } else {
         inner = std::make_unique<real_malloc_backend>(device);
       }
-      return std::make_unique<watching_backend>(std::move(inner),
-                                                reinterpret_cast<stream_handle>(s.private_stream.load()));
+      return std::make_unique<watching_backend>(
+          std::move(inner), reinterpret_cast<stream_handle>(s.private_stream.load()));
     };
     return p;
   }

@@ -33,8 +33,8 @@
 #include "interposer.hpp"
 #include "real_cuda.hpp"
 
-#include <streamsafe/core/errors.hpp>
 #include <streamsafe/backends/gpu.hpp>
+#include <streamsafe/core/errors.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -133,14 +133,16 @@ cudaError_t free_async_impl(void* ptr, cudaStream_t stream, bool ptsz) {
   if (owner < 0 || owner >= k_max_devices) {
     if (owner < 0) {
       int device = 0;
-      if (cudaGetDevice(&device) == cudaSuccess && device < k_max_devices) ip.slot(device).count.passthrough_frees++;
+      if (cudaGetDevice(&device) == cudaSuccess && device < k_max_devices)
+        ip.slot(device).count.passthrough_frees++;
     }
     return pass();
   }
   if (ptsz && stream == nullptr) stream = cudaStreamPerThread;
   device_slot& slot = ip.slot(owner);
   if (capturing(stream)) {
-    detail::log().error("preload: cudaFreeAsync of a streamsafe block on a capturing stream is not supported");
+    detail::log().error(
+        "preload: cudaFreeAsync of a streamsafe block on a capturing stream is not supported");
     return cudaErrorStreamCaptureUnsupported;
   }
   stream_info info;
@@ -171,7 +173,8 @@ STREAMSAFE_EXPORT cudaError_t cudaMalloc(void** devPtr, size_t size) {
   interposer& ip = interposer::get();
   if (!ip.enabled() || !devPtr || size == 0) return real().malloc(devPtr, size);
   int device = -1;
-  if (cudaGetDevice(&device) != cudaSuccess || device >= streamsafe::preload::k_max_devices) return real().malloc(devPtr, size);
+  if (cudaGetDevice(&device) != cudaSuccess || device >= streamsafe::preload::k_max_devices)
+    return real().malloc(devPtr, size);
   try {
     // The device's allocator, and with its backend the private stream cudaMalloc is served on.
     streamsafe::cuda::allocator& a = ip.alloc();
@@ -210,7 +213,8 @@ STREAMSAFE_EXPORT cudaError_t cudaFree(void* devPtr) {
     const int owner = a.owner_device(devPtr);
     if (owner < 0 || owner >= streamsafe::preload::k_max_devices) {
       int device = 0;
-      if (owner < 0 && cudaGetDevice(&device) == cudaSuccess && device < streamsafe::preload::k_max_devices) {
+      if (owner < 0 && cudaGetDevice(&device) == cudaSuccess &&
+          device < streamsafe::preload::k_max_devices) {
         ip.slot(device).count.passthrough_frees++;
       }
       return real().free(devPtr);
@@ -219,7 +223,8 @@ STREAMSAFE_EXPORT cudaError_t cudaFree(void* devPtr) {
     std::lock_guard<std::mutex> lk(slot.mutex);
     // Checked again under the slot's lock: batches go back to the allocator under it.
     const streamsafe::caching_allocator* d = a.find_device_allocator(owner);
-    if (!d || d->find_block(devPtr).address == 0 || slot.queued.count(devPtr)) return cudaErrorInvalidValue;
+    if (!d || d->find_block(devPtr).address == 0 || slot.queued.count(devPtr))
+      return cudaErrorInvalidValue;
     slot.queued.insert(devPtr);
     slot.open.push_back(devPtr);
     slot.count.frees++;
@@ -238,7 +243,8 @@ STREAMSAFE_EXPORT cudaError_t cudaFreeAsync(void* devPtr, cudaStream_t stream) {
   return streamsafe::preload::free_async_impl(devPtr, stream, false);
 }
 
-STREAMSAFE_EXPORT cudaError_t cudaMallocAsync_ptsz(void** devPtr, size_t size, cudaStream_t stream) {
+STREAMSAFE_EXPORT cudaError_t cudaMallocAsync_ptsz(void** devPtr, size_t size,
+                                                   cudaStream_t stream) {
   return streamsafe::preload::malloc_async_impl(devPtr, size, stream, true);
 }
 
@@ -248,19 +254,23 @@ STREAMSAFE_EXPORT cudaError_t cudaFreeAsync_ptsz(void* devPtr, cudaStream_t stre
 
 STREAMSAFE_EXPORT cudaError_t cudaStreamCreate(cudaStream_t* pStream) {
   const cudaError_t e = real().stream_create(pStream);
-  if (e == cudaSuccess && interposer::get().enabled()) interposer::get().note_created(*pStream, cudaStreamDefault);
+  if (e == cudaSuccess && interposer::get().enabled())
+    interposer::get().note_created(*pStream, cudaStreamDefault);
   return e;
 }
 
 STREAMSAFE_EXPORT cudaError_t cudaStreamCreateWithFlags(cudaStream_t* pStream, unsigned int flags) {
   const cudaError_t e = real().stream_create_with_flags(pStream, flags);
-  if (e == cudaSuccess && interposer::get().enabled()) interposer::get().note_created(*pStream, flags);
+  if (e == cudaSuccess && interposer::get().enabled())
+    interposer::get().note_created(*pStream, flags);
   return e;
 }
 
-STREAMSAFE_EXPORT cudaError_t cudaStreamCreateWithPriority(cudaStream_t* pStream, unsigned int flags, int priority) {
+STREAMSAFE_EXPORT cudaError_t cudaStreamCreateWithPriority(cudaStream_t* pStream,
+                                                           unsigned int flags, int priority) {
   const cudaError_t e = real().stream_create_with_priority(pStream, flags, priority);
-  if (e == cudaSuccess && interposer::get().enabled()) interposer::get().note_created(*pStream, flags);
+  if (e == cudaSuccess && interposer::get().enabled())
+    interposer::get().note_created(*pStream, flags);
   return e;
 }
 
@@ -268,7 +278,8 @@ STREAMSAFE_EXPORT cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   interposer& ip = interposer::get();
   if (ip.enabled() && !streamsafe::cuda::is_special_stream(stream)) {
     int device = -1;
-    if (cudaStreamGetDevice(stream, &device) == cudaSuccess && device >= 0 && device < streamsafe::preload::k_max_devices) {
+    if (cudaStreamGetDevice(stream, &device) == cudaSuccess && device >= 0 &&
+        device < streamsafe::preload::k_max_devices) {
       try {
         streamsafe::cuda::allocator& a = ip.alloc();
         if (a.find_device_allocator(device)) {
@@ -298,7 +309,9 @@ STREAMSAFE_EXPORT cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 STREAMSAFE_EXPORT int streamsafe_preload_stats_json(int device, char* buf, size_t len) {
   try {
     interposer& ip = interposer::get();
-    if (device < 0 || device >= std::min(ip.alloc().device_count(), streamsafe::preload::k_max_devices)) return -1;
+    if (device < 0 ||
+        device >= std::min(ip.alloc().device_count(), streamsafe::preload::k_max_devices))
+      return -1;
     const std::string text = ip.stats_json(device);
     if (buf && len > 0) {
       const std::size_t n = std::min(len - 1, text.size());
@@ -323,4 +336,6 @@ STREAMSAFE_EXPORT size_t streamsafe_preload_empty_cache(void) {
 }
 
 // 1 when the interposer serves allocations (STREAMSAFE_PRELOAD is not 0), else 0.
-STREAMSAFE_EXPORT int streamsafe_preload_active(void) { return interposer::get().enabled() ? 1 : 0; }
+STREAMSAFE_EXPORT int streamsafe_preload_active(void) {
+  return interposer::get().enabled() ? 1 : 0;
+}

@@ -3,9 +3,9 @@
 
 #include "real_cuda.hpp"
 
-#include <streamsafe/core/errors.hpp>
 #include <streamsafe/backends/cuda_check.hpp>
 #include <streamsafe/backends/device_guard.hpp>
+#include <streamsafe/core/errors.hpp>
 
 #include <string>
 
@@ -41,8 +41,12 @@ void real_malloc_backend::free_segment(void* base, std::size_t /*size_bytes*/) {
   STREAMSAFE_CUDA_CHECK(real().free(base));
 }
 
-void* real_malloc_backend::reserve_address_range(std::size_t) { not_supported("reserve_address_range"); }
-void real_malloc_backend::release_address_range(void*, std::size_t) { not_supported("release_address_range"); }
+void* real_malloc_backend::reserve_address_range(std::size_t) {
+  not_supported("reserve_address_range");
+}
+void real_malloc_backend::release_address_range(void*, std::size_t) {
+  not_supported("release_address_range");
+}
 bool real_malloc_backend::map(void*, std::size_t) { not_supported("map"); }
 void real_malloc_backend::unmap(void*, std::size_t) { not_supported("unmap"); }
 

@@ -13,10 +13,11 @@ template <class F>
 void fetch(F& into, const char* name, bool required) {
   void* symbol = dlsym(RTLD_NEXT, name);
   if (!symbol && required) {
-    std::fprintf(stderr,
-                 "streamsafe preload: the CUDA runtime's %s was not found (%s); the program must use "
-                 "the shared CUDA runtime (nvcc -cudart shared)\n",
-                 name, dlerror());
+    std::fprintf(
+        stderr,
+        "streamsafe preload: the CUDA runtime's %s was not found (%s); the program must use "
+        "the shared CUDA runtime (nvcc -cudart shared)\n",
+        name, dlerror());
     std::abort();
   }
   into = reinterpret_cast<F>(symbol);

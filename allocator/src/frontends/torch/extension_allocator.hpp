@@ -62,7 +62,8 @@
 #include <vector>
 
 #if !(TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 11)
-#error "streamsafe's CUDAAllocator is written for PyTorch 2.11's interface (c10/cuda/CUDACachingAllocator.h)"
+#error \
+    "streamsafe's CUDAAllocator is written for PyTorch 2.11's interface (c10/cuda/CUDACachingAllocator.h)"
 #endif
 
 namespace streamsafe::torch_ext {
@@ -72,7 +73,8 @@ namespace cda = c10::CachingDeviceAllocator;
 using c10::MempoolId_t;
 
 constexpr int max_devices = streamsafe::cuda::allocator::max_devices;
-constexpr std::size_t aggregate = static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+constexpr std::size_t aggregate = static_cast<std::size_t>(
+    c10::CachingAllocator::StatType::AGGREGATE);
 
 inline std::uint64_t now_us() {
   return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
@@ -80,7 +82,9 @@ inline std::uint64_t now_us() {
                                         .count());
 }
 
-inline std::string format_bytes(std::size_t bytes) { return streamsafe::detail::human_bytes(static_cast<std::int64_t>(bytes)); }
+inline std::string format_bytes(std::size_t bytes) {
+  return streamsafe::detail::human_bytes(static_cast<std::int64_t>(bytes));
+}
 
 class torch_allocator;
 
@@ -117,10 +121,16 @@ class limited_backend final : public device_backend {
     backed_bytes_.fetch_sub(size_bytes);
     note(cda::TraceEntry::SEGMENT_FREE, base, size_bytes);
   }
-  bool free_segment_synchronizes() const noexcept override { return inner_->free_segment_synchronizes(); }
+  bool free_segment_synchronizes() const noexcept override {
+    return inner_->free_segment_synchronizes();
+  }
   bool supports_expandable() const noexcept override { return inner_->supports_expandable(); }
-  std::size_t map_granularity_bytes() const noexcept override { return inner_->map_granularity_bytes(); }
-  void* reserve_address_range(std::size_t size_bytes) override { return inner_->reserve_address_range(size_bytes); }
+  std::size_t map_granularity_bytes() const noexcept override {
+    return inner_->map_granularity_bytes();
+  }
+  void* reserve_address_range(std::size_t size_bytes) override {
+    return inner_->reserve_address_range(size_bytes);
+  }
   void release_address_range(void* base, std::size_t size_bytes) override {
     inner_->release_address_range(base, size_bytes);
   }
@@ -147,7 +157,9 @@ class limited_backend final : public device_backend {
   }
   event_handle create_event() override { return inner_->create_event(); }
   void destroy_event(event_handle event) noexcept override { inner_->destroy_event(event); }
-  void record_event(event_handle event, stream_handle stream) override { inner_->record_event(event, stream); }
+  void record_event(event_handle event, stream_handle stream) override {
+    inner_->record_event(event, stream);
+  }
   bool query_event(event_handle event) override { return inner_->query_event(event); }
   void synchronize_event(event_handle event) override { inner_->synchronize_event(event); }
   void stream_wait_event(stream_handle stream, event_handle event) override {
@@ -158,7 +170,9 @@ class limited_backend final : public device_backend {
   void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override {
     inner_->memory_info(free_bytes, total_bytes);
   }
-  bool stream_is_capturing(stream_handle stream) noexcept override { return inner_->stream_is_capturing(stream); }
+  bool stream_is_capturing(stream_handle stream) noexcept override {
+    return inner_->stream_is_capturing(stream);
+  }
   bool stream_is_per_thread(stream_handle stream) const noexcept override {
     return inner_->stream_is_per_thread(stream);
   }
@@ -185,13 +199,16 @@ void raw_delete_fn(void* ptr);  // torch_extension.cpp
 
 class torch_allocator final : public cca::CUDAAllocator {
  public:
-  torch_allocator(streamsafe::options opts, std::string conf) : options_(opts), conf_(std::move(conf)) {
+  torch_allocator(streamsafe::options opts, std::string conf)
+      : options_(opts), conf_(std::move(conf)) {
     for (auto& l : limit_bytes_) l.store(0);
     fractions_.fill(1.0);
     streamsafe::cuda::platform p = streamsafe::cuda::platform::cuda();
     auto inner = p.make_backend;
-    p.make_backend = [inner, this](int device, const streamsafe::options& o) -> std::unique_ptr<device_backend> {
-      return std::make_unique<limited_backend>(inner(device, o), &limit_bytes_[static_cast<std::size_t>(device)], this);
+    p.make_backend =
+        [inner, this](int device, const streamsafe::options& o) -> std::unique_ptr<device_backend> {
+      return std::make_unique<limited_backend>(
+          inner(device, o), &limit_bytes_[static_cast<std::size_t>(device)], this);
     };
     ss_ = std::make_unique<streamsafe::cuda::allocator>(opts, std::move(p));
   }
@@ -231,7 +248,8 @@ class torch_allocator final : public cca::CUDAAllocator {
       std::lock_guard<std::mutex> lock(base_mu_);
       base = stats_base_[static_cast<std::size_t>(device)];
     }
-    auto put = [](c10::CachingAllocator::StatArray& a, const streamsafe::stat& v, const streamsafe::stat& b) {
+    auto put = [](c10::CachingAllocator::StatArray& a, const streamsafe::stat& v,
+                  const streamsafe::stat& b) {
       auto& d = a[aggregate];
       d.current = v.current;
       d.peak = v.peak;
@@ -248,7 +266,8 @@ class torch_allocator final : public cca::CUDAAllocator {
     put(out.requested_bytes, s.requested_bytes, base.requested_bytes);
     out.num_alloc_retries = static_cast<int64_t>(s.num_alloc_retries - base.num_alloc_retries);
     out.num_ooms = static_cast<int64_t>(s.num_ooms - base.num_ooms);
-    out.num_sync_all_streams = static_cast<int64_t>(s.num_sync_all_streams - base.num_sync_all_streams);
+    out.num_sync_all_streams = static_cast<int64_t>(s.num_sync_all_streams -
+                                                    base.num_sync_all_streams);
     out.num_device_alloc = static_cast<int64_t>(s.num_device_alloc - base.num_device_alloc);
     out.num_device_free = static_cast<int64_t>(s.num_device_free - base.num_device_free);
     out.max_split_size = options_.max_split_size_bytes != 0
@@ -264,7 +283,8 @@ class torch_allocator final : public cca::CUDAAllocator {
   }
   void resetPeakStats(c10::DeviceIndex device) override {
     check_device(device);
-    if (streamsafe::caching_allocator* a = ss_->find_device_allocator(device)) a->reset_peak_stats();
+    if (streamsafe::caching_allocator* a = ss_->find_device_allocator(device))
+      a->reset_peak_stats();
   }
 
   // ---- CUDAAllocator -------------------------------------------------------------------
@@ -294,23 +314,29 @@ class torch_allocator final : public cca::CUDAAllocator {
       C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
     }
     // fraction 1 = no cap beyond the device; 0 would refuse every growth (PyTorch: the same).
-    const std::size_t limit =
-        fraction >= 1.0 ? 0 : std::max<std::size_t>(1, static_cast<std::size_t>(fraction * static_cast<double>(total_bytes)));
+    const std::size_t limit = fraction >= 1.0
+                                  ? 0
+                                  : std::max<std::size_t>(
+                                        1, static_cast<std::size_t>(
+                                               fraction * static_cast<double>(total_bytes)));
     limit_bytes_[static_cast<std::size_t>(device)].store(limit);
     std::lock_guard<std::mutex> lock(base_mu_);
     fractions_[static_cast<std::size_t>(device)] = fraction;
   }
-  std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex /*device*/) override {
+  std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(
+      c10::DeviceIndex /*device*/) override {
     return {};  // streamsafe's expandable segments are not PyTorch's; nothing to pre-create
   }
   void enable(bool value) override {
-    TORCH_CHECK(value, "streamsafe: disabling the caching allocator (enable(false)) is not supported");
+    TORCH_CHECK(value,
+                "streamsafe: disabling the caching allocator (enable(false)) is not supported");
   }
   bool isEnabled() const override { return true; }
   void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
     check_device(device);
     std::size_t largest = 0;
-    if (streamsafe::caching_allocator* a = ss_->find_device_allocator(device)) largest = a->largest_free_block_bytes();
+    if (streamsafe::caching_allocator* a = ss_->find_device_allocator(device))
+      largest = a->largest_free_block_bytes();
     if (largest == 0) {  // as PyTorch: nothing cached, report what the device has free
       std::size_t free_bytes = 0, total_bytes = 0;
       c10::cuda::CUDAGuard guard(device);
@@ -321,7 +347,8 @@ class torch_allocator final : public cca::CUDAAllocator {
   }
   void* getBaseAllocation(void* ptr, size_t* size) override {
     const int device = ss_->owner_device(ptr);
-    TORCH_CHECK(device >= 0, "streamsafe: getBaseAllocation: ", ptr, " is not a block streamsafe handed out");
+    TORCH_CHECK(device >= 0, "streamsafe: getBaseAllocation: ", ptr,
+                " is not a block streamsafe handed out");
     const streamsafe::memory_snapshot snap = ss_->device_allocator(device).snapshot();
     const auto p = reinterpret_cast<std::uintptr_t>(ptr);
     for (const auto& seg : snap.segments) {
@@ -351,8 +378,8 @@ class torch_allocator final : public cca::CUDAAllocator {
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t mempool_id,
                           std::shared_ptr<cca::CUDAAllocator> allocator) override {
     TORCH_CHECK(!allocator || allocator.get() == this,
-                "streamsafe: torch.cuda.MemPool with its own allocator (", allocator ? allocator->name() : "",
-                ") is not supported");
+                "streamsafe: torch.cuda.MemPool with its own allocator (",
+                allocator ? allocator->name() : "", ") is not supported");
     std::lock_guard<std::mutex> lock(pools_mu_);
     pool_state& pool = pools_[mempool_id];
     pool.device = device;
@@ -360,31 +387,37 @@ class torch_allocator final : public cca::CUDAAllocator {
   }
   // MemPool(use_on_oom=True) / MemPool(no_split=True): refused by name; ~MemPool resets
   // use_on_oom to false, which is what streamsafe does anyway.
-  void setUseOnOOM(c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/, bool use_on_oom) override {
+  void setUseOnOOM(c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/,
+                   bool use_on_oom) override {
     TORCH_CHECK(!use_on_oom, "streamsafe: MemPool(use_on_oom=True) is not supported");
   }
   void setNoSplit(c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/) override {
     TORCH_CHECK(false, "streamsafe: MemPool(no_split=True) is not supported");
   }
-  bool checkPoolLiveAllocations(c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/,
-                                const std::unordered_set<void*>& /*expected_live_allocations*/) override {
+  bool checkPoolLiveAllocations(
+      c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/,
+      const std::unordered_set<void*>& /*expected_live_allocations*/) override {
     TORCH_CHECK(false,
-                "streamsafe: checking a CUDA graph pool's live allocations (checkPoolLiveAllocations, used by "
-                "torch.compile mode=\"reduce-overhead\" cudagraph trees) is not supported by the streamsafe allocator");
+                "streamsafe: checking a CUDA graph pool's live allocations "
+                "(checkPoolLiveAllocations, used by "
+                "torch.compile mode=\"reduce-overhead\" cudagraph trees) is not supported by the "
+                "streamsafe allocator");
   }
   cca::ShareableHandle shareIpcHandle(void* /*ptr*/) override {
-    TORCH_CHECK(false,
-                "streamsafe: CUDA IPC of tensors (shareIpcHandle, torch.multiprocessing sharing of CUDA "
-                "tensors) is not supported by the streamsafe allocator");
+    TORCH_CHECK(
+        false,
+        "streamsafe: CUDA IPC of tensors (shareIpcHandle, torch.multiprocessing sharing of CUDA "
+        "tensors) is not supported by the streamsafe allocator");
   }
   std::shared_ptr<void> getIpcDevPtr(std::string /*handle*/) override {
-    TORCH_CHECK(false,
-                "streamsafe: CUDA IPC of tensors (getIpcDevPtr, opening a CUDA tensor shared by another "
-                "process) is not supported by the streamsafe allocator");
+    TORCH_CHECK(
+        false,
+        "streamsafe: CUDA IPC of tensors (getIpcDevPtr, opening a CUDA tensor shared by another "
+        "process) is not supported by the streamsafe allocator");
   }
   bool isHistoryEnabled() override { return history_enabled_.load(); }
-  void recordHistory(bool enabled, cda::CreateContextFn context_recorder, size_t alloc_trace_max_entries,
-                     cda::RecordContext when, bool clearHistory,
+  void recordHistory(bool enabled, cda::CreateContextFn context_recorder,
+                     size_t alloc_trace_max_entries, cda::RecordContext when, bool clearHistory,
                      const std::vector<std::string>& skip_actions) override {
     std::lock_guard<std::mutex> lock(history_mu_);
     recorder_ = context_recorder;
@@ -418,28 +451,36 @@ class torch_allocator final : public cca::CUDAAllocator {
   }
   cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
                           cudaStream_t stream, bool p2p_enabled) override {
-    if (p2p_enabled || dstDevice == srcDevice) return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    if (p2p_enabled || dstDevice == srcDevice)
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
     return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
   }
-  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex /*device*/, MempoolId_t /*id*/) override {
-    TORCH_CHECK(false,
-                "streamsafe: checkpointing a CUDA graph pool (getCheckpointState, used by torch.compile "
-                "mode=\"reduce-overhead\" cudagraph trees) is not supported by the streamsafe allocator");
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex /*device*/,
+                                                          MempoolId_t /*id*/) override {
+    TORCH_CHECK(
+        false,
+        "streamsafe: checkpointing a CUDA graph pool (getCheckpointState, used by torch.compile "
+        "mode=\"reduce-overhead\" cudagraph trees) is not supported by the streamsafe allocator");
   }
-  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex /*device*/,
-                                              std::shared_ptr<cca::AllocatorState> /*pps*/) override {
-    TORCH_CHECK(false,
-                "streamsafe: restoring a CUDA graph pool (setCheckpointPoolState, used by torch.compile "
-                "mode=\"reduce-overhead\" cudagraph trees) is not supported by the streamsafe allocator");
+  cca::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex /*device*/, std::shared_ptr<cca::AllocatorState> /*pps*/) override {
+    TORCH_CHECK(
+        false,
+        "streamsafe: restoring a CUDA graph pool (setCheckpointPoolState, used by torch.compile "
+        "mode=\"reduce-overhead\" cudagraph trees) is not supported by the streamsafe allocator");
   }
   std::string name() override { return "streamsafe"; }
 
   // ---- used by limited_backend and the C entry points ----------------------------------
-  void note_segment(cda::TraceEntry::Action action, int device, void* addr, std::size_t size) noexcept {
-    if (!history_enabled_.load(std::memory_order_relaxed) && !has_trackers_.load(std::memory_order_relaxed)) return;
+  void note_segment(cda::TraceEntry::Action action, int device, void* addr,
+                    std::size_t size) noexcept {
+    if (!history_enabled_.load(std::memory_order_relaxed) &&
+        !has_trackers_.load(std::memory_order_relaxed))
+      return;
     try {
-      emit(cda::TraceEntry(action, static_cast<c10::DeviceIndex>(device), reinterpret_cast<std::uintptr_t>(addr), size,
-                           nullptr, {0, 0}, c10::getApproximateTime()));
+      emit(cda::TraceEntry(action, static_cast<c10::DeviceIndex>(device),
+                           reinterpret_cast<std::uintptr_t>(addr), size, nullptr, {0, 0},
+                           c10::getApproximateTime()));
     } catch (...) {
     }
   }
@@ -489,15 +530,17 @@ class torch_allocator final : public cca::CUDAAllocator {
     } catch (const std::bad_alloc& e) {
       out_of_memory(n, device, stream, e.what());
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, "streamsafe: allocation of ", n, " bytes on device ", static_cast<int>(device),
-                  " failed: ", e.what());
+      TORCH_CHECK(false, "streamsafe: allocation of ", n, " bytes on device ",
+                  static_cast<int>(device), " failed: ", e.what());
     }
-    if (history_enabled_.load(std::memory_order_relaxed) || has_trackers_.load(std::memory_order_relaxed))
+    if (history_enabled_.load(std::memory_order_relaxed) ||
+        has_trackers_.load(std::memory_order_relaxed))
       note_alloc(p, n, device, stream);
     return p;
   }
 
-  [[noreturn]] void out_of_memory(std::size_t n, c10::DeviceIndex device, cudaStream_t stream, const char* what) {
+  [[noreturn]] void out_of_memory(std::size_t n, c10::DeviceIndex device, cudaStream_t stream,
+                                  const char* what) {
     std::size_t free_bytes = 0, total_bytes = 0;
     {
       c10::cuda::CUDAGuard guard(device);
@@ -505,31 +548,35 @@ class torch_allocator final : public cca::CUDAAllocator {
     }
     const streamsafe::statistics s = ss_->stats(device);
     if (history_enabled_.load() || has_trackers_.load()) {
-      emit(cda::TraceEntry(cda::TraceEntry::OOM, device, free_bytes, n, stream, {0, 0}, c10::getApproximateTime()));
+      emit(cda::TraceEntry(cda::TraceEntry::OOM, device, free_bytes, n, stream, {0, 0},
+                           c10::getApproximateTime()));
     }
     std::vector<cca::OutOfMemoryObserver> observers;
     {
       std::lock_guard<std::mutex> lock(observers_mu_);
       observers = oom_observers_;
     }
-    for (auto& o : observers) o(device, static_cast<size_t>(s.allocated_bytes.current), total_bytes, free_bytes);
-    c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(n), static_cast<size_t>(s.allocated_bytes.current),
-                                     static_cast<size_t>(s.reserved_bytes.current),
-                                     c10::Device(c10::DeviceType::CUDA, device));
+    for (auto& o : observers)
+      o(device, static_cast<size_t>(s.allocated_bytes.current), total_bytes, free_bytes);
+    c10::reportOutOfMemoryToProfiler(
+        static_cast<int64_t>(n), static_cast<size_t>(s.allocated_bytes.current),
+        static_cast<size_t>(s.reserved_bytes.current), c10::Device(c10::DeviceType::CUDA, device));
     const std::size_t limit = limit_bytes_[static_cast<std::size_t>(device)].load();
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ", format_bytes(n),
-                     ". GPU ", static_cast<int>(device), " has a total capacity of ", format_bytes(total_bytes),
-                     " of which ", format_bytes(free_bytes), " is free. streamsafe has ",
-                     format_bytes(static_cast<std::size_t>(s.allocated_bytes.current)), " allocated and ",
-                     format_bytes(static_cast<std::size_t>(s.reserved_bytes.current)), " reserved",
-                     limit ? " (per-process memory limit " + format_bytes(limit) + ")" : std::string(),
-                     ". streamsafe: ", what);
+    TORCH_CHECK_WITH(
+        OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ", format_bytes(n),
+        ". GPU ", static_cast<int>(device), " has a total capacity of ", format_bytes(total_bytes),
+        " of which ", format_bytes(free_bytes), " is free. streamsafe has ",
+        format_bytes(static_cast<std::size_t>(s.allocated_bytes.current)), " allocated and ",
+        format_bytes(static_cast<std::size_t>(s.reserved_bytes.current)), " reserved",
+        limit ? " (per-process memory limit " + format_bytes(limit) + ")" : std::string(),
+        ". streamsafe: ", what);
   }
 
  public:
   void free(void* ptr) {
     if (!ptr) return;
-    if (history_enabled_.load(std::memory_order_relaxed) || has_trackers_.load(std::memory_order_relaxed))
+    if (history_enabled_.load(std::memory_order_relaxed) ||
+        has_trackers_.load(std::memory_order_relaxed))
       note_free(ptr);
     try {
       ss_->deallocate(ptr);

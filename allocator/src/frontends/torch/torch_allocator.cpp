@@ -17,7 +17,8 @@
 // A request of 0 bytes gets a 512-byte block (PyTorch keys its metadata by pointer). Out of
 // memory: the message is logged and std::bad_alloc thrown to PyTorch (Python: MemoryError);
 // any other failure (no such device, a CUDA error) throws std::runtime_error with the message
-// (Python: RuntimeError). Never a null pointer. The process allocator reads STREAMSAFE_ALLOC_CONF once.
+// (Python: RuntimeError). Never a null pointer. The process allocator reads STREAMSAFE_ALLOC_CONF
+// once.
 //
 // Thread safety: every function may be called from any thread; the last-error text is per thread.
 #include "core/logging.hpp"
@@ -90,7 +91,8 @@ STREAMSAFE_EXPORT void* streamsafe_torch_alloc(size_t size, int device, void* st
   }
 }
 
-STREAMSAFE_EXPORT void streamsafe_torch_free(void* ptr, size_t /*size*/, int /*device*/, void* /*stream*/) {
+STREAMSAFE_EXPORT void streamsafe_torch_free(void* ptr, size_t /*size*/, int /*device*/,
+                                             void* /*stream*/) {
   if (!ptr) return;
   try {
     allocator::instance().deallocate(ptr);  // routed to the owning device
@@ -141,25 +143,36 @@ STREAMSAFE_EXPORT int streamsafe_torch_stats_json(int device, char* buf, size_t 
     char text[2048];
     std::snprintf(
         text, sizeof text,
-        "{\"device\": %d, \"allocated_bytes.all.current\": %lld, \"allocated_bytes.all.peak\": %lld, "
+        "{\"device\": %d, \"allocated_bytes.all.current\": %lld, \"allocated_bytes.all.peak\": "
+        "%lld, "
         "\"reserved_bytes.all.current\": %lld, \"reserved_bytes.all.peak\": %lld, "
         "\"active_bytes.all.current\": %lld, \"active_bytes.all.peak\": %lld, "
         "\"inactive_split_bytes.all.current\": %lld, \"requested_bytes.all.peak\": %lld, "
-        "\"segment.all.current\": %lld, \"allocation.all.current\": %lld, \"num_alloc_retries\": %llu, "
+        "\"segment.all.current\": %lld, \"allocation.all.current\": %lld, \"num_alloc_retries\": "
+        "%llu, "
         "\"num_ooms\": %llu, \"num_device_alloc\": %llu, \"num_device_free\": %llu, "
         "\"num_sync_all_streams\": %llu, \"events_recorded\": %llu, \"stream_waits\": %llu, "
-        "\"fence_waits\": %llu, \"fence_wait_ns\": %llu, \"releases_deferred\": %llu, \"bytes_released\": %llu, "
+        "\"fence_waits\": %llu, \"fence_wait_ns\": %llu, \"releases_deferred\": %llu, "
+        "\"bytes_released\": %llu, "
         "\"pending_release_bytes\": %llu}",
-        device, static_cast<long long>(s.allocated_bytes.current), static_cast<long long>(s.allocated_bytes.peak),
-        static_cast<long long>(s.reserved_bytes.current), static_cast<long long>(s.reserved_bytes.peak),
+        device, static_cast<long long>(s.allocated_bytes.current),
+        static_cast<long long>(s.allocated_bytes.peak),
+        static_cast<long long>(s.reserved_bytes.current),
+        static_cast<long long>(s.reserved_bytes.peak),
         static_cast<long long>(s.active_bytes.current), static_cast<long long>(s.active_bytes.peak),
-        static_cast<long long>(s.inactive_split_bytes.current), static_cast<long long>(s.requested_bytes.peak),
-        static_cast<long long>(s.segment.current), static_cast<long long>(s.allocation.current),
-        static_cast<unsigned long long>(s.num_alloc_retries), static_cast<unsigned long long>(s.num_ooms),
-        static_cast<unsigned long long>(s.num_device_alloc), static_cast<unsigned long long>(s.num_device_free),
-        static_cast<unsigned long long>(s.num_sync_all_streams), static_cast<unsigned long long>(s.events_recorded),
-        static_cast<unsigned long long>(s.stream_waits), static_cast<unsigned long long>(s.fence_waits),
-        static_cast<unsigned long long>(s.fence_wait_ns), static_cast<unsigned long long>(s.releases_deferred),
+        static_cast<long long>(s.inactive_split_bytes.current),
+        static_cast<long long>(s.requested_bytes.peak), static_cast<long long>(s.segment.current),
+        static_cast<long long>(s.allocation.current),
+        static_cast<unsigned long long>(s.num_alloc_retries),
+        static_cast<unsigned long long>(s.num_ooms),
+        static_cast<unsigned long long>(s.num_device_alloc),
+        static_cast<unsigned long long>(s.num_device_free),
+        static_cast<unsigned long long>(s.num_sync_all_streams),
+        static_cast<unsigned long long>(s.events_recorded),
+        static_cast<unsigned long long>(s.stream_waits),
+        static_cast<unsigned long long>(s.fence_waits),
+        static_cast<unsigned long long>(s.fence_wait_ns),
+        static_cast<unsigned long long>(s.releases_deferred),
         static_cast<unsigned long long>(s.bytes_released),
         static_cast<unsigned long long>(d ? d->pending_release_bytes() : 0));
     return copy_out(text, buf, len);
@@ -185,10 +198,10 @@ STREAMSAFE_EXPORT int streamsafe_torch_reset_peak_stats(int device) {
 // The calling thread's message for its last failed call ("" when none).
 STREAMSAFE_EXPORT const char* streamsafe_torch_last_error(void) { return last_error.c_str(); }
 
-// ---- the other hooks of torch.cuda.memory.CUDAPluggableAllocator (PyTorch 2.11) ------------------
-// Wired by streamsafe.torch.install_pluggable() through alloc._allocator.set_*; the signatures are
-// those PyTorch casts the addresses to (the pool hooks take C++ types: MempoolId_t is a pair of
-// unsigned long long, the filter a std::function).
+// ---- the other hooks of torch.cuda.memory.CUDAPluggableAllocator (PyTorch 2.11)
+// ------------------ Wired by streamsafe.torch.install_pluggable() through alloc._allocator.set_*;
+// the signatures are those PyTorch casts the addresses to (the pool hooks take C++ types:
+// MempoolId_t is a pair of unsigned long long, the filter a std::function).
 
 namespace {
 
@@ -213,8 +226,8 @@ struct pool_entry {
   std::vector<std::uint64_t> graphs;
 };
 std::mutex pool_mutex;
-std::vector<pool_capture> pool_captures;   // guarded by pool_mutex
-std::map<mempool_id, pool_entry> pools;    // guarded by pool_mutex
+std::vector<pool_capture> pool_captures;  // guarded by pool_mutex
+std::map<mempool_id, pool_entry> pools;   // guarded by pool_mutex
 std::atomic<int> captures_announced{0};
 
 }  // namespace
@@ -232,7 +245,8 @@ void route_capture(int device, cudaStream_t stream) {
     if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) (void)cudaGetLastError();
     if (status != cudaStreamCaptureStatusActive) {
       throw std::runtime_error(
-          "streamsafe: allocating to a memory pool outside a CUDA graph capture (torch.cuda.use_mem_pool, "
+          "streamsafe: allocating to a memory pool outside a CUDA graph capture "
+          "(torch.cuda.use_mem_pool, "
           "MemPool) is not supported; streamsafe keeps private pools for CUDA graph captures only");
     }
     // The device's allocator directly: the front end's notify_capture_begin(stream) asks the
@@ -255,10 +269,10 @@ STREAMSAFE_EXPORT void streamsafe_torch_reset(void) { (void)streamsafe_torch_emp
 // set_memory_fraction_fn: torch.cuda.set_per_process_memory_fraction. The process allocator's
 // limit is fixed when it is created; refused by name.
 STREAMSAFE_EXPORT void streamsafe_torch_memory_fraction(double fraction, int device) {
-  throw std::runtime_error(
-      "streamsafe (pluggable allocator): set_per_process_memory_fraction(" + std::to_string(fraction) + ", " +
-      std::to_string(device) +
-      ") is not supported; set memory_fraction:F in STREAMSAFE_ALLOC_CONF or use streamsafe.torch.install()");
+  throw std::runtime_error("streamsafe (pluggable allocator): set_per_process_memory_fraction(" +
+                           std::to_string(fraction) + ", " + std::to_string(device) +
+                           ") is not supported; set memory_fraction:F in STREAMSAFE_ALLOC_CONF or "
+                           "use streamsafe.torch.install()");
 }
 
 // set_base_alloc_fn: the segment that holds ptr (its base, *size its bytes); ptr itself and its
@@ -299,7 +313,8 @@ STREAMSAFE_EXPORT void streamsafe_torch_record_stream_fn(void* ptr, cudaStream_t
 }
 
 // set_begin_allocate_to_pool: a capture into pool `id` is about to begin on `device`.
-STREAMSAFE_EXPORT void streamsafe_torch_begin_allocate_to_pool(int device, mempool_id id, stream_filter filter) {
+STREAMSAFE_EXPORT void streamsafe_torch_begin_allocate_to_pool(int device, mempool_id id,
+                                                               stream_filter filter) {
   std::lock_guard<std::mutex> lock(pool_mutex);
   pool_entry& p = pools[id];
   p.device = device;
@@ -317,8 +332,9 @@ STREAMSAFE_EXPORT void streamsafe_torch_end_allocate_to_pool(int device, mempool
   pool_capture c;
   {
     std::lock_guard<std::mutex> lock(pool_mutex);
-    auto it = std::find_if(pool_captures.rbegin(), pool_captures.rend(),
-                           [&](const pool_capture& x) { return x.pool == id && x.device == device; });
+    auto it = std::find_if(
+        pool_captures.rbegin(), pool_captures.rend(),
+        [&](const pool_capture& x) { return x.pool == id && x.device == device; });
     if (it == pool_captures.rend()) return;
     c = *it;
     pool_captures.erase(std::next(it).base());
@@ -327,7 +343,8 @@ STREAMSAFE_EXPORT void streamsafe_torch_end_allocate_to_pool(int device, mempool
   }
   if (c.begun) {
     try {
-      allocator::instance().device_allocator(c.device).notify_capture_end(streamsafe::cuda::to_stream_handle(c.stream));
+      allocator::instance().device_allocator(c.device).notify_capture_end(
+          streamsafe::cuda::to_stream_handle(c.stream));
     } catch (const std::exception& e) {
       note_error("streamsafe_torch_end_allocate_to_pool", e);
       throw std::runtime_error(last_error);

@@ -37,9 +37,10 @@ STREAMSAFE_EXPORT const char* streamsafe_torch_ext_torch_version(void) { return 
 // Installs streamsafe as PyTorch's CUDA allocator with options `conf` ("key:value,..."; NULL or
 // "" reads STREAMSAFE_ALLOC_CONF), given on top of the PyTorch defaults k_torch_defaults
 // (empty_cache:defer with the release worker: torch.cuda.empty_cache() never runs the driver's
-// unmaps on the caller's thread; release_worker:auto is on for real GPUs in defer mode). Returns 0 when installed now, 1 when it already was (conf is
-// then ignored), -1 on error with the message in err (NUL-terminated, truncated to len): a bad
-// configuration, or PyTorch's allocator already holding memory.
+// unmaps on the caller's thread; release_worker:auto is on for real GPUs in defer mode). Returns 0
+// when installed now, 1 when it already was (conf is then ignored), -1 on error with the message in
+// err (NUL-terminated, truncated to len): a bad configuration, or PyTorch's allocator already
+// holding memory.
 STREAMSAFE_EXPORT int streamsafe_torch_ext_install(const char* conf, char* err, size_t len) {
   namespace cca = c10::cuda::CUDACachingAllocator;
   try {
@@ -47,7 +48,8 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_install(const char* conf, char* err, 
     static constexpr const char* k_torch_defaults = "empty_cache:defer,release_worker:auto";
     const char* env = std::getenv("STREAMSAFE_ALLOC_CONF");
     const std::string given = (conf && *conf) ? conf : (env ? env : "");
-    streamsafe::options opts = streamsafe::options::parse(std::string(k_torch_defaults) + "," + given);
+    streamsafe::options opts = streamsafe::options::parse(std::string(k_torch_defaults) + "," +
+                                                          given);
     cca::CUDAAllocator* current = cca::allocator.load();
     if (current && current->initialized()) {
       int n = 0;
@@ -58,14 +60,17 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_install(const char* conf, char* err, 
       for (int d = 0; d < n; ++d) {
         std::int64_t reserved = 0;
         try {
-          reserved = current->getDeviceStats(static_cast<c10::DeviceIndex>(d)).reserved_bytes[0].current;
+          reserved =
+              current->getDeviceStats(static_cast<c10::DeviceIndex>(d)).reserved_bytes[0].current;
         } catch (const std::exception&) {
           continue;  // that device's allocator has not been created: it holds nothing
         }
         if (reserved > 0) {
           return copy_out("streamsafe.torch.install: PyTorch's CUDA allocator (" + current->name() +
-                              ") already holds " + std::to_string(reserved) + " bytes on device " + std::to_string(d) +
-                              "; install streamsafe before the first CUDA allocation (e.g. right after import torch, "
+                              ") already holds " + std::to_string(reserved) + " bytes on device " +
+                              std::to_string(d) +
+                              "; install streamsafe before the first CUDA allocation (e.g. right "
+                              "after import torch, "
                               "or with STREAMSAFE_TORCH_INSTALL=1)",
                           err, len),
                  -1;
@@ -79,8 +84,10 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_install(const char* conf, char* err, 
     cca::allocator.store(owner);
     c10::SetAllocator(c10::DeviceType::CUDA, owner, /*priority=*/255);
     if (c10::GetAllocator(c10::DeviceType::CUDA) != owner) {
-      return copy_out("streamsafe.torch.install: c10::SetAllocator(kCUDA) did not take streamsafe's allocator", err,
-                      len),
+      return copy_out(
+                 "streamsafe.torch.install: c10::SetAllocator(kCUDA) did not take streamsafe's "
+                 "allocator",
+                 err, len),
              -1;
     }
     return 0;
@@ -115,8 +122,9 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_stats_json(int device, char* buf, siz
     const std::size_t held = d ? d->held_free_count() : 0;
     const auto close = text.rfind('}');
     if (close != std::string::npos) {
-      text.insert(close, std::string(text.size() > 2 ? ", " : "") + "\"pending_release_bytes\": " +
-                             std::to_string(pending) + ", \"held_free_count\": " + std::to_string(held));
+      text.insert(close, std::string(text.size() > 2 ? ", " : "") +
+                             "\"pending_release_bytes\": " + std::to_string(pending) +
+                             ", \"held_free_count\": " + std::to_string(held));
     }
     return copy_out(text, buf, len);
   } catch (const std::exception& e) {

@@ -6,10 +6,10 @@
 
 namespace streamsafe::torch_ext {
 
-void limited_backend::note(cda::TraceEntry::Action action, void* addr, std::size_t size_bytes) noexcept {
+void limited_backend::note(cda::TraceEntry::Action action, void* addr,
+                           std::size_t size_bytes) noexcept {
   owner_->note_segment(action, inner_->device(), addr, size_bytes);
 }
-
 
 void torch_allocator::note_alloc(void* p, std::size_t n, int device, cudaStream_t stream) {
   std::shared_ptr<c10::GatheredContext> ctx;
@@ -25,8 +25,9 @@ void torch_allocator::note_alloc(void* p, std::size_t n, int device, cudaStream_
     std::lock_guard<std::mutex> lock(history_mu_);
     live_[p] = live_block{ctx, n, device, stream};
   }
-  emit(cda::TraceEntry(cda::TraceEntry::ALLOC, static_cast<c10::DeviceIndex>(device), reinterpret_cast<std::uintptr_t>(p),
-                       n, stream, {0, 0}, c10::getApproximateTime(),
+  emit(cda::TraceEntry(cda::TraceEntry::ALLOC, static_cast<c10::DeviceIndex>(device),
+                       reinterpret_cast<std::uintptr_t>(p), n, stream, {0, 0},
+                       c10::getApproximateTime(),
                        when >= cda::RecordContext::ALLOC ? ctx : nullptr));
 }
 void torch_allocator::note_free(void* p) {
@@ -80,6 +81,5 @@ void torch_allocator::emit(cda::TraceEntry te) {
   ring.push_back(std::move(te));
   while (ring.size() > max_entries_) ring.pop_front();
 }
-
 
 }  // namespace streamsafe::torch_ext

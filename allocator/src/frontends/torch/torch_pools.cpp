@@ -13,10 +13,13 @@ void torch_allocator::beginAllocateToPool(c10::DeviceIndex device, MempoolId_t m
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
   const bool capturing = status == cudaStreamCaptureStatusActive;
-  TORCH_CHECK(capturing || !filter || !filter(stream),
-              "streamsafe: allocating to a memory pool outside a CUDA graph capture (torch.cuda.use_mem_pool, "
-              "beginAllocateCurrentThreadToPool / CurrentStreamToPool, torch.compile cudagraph trees) is not "
-              "supported; streamsafe keeps private pools for CUDA graph captures only (torch.cuda.graph)");
+  TORCH_CHECK(
+      capturing || !filter || !filter(stream),
+      "streamsafe: allocating to a memory pool outside a CUDA graph capture "
+      "(torch.cuda.use_mem_pool, "
+      "beginAllocateCurrentThreadToPool / CurrentStreamToPool, torch.compile cudagraph trees) is "
+      "not "
+      "supported; streamsafe keeps private pools for CUDA graph captures only (torch.cuda.graph)");
   // Captures into one pool (torch.cuda.graph(pool=...), a MemPool) share streamsafe's private
   // pool of the pool's first graph: blocks the earlier graphs freed serve the later ones.
   std::uint64_t share = 0;
@@ -46,8 +49,9 @@ void torch_allocator::endAllocateToPool(c10::DeviceIndex device, MempoolId_t mem
     auto it = std::find_if(captures_.rbegin(), captures_.rend(), [&](const capture_state& c) {
       return c.pool == mempool_id && c.device == device;
     });
-    TORCH_CHECK(it != captures_.rend(), "streamsafe: endAllocateToPool without a capture into pool (",
-                mempool_id.first, ", ", mempool_id.second, ") on device ", static_cast<int>(device));
+    TORCH_CHECK(it != captures_.rend(),
+                "streamsafe: endAllocateToPool without a capture into pool (", mempool_id.first,
+                ", ", mempool_id.second, ") on device ", static_cast<int>(device));
     cap = *it;
     captures_.erase(std::next(it).base());
     pools_[mempool_id].graphs.push_back(cap.graph);
@@ -69,8 +73,8 @@ void torch_allocator::releasePool(c10::DeviceIndex device, MempoolId_t mempool_i
     pool_device = it->second.device;
     pools_.erase(it);
   }
-  for (std::uint64_t g : graphs) guarded("CUDA graph release", [&] { ss_->notify_graph_released(g, pool_device); });
+  for (std::uint64_t g : graphs)
+    guarded("CUDA graph release", [&] { ss_->notify_graph_released(g, pool_device); });
 }
-
 
 }  // namespace streamsafe::torch_ext

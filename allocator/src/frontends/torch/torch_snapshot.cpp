@@ -6,9 +6,10 @@
 namespace streamsafe::torch_ext {
 
 cca::SnapshotInfo torch_allocator::snapshot(MempoolId_t mempool_id, bool include_traces) {
-  TORCH_CHECK(mempool_id.first == 0 && mempool_id.second == 0,
-              "streamsafe: a snapshot of one memory pool (MemPool.snapshot(), snapshot(mempool_id)) is not "
-              "supported; torch.cuda.memory._snapshot() covers every pool");
+  TORCH_CHECK(
+      mempool_id.first == 0 && mempool_id.second == 0,
+      "streamsafe: a snapshot of one memory pool (MemPool.snapshot(), snapshot(mempool_id)) is not "
+      "supported; torch.cuda.memory._snapshot() covers every pool");
   cca::SnapshotInfo out;
   std::unordered_map<void*, live_block> live;
   if (history_enabled_.load()) {

@@ -19,7 +19,7 @@ namespace streamsafe::kernels {
 // whose other half is never enqueued ends as a failure instead of a hang. self != peer; flags
 // and arrived must not be null; timeout_ms in [0, 3.6e6] (one hour). Returns cudaErrorInvalidValue
 // for bad arguments (nothing launched), else the launch status. Nothing here synchronises.
-cudaError_t launch_exchange_flags(unsigned* flags, int self, int peer, unsigned generation, double timeout_ms,
-                                  int* arrived, cudaStream_t stream);
+cudaError_t launch_exchange_flags(unsigned* flags, int self, int peer, unsigned generation,
+                                  double timeout_ms, int* arrived, cudaStream_t stream);
 
 }  // namespace streamsafe::kernels
