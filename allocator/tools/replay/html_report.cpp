@@ -49,20 +49,12 @@ std::string human(double bytes) {
 }
 
 using streamsafe::detail::hex;
+using streamsafe::detail::with_commas;
 
 std::string num(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f", v);
   return buf;
-}
-
-std::string with_commas(std::uint64_t v) {
-  std::string digits = std::to_string(v), out;
-  for (std::size_t i = 0; i < digits.size(); ++i) {
-    if (i && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return out;
 }
 
 // A tick step of 1, 2 or 5 times a power of ten, giving at most `max_ticks` ticks up to `span`.

@@ -5,6 +5,8 @@
 //
 // Single-threaded; all the work is in streamsafe_replay_lib (trace_reader, replay,
 // html_report), this file only parses the command line and prints.
+#include "core/format.hpp"
+
 #include "html_report.hpp"
 #include "replay.hpp"
 #include "trace_reader.hpp"
@@ -27,6 +29,7 @@ namespace {
 
 using namespace streamsafe;
 using namespace streamsafe::replay;
+using streamsafe::detail::with_commas;
 
 constexpr int k_exit_ok = 0, k_exit_usage = 1, k_exit_rejected = 2, k_exit_ratio = 3;
 
@@ -56,15 +59,6 @@ Exit status: 0 done, 1 usage or I/O error, 2 trace rejected (--strict or unknown
 3 ratio above --max-ratio.
 )";
 
-std::string commas(std::uint64_t v) {
-  std::string digits = std::to_string(v), out;
-  for (std::size_t i = 0; i < digits.size(); ++i) {
-    if (i && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return out;
-}
-
 std::string human(double bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   int u = 0;
@@ -78,7 +72,7 @@ std::string human(double bytes) {
 }
 
 std::string bytes_text(std::int64_t b) {
-  return commas(static_cast<std::uint64_t>(b < 0 ? 0 : b)) + " B (" +
+  return with_commas(static_cast<std::uint64_t>(b < 0 ? 0 : b)) + " B (" +
          human(static_cast<double>(b)) + ")";
 }
 
@@ -266,21 +260,21 @@ int main(int argc, char** argv) {
     std::printf("%-16s %s\n", k.c_str(), v.c_str());
   };
   fact("trace", c.trace_path + " (" + to_string(program.format) + " format, " +
-                    commas(program.lines) + " lines)");
-  fact("replayed", commas(r.steps) + " events: " + commas(program.allocs) + " alloc, " +
-                       commas(program.frees) + " free, on " +
+                    with_commas(program.lines) + " lines)");
+  fact("replayed", with_commas(r.steps) + " events: " + with_commas(program.allocs) + " alloc, " +
+                       with_commas(program.frees) + " free, on " +
                        std::to_string(program.trace_streams.size()) + " stream(s)");
   std::string not_replayed;
   if (program.ignored_free_completed)
-    not_replayed += commas(program.ignored_free_completed) + " free_completed, ";
-  if (program.segment_rows) not_replayed += commas(program.segment_rows) + " segment rows, ";
-  if (program.other_rows) not_replayed += commas(program.other_rows) + " other rows, ";
+    not_replayed += with_commas(program.ignored_free_completed) + " free_completed, ";
+  if (program.segment_rows) not_replayed += with_commas(program.segment_rows) + " segment rows, ";
+  if (program.other_rows) not_replayed += with_commas(program.other_rows) + " other rows, ";
   if (program.zero_size_allocs)
-    not_replayed += commas(program.zero_size_allocs) + " zero-size or null, ";
-  not_replayed += commas(program.live_at_end) + " blocks never freed";
+    not_replayed += with_commas(program.zero_size_allocs) + " zero-size or null, ";
+  not_replayed += with_commas(program.live_at_end) + " blocks never freed";
   fact("not replayed", not_replayed);
   fact("bad lines",
-       commas(program.bad_lines.size()) + (program.bad_lines.empty() ? "" : " (skipped)"));
+       with_commas(program.bad_lines.size()) + (program.bad_lines.empty() ? "" : " (skipped)"));
   fact("device", rep.device);
   fact("options", opts.to_string());
   fact("events/s", fixed(eps / 1e6, 2) + " M (" + fixed(eps > 0 ? 1e9 / eps : 0, 0) +
@@ -291,13 +285,13 @@ int main(int argc, char** argv) {
   fact("peak allocated", bytes_text(s.allocated_bytes.peak));
   fact("peak reserved", bytes_text(s.reserved_bytes.peak));
   fact("ratio", fixed(ratio, 4) + " (peak reserved / peak allocated)");
-  fact("segment ops", commas(r.segment_ops.segment_allocs) + " segment_alloc, " +
-                          commas(r.segment_ops.segment_frees) + " segment_free, " +
-                          commas(r.segment_ops.maps) + " segment_map, " +
-                          commas(r.segment_ops.unmaps) + " segment_unmap");
+  fact("segment ops", with_commas(r.segment_ops.segment_allocs) + " segment_alloc, " +
+                          with_commas(r.segment_ops.segment_frees) + " segment_free, " +
+                          with_commas(r.segment_ops.maps) + " segment_map, " +
+                          with_commas(r.segment_ops.unmaps) + " segment_unmap");
   if (r.ooms)
-    fact("out of memory",
-         commas(r.ooms) + " allocation(s) failed; " + commas(r.frees_skipped) + " free(s) skipped");
+    fact("out of memory", with_commas(r.ooms) + " allocation(s) failed; " +
+                              with_commas(r.frees_skipped) + " free(s) skipped");
   if (program.recorded_reserved_peak && s.allocated_bytes.peak > 0) {
     fact("recorded run", "peak reserved " +
                              bytes_text(static_cast<std::int64_t>(program.recorded_reserved_peak)) +
@@ -315,7 +309,7 @@ int main(int argc, char** argv) {
       else write_trace_csv(os, rep.trace);
     });
     std::printf("%-16s %s (%s events)\n", "trace written", c.out.c_str(),
-                commas(rep.trace.size()).c_str());
+                with_commas(rep.trace.size()).c_str());
   }
   if (!c.snapshot.empty() && rep.peak_snapshot) {
     write_file(c.snapshot, "the snapshot",

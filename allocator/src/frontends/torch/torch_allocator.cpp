@@ -21,6 +21,7 @@
 // once.
 //
 // Thread safety: every function may be called from any thread; the last-error text is per thread.
+#include "core/format.hpp"
 #include "core/logging.hpp"
 
 #include <streamsafe/core/errors.hpp>
@@ -60,15 +61,6 @@ void note_error(const char* call, const std::exception& e) noexcept {
 }
 
 cudaStream_t to_stream(void* stream) noexcept { return static_cast<cudaStream_t>(stream); }
-
-int copy_out(const std::string& text, char* buf, std::size_t len) noexcept {
-  if (buf && len > 0) {
-    const std::size_t n = std::min(len - 1, text.size());
-    std::memcpy(buf, text.data(), n);
-    buf[n] = '\0';
-  }
-  return static_cast<int>(text.size());
-}
 
 }  // namespace
 
@@ -175,7 +167,7 @@ STREAMSAFE_EXPORT int streamsafe_torch_stats_json(int device, char* buf, size_t 
         static_cast<unsigned long long>(s.releases_deferred),
         static_cast<unsigned long long>(s.bytes_released),
         static_cast<unsigned long long>(d ? d->pending_release_bytes() : 0));
-    return copy_out(text, buf, len);
+    return streamsafe::detail::copy_text(text, buf, len);
   } catch (const std::exception& e) {
     note_error("streamsafe_torch_stats_json", e);
     return -1;

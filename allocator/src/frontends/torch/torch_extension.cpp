@@ -17,18 +17,8 @@ void raw_delete_fn(void* ptr) {
   if (g_allocator) g_allocator->free(ptr);
 }
 
-int copy_out(const std::string& text, char* buf, std::size_t len) noexcept {
-  if (buf && len > 0) {
-    const std::size_t n = std::min(len - 1, text.size());
-    std::memcpy(buf, text.data(), n);
-    buf[n] = '\0';
-  }
-  return static_cast<int>(text.size());
-}
-
 }  // namespace streamsafe::torch_ext
 
-using streamsafe::torch_ext::copy_out;
 using streamsafe::torch_ext::g_allocator;
 
 // The PyTorch version this library was compiled against ("2.11.0").
@@ -66,13 +56,14 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_install(const char* conf, char* err, 
           continue;  // that device's allocator has not been created: it holds nothing
         }
         if (reserved > 0) {
-          return copy_out("streamsafe.torch.install: PyTorch's CUDA allocator (" + current->name() +
-                              ") already holds " + std::to_string(reserved) + " bytes on device " +
-                              std::to_string(d) +
-                              "; install streamsafe before the first CUDA allocation (e.g. right "
-                              "after import torch, "
-                              "or with STREAMSAFE_TORCH_INSTALL=1)",
-                          err, len),
+          return streamsafe::detail::copy_text(
+                     "streamsafe.torch.install: PyTorch's CUDA allocator (" + current->name() +
+                         ") already holds " + std::to_string(reserved) + " bytes on device " +
+                         std::to_string(d) +
+                         "; install streamsafe before the first CUDA allocation (e.g. right "
+                         "after import torch, "
+                         "or with STREAMSAFE_TORCH_INSTALL=1)",
+                     err, len),
                  -1;
         }
       }
@@ -84,7 +75,7 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_install(const char* conf, char* err, 
     cca::allocator.store(owner);
     c10::SetAllocator(c10::DeviceType::CUDA, owner, /*priority=*/255);
     if (c10::GetAllocator(c10::DeviceType::CUDA) != owner) {
-      return copy_out(
+      return streamsafe::detail::copy_text(
                  "streamsafe.torch.install: c10::SetAllocator(kCUDA) did not take streamsafe's "
                  "allocator",
                  err, len),
@@ -92,7 +83,9 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_install(const char* conf, char* err, 
     }
     return 0;
   } catch (const std::exception& e) {
-    return copy_out(std::string("streamsafe.torch.install: ") + e.what(), err, len), -1;
+    return streamsafe::detail::copy_text(std::string("streamsafe.torch.install: ") + e.what(), err,
+                                         len),
+           -1;
   }
 }
 
@@ -105,7 +98,7 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_installed(void) {
 // not installed.
 STREAMSAFE_EXPORT int streamsafe_torch_ext_config(char* buf, size_t len) {
   if (!g_allocator) return -1;
-  return copy_out(g_allocator->core().config().to_string(), buf, len);
+  return streamsafe::detail::copy_text(g_allocator->core().config().to_string(), buf, len);
 }
 
 // Device statistics as JSON (PyTorch's flat keys plus streamsafe's own counters and
@@ -126,9 +119,11 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_stats_json(int device, char* buf, siz
                              "\"pending_release_bytes\": " + std::to_string(pending) +
                              ", \"held_free_count\": " + std::to_string(held));
     }
-    return copy_out(text, buf, len);
+    return streamsafe::detail::copy_text(text, buf, len);
   } catch (const std::exception& e) {
-    return copy_out(std::string("{\"error\": \"") + e.what() + "\"}", buf, len), -1;
+    return streamsafe::detail::copy_text(std::string("{\"error\": \"") + e.what() + "\"}", buf,
+                                         len),
+           -1;
   }
 }
 
