@@ -7,12 +7,13 @@
 //   growth.cpp       new segments, mapped chunks, segments moved between streams
 //   allocate.cpp     the allocation order (fast path, slow path)
 //   free.cpp         deallocate and record_stream
-//   release.cpp      giving memory back behind fences; capture.cpp graph captures
+//   release.cpp      giving memory back behind fences; release_worker.cpp its thread
+//   destruction.cpp  destroy_all; capture.cpp graph captures; fork.cpp a forked child
 //   diagnostics.cpp  out-of-memory and invalid-pointer errors
 //   introspection.cpp stats, snapshot, find_block; invariants.cpp check_invariants
 // State, invariants and the lock order: allocator_state.hpp and block.hpp. The constructor reads
 // the device's memory, takes no lock (nothing is shared yet); the destructor runs destroy_all
-// (release.cpp), which takes the device lock.
+// (destruction.cpp), which takes the device lock.
 #include "allocator_state.hpp"
 #include "logging.hpp"
 #include "size_classes.hpp"

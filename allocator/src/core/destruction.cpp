@@ -1,0 +1,112 @@
+// streamsafe core: destruction of the caching allocator (destroy_all, from
+// ~caching_allocator): pending cross-stream frees are waited for with no lock held and retired,
+// the cache is released behind its fences (wait mode), expandable address ranges and every
+// event go back to the backend, and the host bookkeeping is deleted in every case, also after a
+// failed driver call (logged). Runs with no other thread in the allocator; takes mu_, the stream
+// locks and events_mu_ (a leaf) in that order.
+#include "allocator_state.hpp"
+#include "logging.hpp"
+
+#include <algorithm>
+#include <vector>
+
+namespace streamsafe {
+
+void caching_allocator::impl::retire_all_pending_locked(device_lock& lk) {
+  // The host waits on the pending frees' events with no lock held (as everywhere: no lock
+  // across a host-blocking driver call), then retires them.
+  fence_unfenced_locked();
+  std::vector<event_handle> waits;
+  for (auto& [s, st] : streams_) {
+    detail::lock_guard<stream_lock> slk(st->mu);
+    for (block* b : st->pending) {
+      for (auto& e : b->events) waits.push_back(e.event);
+    }
+  }
+  if (!waits.empty()) {
+    driver_call_scope in_flight(*this, lk);
+    for (event_handle e : waits) backend_.synchronize_event(e);
+  }
+  for (auto& [s, st] : streams_) {
+    detail::lock_guard<stream_lock> slk(st->mu);
+    while (!st->pending.empty()) retire_pending_locked(*st, st->pending.front());
+  }
+}
+
+void caching_allocator::impl::destroy_events_locked() {
+  std::vector<event_handle> cached_events;  // the streams' event caches (events_mu_ is a leaf)
+  for (auto& [s, st] : streams_) {
+    detail::lock_guard<stream_lock> slk(st->mu);
+    cached_events.insert(cached_events.end(), st->event_cache.begin(), st->event_cache.end());
+    st->event_cache.clear();
+  }
+  for (event_handle e : cached_events) backend_.destroy_event(e);
+  {
+    detail::lock_guard<detail::mutex> elk(events_mu_);
+    for (event_handle e : free_events_) backend_.destroy_event(e);
+    free_events_.clear();
+  }
+  for (auto& t : tombstones_) backend_.destroy_event(t.event);
+  tombstones_.clear();
+  for (event_handle e : superseded_tombstones_) backend_.destroy_event(e);
+  superseded_tombstones_.clear();
+}
+
+void caching_allocator::impl::delete_host_bookkeeping() {
+  for (auto& [base, seg] : segments_) {
+    for (block* b = seg->first; b;) {
+      block* next = b->next;
+      delete b;
+      b = next;
+    }
+    delete seg;
+  }
+  segments_.clear();
+  for (auto& [s, st] : streams_) {
+    for (block* b = st->spare; b;) {
+      block* next = b->next;
+      delete b;
+      b = next;
+    }
+    st->spare = nullptr;
+  }
+}
+
+void caching_allocator::impl::destroy_all() {
+  stop_worker();  // joined before anything is torn down; its queue is finished below
+  try {
+    device_lock lk(mu_);
+    // Destroyed during a capture, or with graphs not released: their memory goes back too.
+    captures_.clear();
+    captures_underway_.store(0, std::memory_order_release);
+    for (auto& [s, st] : streams_) st->graph_released = true;
+    for (auto& [s, st] :
+         streams_) {  // reuse_fence:all_streams: unfenced host frees join the pending ones
+      detail::lock_guard<stream_lock> slk(st->mu);
+      if (!st->unfenced.empty()) fence_host_frees_locked(*st);
+    }
+    retire_all_pending_locked(lk);
+    release_cached(lk, empty_cache_mode::wait);
+    std::size_t live = 0;  // active blocks (the active maps also hold quick-cached ones)
+    for (auto& [s, st] : streams_) {
+      st->active.for_each([&](const block* b) { live += b->state == block_state::active ? 1 : 0; });
+    }
+    if (live != 0) {
+      detail::log().warn(
+          "device {}: allocator destroyed with {} live block(s); their device memory is kept",
+          backend_.device(), live);
+    }
+    for (auto& [base, seg] : segments_) {
+      if (seg->expandable && seg->mapped_bytes == 0) {
+        backend_.release_address_range(reinterpret_cast<void*>(seg->base), seg->size);
+      }
+    }
+    destroy_events_locked();
+  } catch (const std::exception& e) {
+    detail::log().error("device {}: error while destroying the allocator: {}", backend_.device(),
+                        e.what());
+  }
+  delete_host_bookkeeping();  // in every case
+}
+
+}  // namespace streamsafe
