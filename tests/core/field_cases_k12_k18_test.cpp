@@ -5,6 +5,15 @@
 #include "support/forwarding_device.hpp"
 #include "support/sim_fixture.hpp"
 
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define STREAMSAFE_TEST_ASAN 1
+#endif
+#endif
+#ifndef STREAMSAFE_TEST_ASAN
+#define STREAMSAFE_TEST_ASAN 0
+#endif
+
 #include <catch2/catch.hpp>
 
 #include <sys/wait.h>
@@ -356,6 +365,15 @@ TEST_CASE(
     "streams just "
     "after a hold was opened",
     "[cases][K15][fork]") {
+#if defined(__SANITIZE_ADDRESS__) || STREAMSAFE_TEST_ASAN
+  // LeakSanitizer's check at exit() stops the other threads with ptrace; called from a thread
+  // that is not the forked child's main thread, it does not return in this sandbox (the child
+  // hit the 5 s alarm). The plain, UBSan and TSan builds run the case.
+  WARN(
+      "skipped under AddressSanitizer: its exit-time leak check hangs when exit() runs on a "
+      "non-main thread of a forked child");
+  return;
+#endif
   const auto status = run_in_child([] {
     // The allocator lives in static storage: exit() destroys it, waiting on its fences.
     static sim::simulated_device dev(sim_config());

@@ -62,14 +62,16 @@ void caching_allocator::impl::delete_host_bookkeeping() {
     delete seg;
   }
   segments_.clear();
-  for (auto& [s, st] : streams_) {
-    for (block* b = st->spare; b;) {
+  const auto delete_spares = [](stream_state& st) {
+    for (block* b = st.spare; b;) {
       block* next = b->next;
       delete b;
       b = next;
     }
-    st->spare = nullptr;
-  }
+    st.spare = nullptr;
+  };
+  for (auto& [s, st] : streams_) delete_spares(*st);
+  for (auto& st : spare_states_) delete_spares(*st);  // retired streams' states (streams.cpp)
 }
 
 void caching_allocator::impl::destroy_all() {
