@@ -1,7 +1,7 @@
 // Failure cases from the field K12-K15 and K18 (shared/cases/CASES.md), on the simulated
 // device. K16 is in stream_callback_free_test.cpp, K17 (front ends over several devices) in
-// field_cases_frontends_test.cpp. K13 and K18 need what the simulated device and streamsafe do
-// not have yet: see the notes at their place below.
+// field_cases_frontends_test.cpp. K13 needs what the simulated device does not have yet: see
+// the note at its place below. K18 runs on the simulated device's pinned host memory.
 #include "support/forwarding_device.hpp"
 #include "support/sim_fixture.hpp"
 
@@ -396,42 +396,80 @@ TEST_CASE(
 }
 
 // ---- K18 ------------------------------------------------------------------------------------
-// streamsafe has no pinned host memory allocator yet. The test below is written against the
-// API proposed for it and is left out of the build until it exists:
-//   class host_caching_allocator  (streamsafe/core/host_caching_allocator.hpp)
-//     host_caching_allocator(device_backend&, options);       // backend: cudaHostAlloc /
-//                                                             // cudaFreeHost (a simulated one)
-//     void* allocate(std::size_t bytes);                      // pinned, reused by size
-//     void deallocate(void* p);                               // host free: no use recorded
-//     void deallocate(void* p, stream_handle s);              // last use on s (stream-ordered)
-//     void record_stream(void* p, stream_handle s);           // a use on s
-//     std::size_t empty_cache();                              // behind events on recorded uses
-//     block_info find_block(const void* p) const;             // interior pointers find their block
-// and on the simulated device: sim::simulated_device::allocate_host(bytes) / free_host(p), host
-// memory the device's copies may read and write (launch ranges over it are checked like device
-// memory). Expected (CASES.md K18): the device copy of h is all 1 (h2 did not alias h before
-// the copy finished).
-#if 0
+// The pinned host allocator is a caching_allocator over the device's host backend
+// (device_backend::host_backend(): cudaHostAlloc / cudaFreeHost on a GPU, the simulated device's
+// allocate_host here), which shares the device's streams and events: a stream-ordered free or a
+// recorded use keeps a host block from reuse, and empty_cache from cudaFreeHost, until its
+// events complete.
 TEST_CASE("K18: pinned host memory freed under a pending copy is not handed out again before the copy",
           "[cases][K18]") {
+  const bool record = GENERATE(false, true);
+  CAPTURE(record);
   sim::simulated_device dev(sim_config());
-  host_caching_allocator host(dev, options{});
+  caching_allocator host(*dev.host_backend(), options{});
   caching_allocator device(dev, options{});
   const auto s = dev.create_stream();
-  void* h = host.allocate(64 * MiB);
+  void* h = host.allocate(64 * MiB, 0);
   dev.launch(0, 1, {writes(h, 64 * MiB, 1)}, "fill h with 1");
   dev.run_until_idle();
   void* d = device.allocate(64 * MiB, s);
   const auto hold = dev.hold(s);
-  dev.launch(s, 10, {reads(h, 64 * MiB), writes(d, 64 * MiB, 1)}, "copy h -> d");
-  host.deallocate(h, s);
-  void* h2 = host.allocate(64 * MiB);
-  dev.launch(0, 1, {writes(h2, 64 * MiB, 2)}, "fill h2 with 2");  // on another stream: races if h2 == h
-  host.empty_cache();
+  dev.copy_async(d, h, 64 * MiB, s);  // h -> device, queued behind the hold
+  if (record) {
+    host.record_stream(h, s);
+    host.deallocate(h);
+  } else {
+    host.deallocate(h, s);
+  }
+  void* h2 = host.allocate(64 * MiB, 0);
+  // On stream 0: a race if h2 aliases h without waiting for the copy.
+  dev.launch(0, 1, {writes(h2, 64 * MiB, 2)}, "fill h2 with 2");
+  host.empty_cache(empty_cache_mode::defer);  // must not free h under the copy
+  CHECK(dev.fault_count() == 0);
   dev.open(hold);
   dev.run_until_idle();
   CHECK(dev.value_at(addr(d)) == std::optional<std::uint8_t>(1));
+  CHECK(dev.value_at(addr(d) + 64 * MiB - 1) == std::optional<std::uint8_t>(1));
   CHECK(dev.fault_count() == 0);
-  CHECK(host.find_block(static_cast<char*>(h2) + 4096).address == addr(h2));
+  CHECK(host.find_block_containing(static_cast<char*>(h2) + 4096).address == addr(h2));
+  // The device-to-host variant: a copy into h3 pending, then h3 freed on its stream and a
+  // new host block written at once: the copy is not overwritten out of order.
+  void* h3 = host.allocate(32 * MiB, 0);
+  dev.launch(s, 1, {writes(d, 32 * MiB, 7)}, "produce");
+  const auto hold2 = dev.hold(s);
+  dev.copy_async(h3, d, 32 * MiB, s);
+  host.deallocate(h3, s);
+  void* h4 = host.allocate(32 * MiB, 0);
+  dev.launch(0, 1, {writes(h4, 32 * MiB, 8)}, "reuse");
+  CHECK(dev.fault_count() == 0);
+  dev.open(hold2);
+  dev.run_until_idle();
+  CHECK(dev.fault_count() == 0);
+  host.deallocate(h2);
+  host.deallocate(h4);
+  device.deallocate(d);
+  host.empty_cache();
+  CHECK(dev.host_bytes_in_use() == 0);
+  host.check_invariants();
 }
-#endif
+
+TEST_CASE("K18 control: a host free that forgets the copy's stream lets the block be overwritten",
+          "[cases][K18]") {
+  sim::simulated_device dev(sim_config());
+  caching_allocator host(*dev.host_backend(), options{});
+  caching_allocator device(dev, options{});
+  const auto s = dev.create_stream();
+  void* h = host.allocate(64 * MiB, 0);
+  void* d = device.allocate(64 * MiB, s);
+  const auto hold = dev.hold(s);
+  dev.copy_async(d, h, 64 * MiB, s);
+  host.deallocate(h);  // no stream, no record_stream: reused at once on stream 0
+  void* h2 = host.allocate(64 * MiB, 0);
+  CHECK(h2 == h);
+  dev.launch(0, 1, {writes(h2, 64 * MiB, 2)}, "fill h2 with 2");
+  CHECK(dev.fault_count() > 0);  // the race the simulated device reports
+  dev.open(hold);
+  dev.run_until_idle();
+  host.deallocate(h2);
+  device.deallocate(d);
+}

@@ -14,8 +14,8 @@
 // notes have their own).
 #pragma once
 
-#include <streamsafe/backends/device_backend.hpp>
 #include <streamsafe/core/errors.hpp>
+#include <streamsafe/backends/forwarding_backend.hpp>
 #include <streamsafe/sim/simulated_device.hpp>
 
 #include <atomic>
@@ -31,14 +31,14 @@
 
 namespace streamsafe::test {
 
-class blocking_host_backend final : public device_backend {
+class blocking_host_backend final : public forwarding_backend {
  public:
   // A host wait on the device (synchronize_device), in waited_streams().
   static constexpr stream_handle k_whole_device = ~stream_handle{0};
 
   explicit blocking_host_backend(sim::simulated_device& dev,
                                  std::chrono::milliseconds limit = std::chrono::seconds(30))
-      : dev_(dev), limit_(limit) {}
+      : forwarding_backend(dev), dev_(dev), limit_(limit) {}
 
   // The streams the host waited on, one entry per host-blocking call, in call order.
   std::vector<stream_handle> waited_streams() const {
@@ -63,11 +63,6 @@ class blocking_host_backend final : public device_backend {
     return true;
   }
 
-  int device() const noexcept override { return dev_.device(); }
-  const char* name() const noexcept override { return dev_.name(); }
-  void* allocate_segment(std::size_t size_bytes) override {
-    return dev_.allocate_segment(size_bytes);
-  }
   // With sim::device_config::free_segment_synchronizes (a model of cudaFree) this is a host wait
   // on the whole device too.
   void free_segment(void* base, std::size_t size_bytes) override {
@@ -78,29 +73,11 @@ class blocking_host_backend final : public device_backend {
     }
     block_until([&] { dev_.free_segment(base, size_bytes); }, "free_segment");
   }
-  bool free_segment_synchronizes() const noexcept override {
-    return dev_.free_segment_synchronizes();
-  }
-  bool supports_expandable() const noexcept override { return dev_.supports_expandable(); }
-  std::size_t map_granularity_bytes() const noexcept override {
-    return dev_.map_granularity_bytes();
-  }
-  void* reserve_address_range(std::size_t size_bytes) override {
-    return dev_.reserve_address_range(size_bytes);
-  }
-  void release_address_range(void* base, std::size_t size_bytes) override {
-    dev_.release_address_range(base, size_bytes);
-  }
-  bool map(void* addr, std::size_t size_bytes) override { return dev_.map(addr, size_bytes); }
-  void unmap(void* addr, std::size_t size_bytes) override { dev_.unmap(addr, size_bytes); }
-  event_handle create_event() override { return dev_.create_event(); }
-  void destroy_event(event_handle event) noexcept override { dev_.destroy_event(event); }
   void record_event(event_handle event, stream_handle stream) override {
     dev_.record_event(event, stream);
     std::lock_guard<std::mutex> lk(mu_);
     recorded_on_[event] = stream;
   }
-  bool query_event(event_handle event) override { return dev_.query_event(event); }
   void synchronize_event(event_handle event) override {
     stream_handle stream = k_whole_device;
     {
@@ -110,19 +87,12 @@ class blocking_host_backend final : public device_backend {
     }
     block_until([&] { dev_.synchronize_event(event); }, "synchronize_event");
   }
-  void stream_wait_event(stream_handle stream, event_handle event) override {
-    dev_.stream_wait_event(stream, event);
-  }
-  bool query_stream(stream_handle stream) override { return dev_.query_stream(stream); }
   void synchronize_device() override {
     {
       std::lock_guard<std::mutex> lk(mu_);
       waited_.push_back(k_whole_device);
     }
     block_until([&] { dev_.synchronize_device(); }, "synchronize_device");
-  }
-  void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override {
-    dev_.memory_info(free_bytes, total_bytes);
   }
 
  private:

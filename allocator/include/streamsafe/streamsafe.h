@@ -58,7 +58,9 @@ typedef enum streamsafe_status {
   STREAMSAFE_ERROR_CONFIG = 5,           /* a bad configuration key or value */
   STREAMSAFE_ERROR_BACKEND = 6,          /* a CUDA call failed (also: no GPU present) */
   STREAMSAFE_ERROR_STATE = 7,            /* configure after the first allocation */
-  STREAMSAFE_ERROR_UNKNOWN = 8
+  STREAMSAFE_ERROR_UNKNOWN = 8,
+  STREAMSAFE_ERROR_TAG_PAUSED = 9,       /* an allocation under a paused tag; a pause or resume
+                                            refused in the current state (capture, callback) */
 } streamsafe_status;
 
 /* One statistic: current value, peak since start (or the last reset), totals added/removed. */
@@ -126,6 +128,47 @@ STREAMSAFE_C_API streamsafe_status streamsafe_notify_graph_released(uint64_t gra
 STREAMSAFE_C_API streamsafe_status streamsafe_empty_cache(size_t* released_bytes);
 /* Finishes deferred releases whose fences have completed; never blocks. */
 STREAMSAFE_C_API streamsafe_status streamsafe_reclaim(size_t* released_bytes);
+
+/* ---- tags and sleep/wake (docs/sleep.md) ------------------------------------------------------
+ * streamsafe_tag_push(name): until the matching streamsafe_tag_pop, allocations on the calling
+ * thread belong to the tag (1 to 64 printable characters; STREAMSAFE_ERROR_CONFIG otherwise).
+ * Pushes nest; pop without a push is STREAMSAFE_ERROR_STATE.
+ * streamsafe_pause(tag, device, mode, wait, status): the tag's memory on `device` goes back to
+ * the driver behind its release fence, its addresses stay reserved (expandable backend only:
+ * STREAMSAFE_ERROR_CONFIG otherwise). wait != 0: returns when all of it is back; wait == 0:
+ * never blocks (the rest follows as fences complete). Allocations under the tag fail with
+ * STREAMSAFE_ERROR_TAG_PAUSED until streamsafe_resume, which maps memory at the same addresses,
+ * restores offloaded contents, and orders the tag's streams (and `stream`, which may be NULL)
+ * after the restore. status (may be NULL) receives the tag's phase and bytes. */
+typedef enum streamsafe_pause_mode {
+  STREAMSAFE_PAUSE_DISCARD = 0, /* contents lost (a KV cache) */
+  STREAMSAFE_PAUSE_OFFLOAD = 1  /* contents copied to pinned host memory and back */
+} streamsafe_pause_mode;
+
+typedef struct streamsafe_pause_status {
+  int phase; /* 0 active, 1 pausing (some chunks behind their fence), 2 paused */
+  size_t released_bytes;       /* given back to the driver */
+  size_t pending_bytes;        /* still mapped, waiting for a fence or an offload copy */
+  size_t offloaded_host_bytes; /* pinned host bytes holding offloaded contents */
+  size_t allocated_bytes;      /* the tag's live blocks */
+  size_t reserved_bytes;       /* the tag's mapped bytes now */
+} streamsafe_pause_status;
+
+STREAMSAFE_C_API streamsafe_status streamsafe_tag_push(const char* tag);
+STREAMSAFE_C_API streamsafe_status streamsafe_tag_pop(void);
+STREAMSAFE_C_API streamsafe_status streamsafe_pause(const char* tag, int device,
+                                                    streamsafe_pause_mode mode, int wait,
+                                                    streamsafe_pause_status* status);
+STREAMSAFE_C_API streamsafe_status streamsafe_resume(const char* tag, int device, void* stream,
+                                                     streamsafe_pause_status* status);
+STREAMSAFE_C_API streamsafe_status streamsafe_tag_status(const char* tag, int device,
+                                                         streamsafe_pause_status* status);
+/* The tag's cached free memory on every device back to the driver (as streamsafe_empty_cache). */
+STREAMSAFE_C_API streamsafe_status streamsafe_empty_cache_tag(const char* tag,
+                                                              size_t* released_bytes);
+/* Cached free memory back, largest blocks first, until at most bytes_to_keep stay free on each
+ * device. */
+STREAMSAFE_C_API streamsafe_status streamsafe_trim(size_t bytes_to_keep, size_t* released_bytes);
 
 /* Statistics of `device` (all zero before its first allocation). */
 STREAMSAFE_C_API streamsafe_status streamsafe_get_stats(int device, streamsafe_stats* stats);

@@ -22,6 +22,7 @@ release_worker:off in the string override it). Library paths: STREAMSAFE_TORCH_E
 the copies installed in this package.
 """
 
+import contextlib
 import ctypes
 import json
 import os
@@ -84,6 +85,14 @@ def _load_ext():
         lib.streamsafe_torch_ext_pending_release_bytes.restype = ctypes.c_size_t
         lib.streamsafe_torch_ext_reclaim.restype = ctypes.c_size_t
         lib.streamsafe_torch_ext_empty_cache.restype = ctypes.c_size_t
+        buf = (ctypes.c_char_p, ctypes.c_size_t)
+        lib.streamsafe_torch_ext_tag_push.argtypes = (ctypes.c_char_p, ctypes.c_int) + buf
+        lib.streamsafe_torch_ext_tag_pop.argtypes = buf
+        lib.streamsafe_torch_ext_pause.argtypes = (ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int) + buf
+        lib.streamsafe_torch_ext_resume.argtypes = (ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p) + buf
+        lib.streamsafe_torch_ext_tag_status.argtypes = (ctypes.c_char_p, ctypes.c_int) + buf
+        lib.streamsafe_torch_ext_empty_cache_tag.argtypes = (ctypes.c_char_p,) + buf
+        lib.streamsafe_torch_ext_trim.argtypes = (ctypes.c_size_t,) + buf
         _check_version(BUILT_FOR or lib.streamsafe_torch_ext_torch_version().decode())
         _ext = lib
     return _ext
@@ -214,6 +223,90 @@ def empty_cache():
     if _mode == "pluggable":
         return int(_pluggable[0].streamsafe_torch_empty_cache())
     return 0
+
+
+# ---- tags and sleep/wake (docs/sleep.md) ------------------------------------------------------
+
+def _sleep_call(name, *args):
+    if _mode != "extension":
+        raise RuntimeError(
+            f"streamsafe: {name} needs the compiled extension: call streamsafe.torch.install() "
+            f"(the pluggable allocator has no tags)")
+    out = ctypes.create_string_buffer(4096)
+    rc = getattr(_ext, "streamsafe_torch_ext_" + name)(*args, out, len(out))
+    result = json.loads(out.value.decode() or "{}")
+    if rc < 0:
+        if result.get("kind") == "out_of_memory":
+            raise torch.OutOfMemoryError(result.get("error", name))
+        raise RuntimeError(result.get("error", f"streamsafe: {name} failed"))
+    return result
+
+
+def _device_index(device):
+    if device is None:
+        return -1
+    return torch.device("cuda", device).index if isinstance(device, int) else torch.device(device).index
+
+
+@contextlib.contextmanager
+def tag(name, all_threads=True):
+    """Allocations made inside the block belong to the tag `name` (1 to 64 printable characters):
+    they come from segments of their own, which pause(name) gives back to the driver and
+    resume(name) maps again at the same addresses.
+
+    all_threads=True (default) also tags allocations of threads with no tag of their own while
+    the block runs, such as autograd's backward; all_threads=False tags the calling thread only.
+    Blocks nest; the innermost wins.
+    """
+    _sleep_call("tag_push", name.encode(), int(bool(all_threads)))
+    try:
+        yield
+    finally:
+        _sleep_call("tag_pop")
+
+
+def pause(name, mode="offload", wait=False, device=None):
+    """Gives the tag's memory on `device` (default: the current device) back to the driver behind
+    the release fence of every stream that may touch it; the addresses stay reserved, tensors of
+    the tag keep their pointers, and touching them before resume() is an illegal address.
+
+    mode: "offload" (contents copied to pinned host memory, stream-ordered, and restored by
+    resume) or "discard" (contents lost, as for a KV cache). wait=False never blocks: the release
+    worker finishes what is still behind a fence (tag_status() reports it); wait=True returns when
+    all of it is back. Allocating under the tag raises RuntimeError until resume(). Returns the
+    tag's status (a dict: phase, released_bytes, pending_bytes, offloaded_host_bytes,
+    allocated_bytes, reserved_bytes). Needs backend:expandable.
+    """
+    if mode not in ("offload", "discard"):
+        raise ValueError(f"streamsafe: pause mode {mode!r}: expected 'offload' or 'discard'")
+    return _sleep_call("pause", name.encode(), _device_index(device), int(mode == "offload"), int(bool(wait)))
+
+
+def resume(name, device=None, stream=None):
+    """Maps memory at the tag's addresses again and restores offloaded contents. Work enqueued
+    after the call on the tag's streams and on `stream` (default: the current stream) sees the
+    contents; the host does not wait for the device. Raises torch.OutOfMemoryError when the memory
+    is not there (that part stays paused; call it again once memory is free). A no-op for an
+    active tag. Returns the tag's status."""
+    if stream is None:
+        stream = torch.cuda.current_stream(device)
+    return _sleep_call("resume", name.encode(), _device_index(device), ctypes.c_void_p(stream.cuda_stream))
+
+
+def tag_status(name, device=None):
+    """The tag's phase ("active", "pausing", "paused") and bytes (see pause())."""
+    return _sleep_call("tag_status", name.encode(), _device_index(device))
+
+
+def empty_cache_tag(name):
+    """The tag's cached free memory (every device) back to the driver; returns bytes released."""
+    return _sleep_call("empty_cache_tag", name.encode())["released_bytes"]
+
+
+def trim(bytes_to_keep):
+    """Gives cached free memory back, largest blocks first, until at most bytes_to_keep bytes stay
+    cached on each device; returns bytes released."""
+    return _sleep_call("trim", int(bytes_to_keep))["released_bytes"]
 
 
 _route = os.environ.get("STREAMSAFE_TORCH_INSTALL", "").strip().lower()

@@ -76,7 +76,7 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
 }
 
 void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
-                                             std::size_t rounded, bool small) {
+                                             std::size_t rounded, bool small, tag_id tag) {
   if (callback_scope::active()) {  // growth, release and event calls are all backend calls
     throw std::logic_error(
         "streamsafe: allocate(" + std::to_string(size) + " bytes) on device " +
@@ -95,7 +95,7 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
     trim_cached(dlk);
   }
   detail::unique_lock<stream_lock> slk(st.mu);
-  pool& p = pool_of(st, small);
+  pool& p = pool_for_locked(st, small, tag, size);  // throws tag_paused (locks released)
   // reuse_fence:all_streams: nothing free fits; the host frees since the last fence become
   // reusable behind one fence (free.cpp) rather than the pool growing.
   if (!st.unfenced.empty()) fence_host_frees_locked(st);
@@ -165,6 +165,7 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
                                                                    m.opts_.roundup_power2_divisions)
                                   : detail::round_request(size_bytes);
   const bool small = detail::is_small(rounded);
+  const tag_id tag = tag_scope::current();  // tags.cpp: 0 unless a tag_scope is open
   if (m.capturing()) {  // a CUDA graph capture is underway on the device (capture.cpp)
     device_lock dlk(m.mu_);
     m.detect_captures_locked(dlk);
@@ -178,16 +179,16 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
     // k_pending_batch more have queued up, or when nothing else fits.
     if (st.pending.size() >= st.process_at && !callback_scope::active())
       m.process_events_locked(st);
-    pool& p = impl::pool_of(st, small);
-    block* b = m.take_cached_fit_locked(p, rounded);
-    if (!b && !st.pending.empty() && !callback_scope::active()) {
+    pool* p = tag == 0 ? &impl::pool_of(st, small) : impl::tagged_pool(st, small, tag);
+    block* b = p ? m.take_cached_fit_locked(*p, rounded) : nullptr;
+    if (p && !b && !st.pending.empty() && !callback_scope::active()) {
       m.process_events_locked(st);
-      b = m.best_fit(p, rounded);
-      if (!b) b = m.take_pending_locked(st, p, rounded);
+      b = m.best_fit(*p, rounded);
+      if (!b) b = m.take_pending_locked(st, *p, rounded);
     }
     if (b) return m.finish_allocation(st, b, rounded, size_bytes);
   }
-  return m.allocate_slow(st, size_bytes, rounded, small);
+  return m.allocate_slow(st, size_bytes, rounded, small, tag);
 }
 
 }  // namespace streamsafe

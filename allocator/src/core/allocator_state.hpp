@@ -34,6 +34,7 @@
 #include "thread_annotations.hpp"
 
 #include <streamsafe/core/caching_allocator.hpp>
+#include <streamsafe/core/sleep.hpp>
 
 #include <array>
 #include <atomic>
@@ -88,11 +89,21 @@ struct caching_allocator::impl {
   using stream_lock = detail::stream_lock;
   // Cache-line aligned: threads on different streams write only their own stream_state, and no
   // two of them share a line (no false sharing on the fast path).
+  // The pools of one tag on one stream (tags.cpp); `refused` is its tag_state's flag.
+  struct tag_pools {
+    tag_id tag = 0;
+    pool small_pool;
+    pool large_pool;
+    const std::atomic<bool>* refused = nullptr;
+  };
   struct alignas(64) stream_state {
     stream_lock mu;
     stream_handle handle = 0;
     pool small_pool;
     pool large_pool;
+    // Tagged pools of this stream, created by the slow path under mu_ and this lock; read under
+    // this lock (the fast path scans it, a few entries).
+    std::vector<std::unique_ptr<tag_pools>> tagged;
     detail::active_map active;     // active blocks of this stream's segments
     detail::pending_list pending;  // pending_free blocks of this stream's segments, in free order
     // reuse_fence:all_streams: pending_free blocks freed by the host since the last reuse fence,
@@ -157,6 +168,36 @@ struct caching_allocator::impl {
     bool device_sync = false;
     std::size_t bytes = 0;
     std::uint64_t id = 0;  // identifies a queued batch across a wait without the lock
+  };
+
+  // Sleep/wake (sleep.cpp). One segment of a tag being paused: its mapped runs (chunk-aligned,
+  // every mapped block but those being released), its fence, and in offload mode the copies of
+  // its live blocks to pinned host memory.
+  struct offload_copy {
+    std::uintptr_t addr = 0;
+    std::size_t bytes = 0;
+    void* host = nullptr;  // from host_ (allocated on copy_stream_)
+  };
+  struct paused_segment {
+    segment* seg = nullptr;
+    std::vector<std::pair<std::uintptr_t, std::size_t>> runs;
+    std::size_t bytes = 0;
+    std::vector<detail::pending_event> fence;
+    std::vector<stream_handle> fence_streams;
+    std::vector<offload_copy> copies;
+    bool copies_enqueued = false;
+    event_handle copied = 0;        // recorded on copy_stream_ after the copies
+    std::size_t runs_unmapped = 0;  // runs[0, runs_unmapped) are back with the driver
+  };
+  struct tag_state {
+    tag_id id = 0;
+    std::string name;
+    std::atomic<bool> refused{false};  // allocation under the tag throws tag_paused
+    tag_phase phase = tag_phase::active;
+    pause_mode mode = pause_mode::discard;
+    std::vector<paused_segment> segments;
+    std::size_t offloaded_host_bytes = 0;
+    int busy = 0;  // pause/resume driver calls in flight with mu_ dropped
   };
 
   impl(device_backend& backend, options opts);
@@ -317,8 +358,8 @@ struct caching_allocator::impl {
       STREAMSAFE_REQUIRES(mu_);
   void* finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size)
       STREAMSAFE_REQUIRES(st.mu);
-  void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small)
-      STREAMSAFE_EXCLUDES(mu_, st.mu);
+  void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small,
+                      tag_id tag) STREAMSAFE_EXCLUDES(mu_, st.mu);
   bool wants_collection_locked(std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);  // mu_ held
   void split_locked(block* b,
                     std::size_t rounded);  // b's remainder beyond `rounded`, if worth a block
@@ -446,7 +487,9 @@ struct caching_allocator::impl {
       STREAMSAFE_REQUIRES(mu_);
   void detach_whole_segment_locked(release_batch& batch, segment* seg)
       STREAMSAFE_REQUIRES(mu_);  // a free cuda_malloc segment
-  release_batch collect_releasable_locked(bool released_graphs_only = false)
+  // Free memory that can go back: everything, only released graphs' pools, or only one tag's.
+  release_batch collect_releasable_locked(bool released_graphs_only = false,
+                                          const tag_id* only_tag = nullptr)
       STREAMSAFE_REQUIRES(mu_);
   void record_fence_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   bool fence_done_locked(const release_batch& batch) STREAMSAFE_REQUIRES(mu_);
@@ -484,6 +527,62 @@ struct caching_allocator::impl {
   void retire_all_pending_locked(device_lock& lk)
       STREAMSAFE_REQUIRES(mu_);  // waits with mu_ dropped
   void destroy_events_locked() STREAMSAFE_REQUIRES(mu_);
+
+  // ---- tags.cpp, sleep.cpp -----------------------------------------------------------------
+  std::unordered_map<tag_id, std::unique_ptr<tag_state>> tags_ STREAMSAFE_GUARDED_BY(mu_);
+  std::size_t pauses_pending_ STREAMSAFE_GUARDED_BY(mu_) = 0;  // tags in phase pausing
+  sleep_hook hook_ STREAMSAFE_GUARDED_BY(mu_);
+  stream_handle copy_stream_ STREAMSAFE_GUARDED_BY(mu_) = 0;
+  bool has_copy_stream_ STREAMSAFE_GUARDED_BY(mu_) = false;
+  std::unique_ptr<caching_allocator> host_ STREAMSAFE_GUARDED_BY(mu_);  // offload's pinned memory
+  // The tagged pool of st for `tag` (fast path: nullptr when missing or refused; st's lock held).
+  static pool* tagged_pool(stream_state& st, bool small, tag_id tag) STREAMSAFE_REQUIRES(st.mu) {
+    for (auto& tp : st.tagged) {
+      if (tp->tag != tag) continue;
+      if (tp->refused->load(std::memory_order_acquire)) return nullptr;
+      return small ? &tp->small_pool : &tp->large_pool;
+    }
+    return nullptr;
+  }
+  // Every pool of st, untagged first (st's lock held).
+  template <class F>
+  static void for_each_pool(stream_state& st, F&& f) {
+    f(st.small_pool);
+    f(st.large_pool);
+    for (auto& tp : st.tagged) {
+      f(tp->small_pool);
+      f(tp->large_pool);
+    }
+  }
+  template <class F>
+  static void for_each_pool(const stream_state& st, F&& f) {
+    f(st.small_pool);
+    f(st.large_pool);
+    for (const auto& tp : st.tagged) {
+      f(static_cast<const pool&>(tp->small_pool));
+      f(static_cast<const pool&>(tp->large_pool));
+    }
+  }
+  tag_state& tag_state_locked(tag_id tag) STREAMSAFE_REQUIRES(mu_);  // created on first use
+  // The pool of st for (small, tag), created if missing; throws tag_paused while refused.
+  pool& pool_for_locked(stream_state& st, bool small, tag_id tag, std::size_t size)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  // Offload copies of ps enqueued on copy_stream_ behind its fence (host memory from host_).
+  void enqueue_offload_locked(tag_state& t, paused_segment& ps) STREAMSAFE_REQUIRES(mu_);
+  bool pause_ready_locked(const paused_segment& ps) STREAMSAFE_REQUIRES(mu_);  // polls only
+  // Unmaps (hooks first, mu_ dropped) the segments of t that are ready; wait: waits for them.
+  std::size_t advance_pause_locked(device_lock& lk, tag_state& t, bool wait)
+      STREAMSAFE_REQUIRES(mu_);
+  std::size_t advance_pauses_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // every tag
+  void cancel_paused_segment_locked(tag_state& t, paused_segment& ps) STREAMSAFE_REQUIRES(mu_);
+  pause_status tag_status_locked(const tag_state& t) STREAMSAFE_REQUIRES(mu_);
+  void wait_tag_idle_locked(device_lock& lk, const tag_state& t) STREAMSAFE_REQUIRES(mu_);
+  void call_hooks_unlocked(const std::vector<sleep_hook_event>& events, const sleep_hook& hook);
+  stream_handle copy_stream_locked() STREAMSAFE_REQUIRES(mu_);
+  caching_allocator& host_allocator_locked() STREAMSAFE_REQUIRES(mu_);
+  void destroy_sleep_state_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // destruction
+  // Starts the release worker if it is not running; false when it cannot run.
+  bool ensure_worker_locked() STREAMSAFE_REQUIRES(mu_);
 
   // ---- release_worker.cpp ------------------------------------------------------------------
   // The release worker (options::release_worker on): one thread per allocator, started by the

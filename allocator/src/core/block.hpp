@@ -74,6 +74,11 @@ struct segment {
   pool* owner = nullptr;
   block* first = nullptr;
   std::vector<stream_handle> used_streams;  // streams that used it since the last release
+  // Sleep/wake (sleep.cpp): set from pause until resume; nothing else releases, moves or grows
+  // into it meanwhile. paused_bytes: mapped blocks' bytes whose chunks pause gave back (their
+  // blocks keep mapped = true: resume maps them again); not in mapped_bytes.
+  bool paused = false;
+  std::size_t paused_bytes = 0;
 };
 
 // Best-fit order: size, then address.

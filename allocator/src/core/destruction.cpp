@@ -82,6 +82,7 @@ void caching_allocator::impl::destroy_all() {
     captures_.clear();
     captures_underway_.store(0, std::memory_order_release);
     for (auto& [s, st] : streams_) st->graph_released = true;
+    destroy_sleep_state_locked(lk);  // sleep.cpp: pauses underway finish, offload copies go
     for (auto& [s, st] :
          streams_) {  // reuse_fence:all_streams: unfenced host frees join the pending ones
       detail::lock_guard<stream_lock> slk(st->mu);

@@ -8,6 +8,7 @@
 #include "logging.hpp"
 
 #include <algorithm>
+#include <utility>
 #include <sstream>
 
 namespace streamsafe {
@@ -34,9 +35,13 @@ std::size_t caching_allocator::impl::largest_free_locked(const stream_state* hel
   for (auto& [s, state] : streams_) {
     std::unique_lock<stream_lock> slk(state->mu, std::defer_lock);
     if (state.get() != held) slk.lock();
-    for (const pool* p : {&state->small_pool, &state->large_pool}) {
-      if (const block* b = p->mapped.largest()) largest = std::max(largest, b->size);
-    }
+    for_each_pool(std::as_const(*state), [&](const pool& p) {
+      if (p.tag != 0) {  // a paused tag's free blocks serve nobody until resume
+        auto it = tags_.find(p.tag);
+        if (it != tags_.end() && it->second->refused.load(std::memory_order_acquire)) return;
+      }
+      if (const block* b = p.mapped.largest()) largest = std::max(largest, b->size);
+    });
   }
   return largest;
 }

@@ -164,7 +164,8 @@ block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounde
   std::unique_lock<stream_lock> olk;
   while (!best) {
     for (auto& [base, seg] : segments_) {
-      if (seg->expandable || seg->owner == &p || seg->small != p.small) continue;
+      if (seg->expandable || seg->owner == &p || seg->small != p.small || seg->owner->tag != p.tag)
+        continue;
       stream_state& other = state_of(*seg->owner);
       if (other.graph != 0 && !other.graph_released) continue;  // a graph's private pool
       detail::lock_guard<stream_lock> lk(other.mu);
@@ -211,7 +212,7 @@ block* caching_allocator::impl::adopt_dead_segment_locked(pool& p, std::size_t r
   // streams still holding memory, not the segments.
   if (dead_states_.empty() || capturing() || opts_.release_fence == fence_scope::device)
     return nullptr;
-  if (state_of(p).graph != 0) return nullptr;
+  if (state_of(p).graph != 0 || p.tag != 0) return nullptr;  // a tag's memory stays its own
   retire_dead_streams_locked();
   segment* best = nullptr;
   std::unique_lock<stream_lock> olk;

@@ -8,6 +8,7 @@
 #include "allocator_state.hpp"
 
 #include <algorithm>
+#include <iterator>
 
 namespace streamsafe {
 
@@ -102,6 +103,23 @@ caching_allocator::block_info caching_allocator::find_block(const void* ptr) con
   return {b->addr, b->size, b->seg->stream};
 }
 
+caching_allocator::block_info caching_allocator::find_block_containing(const void* ptr) const {
+  impl& m = *impl_;
+  detail::lock_guard<detail::mutex> dlk(m.mu_);
+  impl::stream_state* owner = m.owner_locked(ptr);
+  if (!owner) return {};
+  detail::lock_guard<stream_lock> slk(owner->mu);
+  const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+  auto it = m.segments_.upper_bound(p);
+  if (it == m.segments_.begin()) return {};
+  const segment* seg = std::prev(it)->second;
+  for (const block* b = seg->first; b && b->addr <= p; b = b->next) {
+    if (p < b->addr + b->size && b->state == block_state::active)
+      return {b->addr, b->size, seg->stream};
+  }
+  return {};
+}
+
 void caching_allocator::set_trace_recorder(trace_recorder* recorder) noexcept {
   impl_->trace_.store(recorder, std::memory_order_release);
 }
@@ -127,6 +145,8 @@ memory_snapshot caching_allocator::snapshot() const {
     ss.stream = seg->stream;
     ss.pool = seg->small ? snapshot_pool::small : snapshot_pool::large;
     ss.expandable = seg->expandable;
+    ss.paused_bytes = seg->paused_bytes;
+    if (seg->owner->tag != 0) ss.tag = tag_name(seg->owner->tag);
     for (const block* b = seg->first; b; b = b->next) {
       block_snapshot bs;
       bs.address = b->addr;

@@ -88,8 +88,11 @@ void caching_allocator::impl::check_segment_locked(std::uintptr_t key, const seg
     expect += b->size;
   }
   if (expect != seg->base + seg->size) fail("blocks do not cover segment " + hex(seg->base));
-  if (mapped != seg->mapped_bytes) fail("mapped bytes of segment " + hex(seg->base) + " disagree");
-  c.reserved_bytes += static_cast<std::int64_t>(mapped);
+  if (mapped != seg->mapped_bytes + seg->paused_bytes)
+    fail("mapped bytes of segment " + hex(seg->base) + " disagree");
+  if (seg->paused_bytes != 0 && !seg->paused)
+    fail("segment " + hex(seg->base) + " has paused bytes but is not paused");
+  c.reserved_bytes += static_cast<std::int64_t>(seg->mapped_bytes);
 }
 
 void caching_allocator::impl::check_pool_locked(const pool& p, census& c) const {
@@ -113,8 +116,7 @@ void caching_allocator::impl::check_pool_locked(const pool& p, census& c) const 
 }
 
 void caching_allocator::impl::check_stream_locked(const stream_state& st, census& c) const {
-  check_pool_locked(st.small_pool, c);
-  check_pool_locked(st.large_pool, c);
+  for_each_pool(st, [&](const pool& p) { check_pool_locked(p, c); });
   c.pending_list_blocks += st.pending.size() + st.unfenced.size();
   c.active_map_blocks += st.active.size();
   st.active.for_each([&](const block* b) {

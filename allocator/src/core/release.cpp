@@ -94,12 +94,14 @@ void caching_allocator::impl::detach_whole_segment_locked(release_batch& batch, 
 }
 
 caching_allocator::impl::release_batch caching_allocator::impl::collect_releasable_locked(
-    bool released_graphs_only) {
+    bool released_graphs_only, const tag_id* only_tag) {
   release_batch batch;
   for (auto& [base, seg] : segments_) {
     stream_state& owner = state_of(*seg->owner);
     if (owner.graph != 0 && !owner.graph_released) continue;  // a graph that may still replay
     if (released_graphs_only && owner.graph == 0) continue;
+    if (seg->paused) continue;  // sleep.cpp: pause and resume own its mapping
+    if (only_tag && seg->owner->tag != *only_tag) continue;
     detail::lock_guard<stream_lock> slk(owner.mu);
     if (!seg->expandable) {
       if (!seg->first->next && seg->first->state == block_state::free)
@@ -389,8 +391,7 @@ void caching_allocator::impl::prepare_release_locked() {
     detail::lock_guard<stream_lock> slk(st->mu);
     if (!st->unfenced.empty()) fence_host_frees_locked(*st);  // reuse_fence:all_streams (free.cpp)
     if (!st->pending.empty()) process_events_locked(*st);
-    flush_quick_locked(st->small_pool);
-    flush_quick_locked(st->large_pool);
+    for_each_pool(*st, [&](pool& p) { flush_quick_locked(p); });
   }
 }
 
@@ -542,7 +543,9 @@ std::size_t caching_allocator::reclaim() {
     detail::lock_guard<stream_lock> slk(st->mu);
     if (!st->pending.empty()) impl_->process_events_locked(*st);
   }
-  const std::size_t released = impl_->finish_deferred(lk, false);
+  std::size_t released = impl_->finish_deferred(lk, false);
+  if (impl_->pauses_pending_ != 0 && !impl_->worker_usable_locked())
+    released += impl_->advance_pauses_locked(lk);  // sleep.cpp: deferred pauses, never waiting
   // The worker's release in flight (driver calls on memory whose fence completed) ends too, so
   // that what reclaim returns to has every completed release done; never a fence wait.
   if (impl_->stats_.release_worker_bytes != 0) impl_->wait_for_worker_locked(lk, nullptr);

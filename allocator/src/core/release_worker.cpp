@@ -64,6 +64,29 @@ bool caching_allocator::impl::worker_usable_locked() const {
   return pid == creator_pid_ && (worker_pid_ == 0 || worker_pid_ == pid);
 }
 
+bool caching_allocator::impl::ensure_worker_locked() {
+  if (worker_) return true;
+  if (!worker_usable_locked()) return false;
+  try {
+    worker_ = std::make_unique<std::thread>([this] { worker_main(); });
+    worker_pid_ = current_pid();
+    std::call_once(g_atfork_once, [] {
+      ::pthread_atfork(&impl::fork_prepare, &impl::fork_parent, &impl::fork_child);
+      std::atexit(&impl::at_exit);  // after the CUDA runtime's own handler: runs before its teardown
+    });
+    std::lock_guard<std::mutex> rlk(registry().mu);
+    registry().live.push_back(this);
+  } catch (const std::exception& e) {
+    // Queued work stays: later calls finish it on their own thread, as with the worker off.
+    worker_failed_ = true;
+    detail::log().warn(
+        "device {}: the release worker could not start ({}); releases stay on the calling threads",
+        backend_.device(), e.what());
+    return false;
+  }
+  return true;
+}
+
 void caching_allocator::impl::hand_to_worker_locked(release_batch& batch) {
   if (batch.blocks.empty()) return;
   try {
@@ -73,34 +96,16 @@ void caching_allocator::impl::hand_to_worker_locked(release_batch& batch) {
     throw;
   }
   queue_batch_locked(batch);
-  if (!worker_) {
-    try {
-      worker_ = std::make_unique<std::thread>([this] { worker_main(); });
-      worker_pid_ = current_pid();
-      std::call_once(g_atfork_once, [] {
-        ::pthread_atfork(&impl::fork_prepare, &impl::fork_parent, &impl::fork_child);
-        std::atexit(
-            &impl::at_exit);  // after the CUDA runtime's own handler: runs before its teardown
-      });
-      std::lock_guard<std::mutex> rlk(registry().mu);
-      registry().live.push_back(this);
-    } catch (const std::exception& e) {
-      // The queue stays: later calls finish it on their own thread, as with the worker off.
-      worker_failed_ = true;
-      detail::log().warn(
-          "device {}: the release worker could not start ({}); releases stay on the calling "
-          "threads",
-          backend_.device(), e.what());
-      return;
-    }
-  }
+  if (!ensure_worker_locked()) return;  // the queue stays: later calls finish it
   worker_kick_ = true;
   worker_wake_->notify_one();
 }
 
 std::size_t caching_allocator::impl::worker_pass_locked(device_lock& lk) {
   detect_captures_locked(lk);
-  if (capturing() || deferred_.empty()) return 0;  // capture.cpp: no query, no release meanwhile
+  if (capturing()) return 0;  // capture.cpp: no query, no release meanwhile
+  std::size_t paused = pauses_pending_ != 0 ? advance_pauses_locked(lk) : 0;  // sleep.cpp
+  if (deferred_.empty() || capturing()) return paused;
   release_batch now;
   std::exception_ptr error;
   try {
@@ -139,7 +144,7 @@ std::size_t caching_allocator::impl::worker_pass_locked(device_lock& lk) {
                         backend_.device(), released, bytes);
   }
   if (error) std::rethrow_exception(error);
-  return released;
+  return released + paused;
 }
 
 void caching_allocator::impl::worker_main() {
@@ -169,7 +174,7 @@ void caching_allocator::impl::worker_main() {
       delay = k_poll_min;
       continue;
     }
-    if (deferred_.empty()) {
+    if (deferred_.empty() && pauses_pending_ == 0) {
       worker_wake_->wait(lk, wake);
       delay = k_poll_min;
       continue;

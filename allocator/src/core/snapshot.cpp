@@ -89,9 +89,10 @@ void memory_snapshot::check_consistency() const {
     if (expect != seg.address + seg.size_bytes)
       fail(where + ": blocks cover " + std::to_string(expect - seg.address) + " of its " +
            std::to_string(seg.size_bytes) + " bytes");
-    if (mapped != seg.mapped_bytes)
-      fail(where + ": mapped_bytes " + std::to_string(seg.mapped_bytes) +
-           " but its mapped blocks hold " + std::to_string(mapped));
+    if (mapped != seg.mapped_bytes + seg.paused_bytes)
+      fail(where + ": mapped_bytes " + std::to_string(seg.mapped_bytes) + " and paused_bytes " +
+           std::to_string(seg.paused_bytes) + " but its mapped blocks hold " +
+           std::to_string(mapped));
   }
 }
 
@@ -156,7 +157,9 @@ void memory_snapshot::to_json(std::ostream& os) const {
        << ",\"allocated_size\":" << allocated << ",\"active_size\":" << active
        << ",\"requested_size\":" << requested << ",\"stream\":" << seg.stream
        << ",\"segment_type\":\"" << to_string(seg.pool)
-       << "\",\"is_expandable\":" << (seg.expandable ? "true" : "false") << ",\"blocks\":[";
+       << "\",\"is_expandable\":" << (seg.expandable ? "true" : "false") << ",\"tag\":\"";
+    for (char c : seg.tag) os << (c == '"' || c == '\\' ? "\\" : "") << c;
+    os << "\",\"paused_size\":" << seg.paused_bytes << ",\"blocks\":[";
     first_seg = false;
     bool first_block = true;
     for (const block_snapshot& b : seg.blocks) {

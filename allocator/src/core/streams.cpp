@@ -34,6 +34,7 @@ caching_allocator::impl::stream_state& caching_allocator::impl::new_state_locked
       detail::lock_guard<stream_lock> slk(st.mu);  // a stale stream cache entry may lock it
       st.handle = handle;
       st.small_pool.stream = st.large_pool.stream = handle;
+      st.tagged.clear();  // retired: its tagged pools hold nothing
       st.process_at = k_pending_batch;
       st.graph = 0;
       st.graph_released = false;

@@ -62,6 +62,7 @@ namespace streamsafe::sim {
 namespace detail {
 
 inline constexpr std::uintptr_t address_space_base = 0x7f0000000000ULL;
+inline constexpr std::uintptr_t host_address_base = 0x100000000000ULL;  // 1 TiB per device
 inline constexpr std::size_t call_kinds = static_cast<std::size_t>(call::synchronize_device) + 1;
 inline constexpr std::size_t max_items_in_message = 4;
 
@@ -132,6 +133,9 @@ struct work_item {
   std::uint64_t start_us = 0;
   bool opened = false;           // holds
   std::uint64_t depends_on = 0;  // waits: id of the record marker (0: none)
+  // copy_async: on completion [copy_dst, copy_dst + copy_bytes) takes the contents of copy_src.
+  std::uintptr_t copy_src = 0, copy_dst = 0;
+  std::size_t copy_bytes = 0;
 };
 
 struct stream_state {
@@ -192,6 +196,7 @@ struct simulated_device::impl {
     next_address_ = round_up(
         address_space_base + (static_cast<std::uintptr_t>(config_.device) << 44),
         config_.granularity_bytes);
+    host_next_address_ = host_address_base + (static_cast<std::uintptr_t>(config_.device) << 40);
     stream_state default_stream;
     default_stream.handle = 0;
     streams_.emplace(0, std::move(default_stream));
@@ -224,6 +229,11 @@ struct simulated_device::impl {
   std::set<std::uintptr_t> mapped_chunks_;
   std::size_t bytes_in_use_ = 0;
   std::map<std::uintptr_t, std::pair<std::uintptr_t, std::uint8_t>> contents_;  // b -> (e, v)
+  // Pinned host memory (allocate_host): in segments_ too (so that work may touch it), not in
+  // bytes_in_use_; its addresses come from host_next_address_.
+  std::set<std::uintptr_t> host_segments_;
+  std::uintptr_t host_next_address_ = 0;
+  std::size_t host_bytes_ = 0;
 
   // Graph capture (the mutex guards these too).
   std::map<std::uint64_t, graph_state> graphs_;
@@ -406,10 +416,26 @@ struct simulated_device::impl {
     if (value) contents_.emplace(begin, std::make_pair(end, *value));
   }
 
+  // dst takes the contents model of [src, src + bytes) (unknown bytes stay unknown).
+  void copy_contents(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes) {
+    std::vector<std::pair<std::pair<std::uintptr_t, std::uintptr_t>, std::uint8_t>> parts;
+    const std::uintptr_t end = src + bytes;
+    auto it = contents_.upper_bound(src);
+    if (it != contents_.begin()) --it;
+    for (; it != contents_.end() && it->first < end; ++it) {
+      const std::uintptr_t b = std::max(it->first, src), e = std::min(it->second.first, end);
+      if (b < e) parts.push_back({{b - src, e - src}, it->second.second});
+    }
+    assign_contents(dst, dst + bytes, std::nullopt);
+    for (const auto& [span, value] : parts) assign_contents(dst + span.first, dst + span.second, value);
+  }
+
   void complete(std::uint64_t id) {
     auto it = pending_.find(id);
     const work_item& item = it->second;
-    if (item.kind == item_kind::kernel) {
+    if (item.kind == item_kind::kernel && item.copy_bytes != 0) {
+      copy_contents(item.copy_dst, item.copy_src, item.copy_bytes);
+    } else if (item.kind == item_kind::kernel) {
       for (const range& r : item.ranges) {
         if (r.mode == access::write) assign_contents(r.begin, r.begin + r.size_bytes, r.value);
       }

@@ -1,6 +1,7 @@
 // streamsafe: the simulated device: construction, streams and work, CUDA graph capture and the
 // clock (device_model.hpp holds the state, its invariants and its lock).
 #include "device_model.hpp"
+#include "host_view.hpp"
 
 #include <streamsafe/core/errors.hpp>
 

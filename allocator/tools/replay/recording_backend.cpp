@@ -34,7 +34,7 @@ std::map<std::uintptr_t, recording_backend::segment_view> recording_backend::seg
 
 void recording_backend::note_locked(trace_action action, std::uintptr_t address, std::size_t size) {
   if (recorder_)
-    recorder_->record(trace_event{time_us_, action, address, size, stream_, inner_.device()});
+    recorder_->record(trace_event{time_us_, action, address, size, stream_, inner().device()});
 }
 
 recording_backend::segment_view* recording_backend::range_containing_locked(
@@ -47,7 +47,7 @@ recording_backend::segment_view* recording_backend::range_containing_locked(
 }
 
 void* recording_backend::allocate_segment(std::size_t size_bytes) {
-  void* base = inner_.allocate_segment(size_bytes);
+  void* base = inner().allocate_segment(size_bytes);
   if (!base) return nullptr;
   std::lock_guard<std::mutex> lk(mu_);
   const auto addr = reinterpret_cast<std::uintptr_t>(base);
@@ -63,7 +63,7 @@ void* recording_backend::allocate_segment(std::size_t size_bytes) {
 }
 
 void recording_backend::free_segment(void* base, std::size_t size_bytes) {
-  inner_.free_segment(base, size_bytes);
+  inner().free_segment(base, size_bytes);
   std::lock_guard<std::mutex> lk(mu_);
   const auto addr = reinterpret_cast<std::uintptr_t>(base);
   segments_.erase(addr);
@@ -73,7 +73,7 @@ void recording_backend::free_segment(void* base, std::size_t size_bytes) {
 }
 
 void* recording_backend::reserve_address_range(std::size_t size_bytes) {
-  void* base = inner_.reserve_address_range(size_bytes);
+  void* base = inner().reserve_address_range(size_bytes);
   std::lock_guard<std::mutex> lk(mu_);
   const auto addr = reinterpret_cast<std::uintptr_t>(base);
   segment_view& s = segments_[addr];
@@ -86,13 +86,13 @@ void* recording_backend::reserve_address_range(std::size_t size_bytes) {
 }
 
 void recording_backend::release_address_range(void* base, std::size_t size_bytes) {
-  inner_.release_address_range(base, size_bytes);
+  inner().release_address_range(base, size_bytes);
   std::lock_guard<std::mutex> lk(mu_);
   segments_.erase(reinterpret_cast<std::uintptr_t>(base));
 }
 
 bool recording_backend::map(void* addr, std::size_t size_bytes) {
-  if (!inner_.map(addr, size_bytes)) return false;
+  if (!inner().map(addr, size_bytes)) return false;
   std::lock_guard<std::mutex> lk(mu_);
   const auto a = reinterpret_cast<std::uintptr_t>(addr);
   if (segment_view* s = range_containing_locked(a)) s->mapped[a] = size_bytes;
@@ -103,7 +103,7 @@ bool recording_backend::map(void* addr, std::size_t size_bytes) {
 }
 
 void recording_backend::unmap(void* addr, std::size_t size_bytes) {
-  inner_.unmap(addr, size_bytes);
+  inner().unmap(addr, size_bytes);
   std::lock_guard<std::mutex> lk(mu_);
   const auto a = reinterpret_cast<std::uintptr_t>(addr);
   if (segment_view* s = range_containing_locked(a)) {

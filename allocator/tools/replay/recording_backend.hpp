@@ -15,7 +15,7 @@
 // Thread safety: mu_ guards everything recorded; forwarded calls run without it.
 #pragma once
 
-#include <streamsafe/backends/device_backend.hpp>
+#include <streamsafe/backends/forwarding_backend.hpp>
 #include <streamsafe/core/trace.hpp>
 
 #include <cstdint>
@@ -24,7 +24,7 @@
 
 namespace streamsafe::replay {
 
-class recording_backend final : public device_backend {
+class recording_backend final : public forwarding_backend {
  public:
   struct segment_view {
     std::uintptr_t base = 0;
@@ -38,7 +38,7 @@ class recording_backend final : public device_backend {
     std::uint64_t segment_allocs = 0, segment_frees = 0, maps = 0, unmaps = 0;
   };
 
-  explicit recording_backend(device_backend& inner) : inner_(inner) {}
+  explicit recording_backend(device_backend& inner) : forwarding_backend(inner) {}
 
   // The allocator call about to run: its trace time, trace stream and size class.
   void set_context(std::uint64_t time_us, stream_handle trace_stream, bool small_request) noexcept;
@@ -49,49 +49,18 @@ class recording_backend final : public device_backend {
   counts operation_counts() const;
   std::map<std::uintptr_t, segment_view> segments() const;  // a copy, by base address
 
-  // ---- device_backend: forwarded ---------------------------------------------------------
-  int device() const noexcept override { return inner_.device(); }
-  const char* name() const noexcept override { return inner_.name(); }
+  // ---- device_backend: the segment calls are recorded, the rest forwarded -----------------
   void* allocate_segment(std::size_t size_bytes) override;
   void free_segment(void* base, std::size_t size_bytes) override;
-  bool free_segment_synchronizes() const noexcept override {
-    return inner_.free_segment_synchronizes();
-  }
-  bool supports_expandable() const noexcept override { return inner_.supports_expandable(); }
-  std::size_t map_granularity_bytes() const noexcept override {
-    return inner_.map_granularity_bytes();
-  }
   void* reserve_address_range(std::size_t size_bytes) override;
   void release_address_range(void* base, std::size_t size_bytes) override;
   bool map(void* addr, std::size_t size_bytes) override;
   void unmap(void* addr, std::size_t size_bytes) override;
-  event_handle create_event() override { return inner_.create_event(); }
-  void destroy_event(event_handle event) noexcept override { inner_.destroy_event(event); }
-  void record_event(event_handle event, stream_handle stream) override {
-    inner_.record_event(event, stream);
-  }
-  bool query_event(event_handle event) override { return inner_.query_event(event); }
-  void synchronize_event(event_handle event) override { inner_.synchronize_event(event); }
-  void stream_wait_event(stream_handle stream, event_handle event) override {
-    inner_.stream_wait_event(stream, event);
-  }
-  bool query_stream(stream_handle stream) override { return inner_.query_stream(stream); }
-  void synchronize_device() override { inner_.synchronize_device(); }
-  void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override {
-    inner_.memory_info(free_bytes, total_bytes);
-  }
-  bool stream_is_capturing(stream_handle stream) noexcept override {
-    return inner_.stream_is_capturing(stream);
-  }
-  bool stream_is_per_thread(stream_handle stream) const noexcept override {
-    return inner_.stream_is_per_thread(stream);
-  }
 
  private:
   void note_locked(trace_action action, std::uintptr_t address, std::size_t size);
   segment_view* range_containing_locked(std::uintptr_t address);
 
-  device_backend& inner_;
   mutable std::mutex mu_;
   std::map<std::uintptr_t, segment_view> segments_;  // guarded by mu_
   std::int64_t reserved_ = 0;                        // guarded by mu_

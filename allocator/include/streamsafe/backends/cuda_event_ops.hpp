@@ -14,6 +14,8 @@
 #include <streamsafe/backends/device_backend.hpp>
 
 #include <cstddef>
+#include <memory>
+#include <mutex>
 
 namespace streamsafe::cuda {
 
@@ -37,6 +39,11 @@ class cuda_event_ops : public device_backend {
   bool stream_is_capturing(stream_handle stream) noexcept final;
   // cudaStreamPerThread (handle 2): a different stream in every thread.
   bool stream_is_per_thread(stream_handle stream) const noexcept final { return stream == 2; }
+  stream_handle create_stream() final;
+  void destroy_stream(stream_handle stream) final;
+  void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) final;
+  // Pinned host memory of this device (pinned_host_backend); nullptr if it cannot be made.
+  device_backend* host_backend() noexcept override;
 
  protected:
   // Throws backend_error when `device` is not a valid device index here (no GPU: always).
@@ -50,6 +57,8 @@ class cuda_event_ops : public device_backend {
 
   int device_;
   void* primary_context_ = nullptr;  // the device's primary CUcontext (null: unknown)
+  std::once_flag host_once_;
+  std::unique_ptr<device_backend> host_;  // the pinned_host_backend, made by host_backend()
 };
 
 }  // namespace streamsafe::cuda

@@ -99,6 +99,22 @@ class device_backend {
   // The allocator relies on two events recorded on one stream completing in the order they were
   // recorded; for such a handle it queries every event instead.
   virtual bool stream_is_per_thread(stream_handle /*stream*/) const noexcept { return false; }
+
+  // ---- stream-ordered copies and pinned host memory (pause/resume with offload) ----------
+  // Optional: the defaults throw backend_error ("not supported by this backend"), and
+  // host_backend() answers nullptr; caching_allocator::pause(tag, pause_mode::offload) then
+  // throws config_error. A non-blocking stream of the device, owned by the caller until
+  // destroy_stream (which does not wait for its work).
+  virtual stream_handle create_stream();
+  virtual void destroy_stream(stream_handle stream);
+  // Enqueues a copy of `bytes` bytes from src to dst on `stream` (either side device memory or
+  // pinned host memory of host_backend()); never blocks the host.
+  virtual void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream);
+  // A backend whose segments are pinned host memory (cudaHostAlloc / cudaFreeHost) that shares
+  // this backend's streams and events: a caching_allocator over it (backend_kind::cuda_malloc)
+  // is a stream-ordered pinned host allocator (case K18). Owned by this backend; nullptr when
+  // there is none. It supports no expandable segments and no host_backend of its own.
+  virtual device_backend* host_backend() noexcept { return nullptr; }
 };
 
 }  // namespace streamsafe

@@ -30,6 +30,7 @@
 #include <streamsafe/backends/device_backend.hpp>
 #include <streamsafe/core/errors.hpp>
 #include <streamsafe/core/options.hpp>
+#include <streamsafe/core/sleep.hpp>
 #include <streamsafe/core/snapshot.hpp>
 #include <streamsafe/core/statistics.hpp>
 #include <streamsafe/core/trace.hpp>
@@ -37,6 +38,7 @@
 #include <chrono>
 #include <cstddef>
 #include <memory>
+#include <string_view>
 #include <vector>
 
 namespace streamsafe {
@@ -206,6 +208,49 @@ class caching_allocator {
   // Frees made during a capture that have not completed yet.
   std::size_t held_free_count() const;
 
+  // ---- tags and sleep/wake (core/sleep.hpp, docs/sleep.md) --------------------------------
+  // pause(tag, mode): every mapped chunk of the tag's segments (its live blocks and its cached
+  // free blocks) goes back to the driver behind the release fence of the streams that may touch
+  // it (options::release_fence, as for empty_cache; `device` fences every known stream), and
+  // the virtual address ranges stay reserved: live pointers stay valid, and a kernel touching
+  // them while paused faults (an illegal address, never another tag's memory). Offload: each
+  // live block is first copied to pinned host memory on the allocator's copy stream, which
+  // waits on the device for the fence; a chunk is unmapped once its copy has completed. From the
+  // call until resume returns, allocating under the tag throws tag_paused; frees of its blocks
+  // work throughout. `how`: wait returns once everything is back (the host waits on exactly the
+  // fence events and copies, no lock held); defer never blocks: with the release worker on
+  // everything is left to it, otherwise what is ready now goes back and later calls (reclaim,
+  // tag_status, pause again) finish it. Pausing a tag that is pausing or paused is a no-op that
+  // returns its status; a tag this allocator holds no memory of is paused at once (0 bytes).
+  // Throws config_error (a bad name; a backend other than expandable; offload with no host
+  // backend), std::logic_error (in a stream callback; during a graph capture), backend_error.
+  pause_status pause(std::string_view tag, pause_mode mode);  // how = options::empty_cache
+  pause_status pause(std::string_view tag, pause_mode mode, empty_cache_mode how);
+  // resume(tag): new memory is mapped at the addresses of every chunk the pause gave back (the
+  // hook runs after), offloaded contents are copied back on the copy stream, and every stream
+  // owning a segment of the tag, and `also_order` if given, waits on the device for that copy:
+  // work enqueued on them after the call sees the contents; other streams must be ordered after
+  // one of them by the caller. Chunks a deferred pause had not given back yet are kept as they
+  // are. Returns at once for a tag that is active or unknown (a no-op). Out of memory: the
+  // segments that could not be mapped stay paused and out_of_memory names the bytes; resume
+  // again once memory is free. Host time: the map calls (one per chunk); nothing waits for the
+  // device.
+  pause_status resume(std::string_view tag);
+  pause_status resume(std::string_view tag, stream_handle also_order);
+  // The tag's phase and bytes; moves a deferred pause along when no worker does (never waits).
+  pause_status tag_status(std::string_view tag);
+  // Called before each unmap and after each map of pause and resume (core/sleep.hpp).
+  void set_sleep_hook(sleep_hook hook);
+  // The tag's cached free memory back to the driver, as empty_cache() (options::empty_cache
+  // mode); a paused tag's memory is left alone. Returns the bytes released by this call.
+  std::size_t empty_cache(std::string_view tag);
+  // Gives cached free memory back, largest first, until at most bytes_to_keep bytes of reserved
+  // memory are free (reserved - allocated), as empty_cache() otherwise. Returns the bytes
+  // released by this call (queued bytes in defer mode are not counted).
+  std::size_t trim(std::size_t bytes_to_keep);
+  // Empties the pinned host cache that offload keeps for the next pause (waits on its fences).
+  std::size_t release_host_cache();
+
   statistics stats() const;
   void reset_peak_stats();
 
@@ -236,9 +281,13 @@ class caching_allocator {
     std::size_t size_bytes = 0;
     stream_handle stream = 0;
   };
-  block_info find_block(const void* ptr) const;
+  block_info find_block(const void* ptr) const;  // ptr: the block's start
+  // The allocated block holding ptr, which may point inside it ({0,0} when none does).
+  block_info find_block_containing(const void* ptr) const;
 
  private:
+  pause_status resume_impl(std::string_view tag, const stream_handle* also_order);
+
   struct impl;
   std::unique_ptr<impl> impl_;
 };

@@ -9,6 +9,8 @@
 //  config_error      (std::invalid_argument) a bad STREAMSAFE_ALLOC_CONF key or value.
 //  backend_error     (std::runtime_error)  a driver call failed for a reason other than
 //                                         running out of memory.
+//  tag_paused        (std::logic_error)   an allocation under a tag that is paused (or being
+//                                         paused or resumed): resume it first.
 // Every error leaves the allocator's state and statistics as they were before the call.
 #pragma once
 
@@ -45,6 +47,11 @@ class config_error : public std::invalid_argument {
 class backend_error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
+};
+
+class tag_paused : public std::logic_error {
+ public:
+  using std::logic_error::logic_error;
 };
 
 }  // namespace streamsafe

@@ -50,6 +50,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <string_view>
 #include <mutex>
 
 namespace streamsafe::cuda {
@@ -108,6 +109,9 @@ class allocator {
   // options::empty_cache) / finish deferred releases without blocking. Return bytes released.
   std::size_t empty_cache();
   std::size_t reclaim();
+  // Per device: caching_allocator::empty_cache(tag) and trim(bytes_to_keep) (docs/sleep.md).
+  std::size_t empty_cache(std::string_view tag);
+  std::size_t trim(std::size_t bytes_to_keep);
 
   // Statistics of one device (all zero before its first allocation).
   statistics stats(int device) const;
@@ -161,6 +165,8 @@ class allocator {
     return devices_[static_cast<std::size_t>(device)].load(std::memory_order_acquire);
   }
   caching_allocator& get_or_create(int device);
+  template <class F>
+  std::size_t sum_over_devices(F&& f);
   // Runs op(a) on the allocator `a` that holds `ptr` as a live block. When none does, throws
   // invalid_pointer: the allocators' own diagnosis (double free, interior or unknown pointer)
   // and the devices searched. Defined in allocator.cpp, the only user.

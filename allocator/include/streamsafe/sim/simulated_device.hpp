@@ -114,8 +114,8 @@ class simulated_device final : public device_backend {
   // ---- streams and work -----------------------------------------------------------------
   // Stream 0 (the legacy default stream) always exists. New handles are never reused unless
   // reuse_handles is set, which models a driver recycling handle values.
-  stream_handle create_stream();
-  void destroy_stream(stream_handle stream);  // pending work still runs; later use throws
+  stream_handle create_stream() override;
+  void destroy_stream(stream_handle stream) override;  // pending work still runs; later use throws
   void set_reuse_stream_handles(bool reuse);
   // Enqueues a kernel that runs duration_us once it reaches the head of the stream; returns
   // its id. Checks cross_stream_race and access_unmapped at enqueue time. On a capturing
@@ -152,6 +152,13 @@ class simulated_device final : public device_backend {
   std::optional<std::uint8_t> value_at(std::uintptr_t addr) const;
   bool is_mapped(std::uintptr_t addr, std::size_t size_bytes) const;
   std::size_t bytes_in_use() const;  // segments + mapped chunks
+  // ---- pinned host memory ------------------------------------------------------------------
+  // Host memory the device can copy to and from, in its own address window (not counted in
+  // bytes_in_use or memory_info): host_backend() serves it as segments. free_host of memory
+  // that pending work touches is a release_under_pending_work fault (case K18).
+  void* allocate_host(std::size_t size_bytes);
+  void free_host(void* base, std::size_t size_bytes);
+  std::size_t host_bytes_in_use() const;
 
   // ---- faults, counters, injection --------------------------------------------------------
   std::vector<fault> faults() const;
@@ -186,8 +193,15 @@ class simulated_device final : public device_backend {
   void synchronize_device() override;  // advances until idle (throws like run_until_idle)
   void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override;
   bool stream_is_capturing(stream_handle stream) noexcept override;
+  // A kernel that reads [src, src+bytes) and writes [dst, dst+bytes), checked like launch();
+  // when it completes, dst holds what src held. Runs 1 us plus 1 us per MiB.
+  void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override;
+  // Pinned host memory of this device (allocate_host), sharing its streams and events.
+  device_backend* host_backend() noexcept override;
 
  private:
+  class host_view;
+  std::unique_ptr<host_view> host_;
   struct impl;
   std::unique_ptr<impl> impl_;
 };

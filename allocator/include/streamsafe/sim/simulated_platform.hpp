@@ -15,7 +15,7 @@
 // destroyed before it. Thread safety: as sim::simulated_device (one mutex per device).
 #pragma once
 
-#include <streamsafe/backends/device_backend.hpp>
+#include <streamsafe/backends/forwarding_backend.hpp>
 #include <streamsafe/frontends/allocator.hpp>
 #include <streamsafe/sim/simulated_device.hpp>
 
@@ -67,26 +67,19 @@ class simulated_platform {
     return current;
   }
 
-  // A simulated device seen through an address shift.
-  class shifted_backend final : public device_backend {
+  // A simulated device seen through an address shift: the calls that take or return addresses
+  // shift them, the rest pass through. Offload (copy_async, host_backend) is not offered:
+  // pause(tag, offload) needs a simulated_device used directly.
+  class shifted_backend final : public forwarding_backend {
    public:
     shifted_backend(sim::simulated_device& dev, std::uintptr_t offset)
-        : dev_(dev), offset_(offset) {}
+        : forwarding_backend(dev), dev_(dev), offset_(offset) {}
 
-    int device() const noexcept override { return dev_.device(); }
-    const char* name() const noexcept override { return dev_.name(); }
     void* allocate_segment(std::size_t size_bytes) override {
       return out(dev_.allocate_segment(size_bytes));
     }
     void free_segment(void* base, std::size_t size_bytes) override {
       dev_.free_segment(in(base), size_bytes);
-    }
-    bool free_segment_synchronizes() const noexcept override {
-      return dev_.free_segment_synchronizes();
-    }
-    bool supports_expandable() const noexcept override { return dev_.supports_expandable(); }
-    std::size_t map_granularity_bytes() const noexcept override {
-      return dev_.map_granularity_bytes();
     }
     void* reserve_address_range(std::size_t size_bytes) override {
       return out(dev_.reserve_address_range(size_bytes));
@@ -96,24 +89,10 @@ class simulated_platform {
     }
     bool map(void* addr, std::size_t size_bytes) override { return dev_.map(in(addr), size_bytes); }
     void unmap(void* addr, std::size_t size_bytes) override { dev_.unmap(in(addr), size_bytes); }
-    event_handle create_event() override { return dev_.create_event(); }
-    void destroy_event(event_handle event) noexcept override { dev_.destroy_event(event); }
-    void record_event(event_handle event, stream_handle stream) override {
-      dev_.record_event(event, stream);
+    void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override {
+      device_backend::copy_async(dst, src, bytes, stream);  // refuses by name
     }
-    bool query_event(event_handle event) override { return dev_.query_event(event); }
-    void synchronize_event(event_handle event) override { dev_.synchronize_event(event); }
-    void stream_wait_event(stream_handle stream, event_handle event) override {
-      dev_.stream_wait_event(stream, event);
-    }
-    bool query_stream(stream_handle stream) override { return dev_.query_stream(stream); }
-    void synchronize_device() override { dev_.synchronize_device(); }
-    void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override {
-      dev_.memory_info(free_bytes, total_bytes);
-    }
-    bool stream_is_capturing(stream_handle stream) noexcept override {
-      return dev_.stream_is_capturing(stream);
-    }
+    device_backend* host_backend() noexcept override { return nullptr; }
 
    private:
     void* out(void* p) const noexcept {

@@ -5,6 +5,7 @@
 #include <streamsafe/backends/device_guard.hpp>
 #include <streamsafe/backends/driver_api.hpp>
 #include <streamsafe/backends/gpu.hpp>
+#include <streamsafe/backends/pinned_host_backend.hpp>
 #include <streamsafe/core/errors.hpp>
 
 #include <cuda_runtime_api.h>
@@ -167,6 +168,33 @@ bool cuda_event_ops::stream_is_capturing(stream_handle stream) noexcept {
   } catch (...) {
     return false;
   }
+}
+
+stream_handle cuda_event_ops::create_stream() {
+  device_guard guard(device_);
+  cudaStream_t stream = nullptr;
+  STREAMSAFE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  return reinterpret_cast<stream_handle>(stream);
+}
+
+void cuda_event_ops::destroy_stream(stream_handle stream) {
+  device_guard guard(device_);
+  STREAMSAFE_CUDA_CHECK(cudaStreamDestroy(to_stream(stream)));
+}
+
+void cuda_event_ops::copy_async(void* dst, const void* src, std::size_t bytes,
+                                stream_handle stream) {
+  device_guard guard(device_);
+  STREAMSAFE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, to_stream(stream)));
+}
+
+device_backend* cuda_event_ops::host_backend() noexcept {
+  try {
+    std::call_once(host_once_, [this] { host_ = std::make_unique<pinned_host_backend>(device_); });
+  } catch (...) {
+    return nullptr;  // the once_flag stays unset: a later call tries again
+  }
+  return host_.get();
 }
 
 void cuda_event_ops::memory_info(std::size_t& free_bytes, std::size_t& total_bytes) {

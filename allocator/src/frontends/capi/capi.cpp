@@ -81,6 +81,8 @@ streamsafe_status guarded(F&& f) noexcept {
     return fail(STREAMSAFE_ERROR_CONFIG, e.what());
   } catch (const streamsafe::backend_error& e) {
     return fail(STREAMSAFE_ERROR_BACKEND, e.what());
+  } catch (const streamsafe::tag_paused& e) {
+    return fail(STREAMSAFE_ERROR_TAG_PAUSED, e.what());
   } catch (const std::out_of_range& e) {
     return fail(STREAMSAFE_ERROR_INVALID_ARGUMENT, e.what());
   } catch (const std::invalid_argument& e) {  // after invalid_size and config_error
@@ -276,6 +278,84 @@ streamsafe_status streamsafe_configure(const char* conf) {
 
 const char* streamsafe_last_error(void) { return last_error.c_str(); }
 
+namespace {
+
+thread_local std::vector<std::unique_ptr<streamsafe::tag_scope>> t_tag_stack;
+
+void fill(streamsafe_pause_status* out, const streamsafe::pause_status& s) {
+  if (!out) return;
+  out->phase = static_cast<int>(s.phase);
+  out->released_bytes = s.released_bytes;
+  out->pending_bytes = s.pending_bytes;
+  out->offloaded_host_bytes = s.offloaded_host_bytes;
+  out->allocated_bytes = s.allocated_bytes;
+  out->reserved_bytes = s.reserved_bytes;
+}
+
+const char* tag_or_throw(const char* tag) {
+  if (!tag) throw std::invalid_argument("streamsafe: the tag is NULL");
+  return tag;
+}
+
+}  // namespace
+
+streamsafe_status streamsafe_tag_push(const char* tag) {
+  return guarded([&] {
+    t_tag_stack.push_back(std::make_unique<streamsafe::tag_scope>(tag_or_throw(tag)));
+  });
+}
+
+streamsafe_status streamsafe_tag_pop(void) {
+  return guarded([&] {
+    if (t_tag_stack.empty())
+      throw status_error{STREAMSAFE_ERROR_STATE, "streamsafe_tag_pop: no tag pushed on this thread"};
+    t_tag_stack.pop_back();
+  });
+}
+
+streamsafe_status streamsafe_pause(const char* tag, int device, streamsafe_pause_mode mode,
+                                   int wait, streamsafe_pause_status* status) {
+  return guarded([&] {
+    if (mode != STREAMSAFE_PAUSE_DISCARD && mode != STREAMSAFE_PAUSE_OFFLOAD)
+      throw std::invalid_argument("streamsafe_pause: mode must be DISCARD or OFFLOAD");
+    fill(status, target().device_allocator(device).pause(
+                     tag_or_throw(tag),
+                     mode == STREAMSAFE_PAUSE_OFFLOAD ? streamsafe::pause_mode::offload
+                                                      : streamsafe::pause_mode::discard,
+                     wait ? streamsafe::empty_cache_mode::wait : streamsafe::empty_cache_mode::defer));
+  });
+}
+
+streamsafe_status streamsafe_resume(const char* tag, int device, void* stream,
+                                    streamsafe_pause_status* status) {
+  return guarded([&] {
+    auto& a = target().device_allocator(device);
+    fill(status, stream ? a.resume(tag_or_throw(tag), reinterpret_cast<std::uintptr_t>(stream))
+                        : a.resume(tag_or_throw(tag)));
+  });
+}
+
+streamsafe_status streamsafe_tag_status(const char* tag, int device,
+                                        streamsafe_pause_status* status) {
+  return guarded([&] { fill(status, target().device_allocator(device).tag_status(tag_or_throw(tag))); });
+}
+
+streamsafe_status streamsafe_empty_cache_tag(const char* tag, size_t* released_bytes) {
+  if (released_bytes) *released_bytes = 0;
+  return guarded([&] {
+    const std::size_t n = target().empty_cache(tag_or_throw(tag));
+    if (released_bytes) *released_bytes = n;
+  });
+}
+
+streamsafe_status streamsafe_trim(size_t bytes_to_keep, size_t* released_bytes) {
+  if (released_bytes) *released_bytes = 0;
+  return guarded([&] {
+    const std::size_t n = target().trim(bytes_to_keep);
+    if (released_bytes) *released_bytes = n;
+  });
+}
+
 const char* streamsafe_status_string(streamsafe_status status) {
   switch (status) {
     case STREAMSAFE_SUCCESS: return "STREAMSAFE_SUCCESS";
@@ -287,6 +367,7 @@ const char* streamsafe_status_string(streamsafe_status status) {
     case STREAMSAFE_ERROR_BACKEND: return "STREAMSAFE_ERROR_BACKEND";
     case STREAMSAFE_ERROR_STATE: return "STREAMSAFE_ERROR_STATE";
     case STREAMSAFE_ERROR_UNKNOWN: return "STREAMSAFE_ERROR_UNKNOWN";
+    case STREAMSAFE_ERROR_TAG_PAUSED: return "STREAMSAFE_ERROR_TAG_PAUSED";
   }
   return "STREAMSAFE_ERROR_UNKNOWN";
 }

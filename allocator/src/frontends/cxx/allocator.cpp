@@ -269,6 +269,32 @@ std::size_t allocator::empty_cache() {
   return released;
 }
 
+// Sums f(a) over the devices' allocators made so far; the first error is rethrown after all ran.
+template <class F>
+std::size_t allocator::sum_over_devices(F&& f) {
+  std::size_t total = 0;
+  std::exception_ptr first_error;
+  for (int d = 0; d < device_count_; ++d) {
+    if (caching_allocator* a = existing(d)) {
+      try {
+        total += f(*a);
+      } catch (...) {
+        if (!first_error) first_error = std::current_exception();
+      }
+    }
+  }
+  if (first_error) std::rethrow_exception(first_error);
+  return total;
+}
+
+std::size_t allocator::empty_cache(std::string_view tag) {
+  return sum_over_devices([&](caching_allocator& a) { return a.empty_cache(tag); });
+}
+
+std::size_t allocator::trim(std::size_t bytes_to_keep) {
+  return sum_over_devices([&](caching_allocator& a) { return a.trim(bytes_to_keep); });
+}
+
 std::size_t allocator::reclaim() {
   std::size_t released = 0;
   std::exception_ptr first_error;

@@ -57,7 +57,7 @@ bool watching_backend::take_wait_note() noexcept {
 }
 
 void watching_backend::stream_wait_event(stream_handle stream, event_handle event) {
-  inner_->stream_wait_event(stream, event);
+  inner().stream_wait_event(stream, event);
   if (stream == watched_) waited_on_watched = true;
 }
 

@@ -13,7 +13,7 @@
 #pragma once
 
 #include <streamsafe/backends/cuda_event_ops.hpp>
-#include <streamsafe/backends/device_backend.hpp>
+#include <streamsafe/backends/forwarding_backend.hpp>
 
 #include <cstddef>
 #include <memory>
@@ -36,59 +36,23 @@ class real_malloc_backend final : public cuda::cuda_event_ops {
   void unmap(void* addr, std::size_t size_bytes) override;
 };
 
-class watching_backend final : public device_backend {
+// The owned real backend, a base so that it exists before forwarding_backend refers to it.
+struct owned_backend {
+  std::unique_ptr<device_backend> owned;
+};
+
+// Forwards every call; notes stream waits on the watched stream (stream_wait_event).
+class watching_backend final : private owned_backend, public forwarding_backend {
  public:
   watching_backend(std::unique_ptr<device_backend> inner, stream_handle watched)
-      : inner_(std::move(inner)), watched_(watched) {}
+      : owned_backend{std::move(inner)}, forwarding_backend(*owned), watched_(watched) {}
 
   // True when this thread issued a wait on the watched stream since the last call; clears it.
   static bool take_wait_note() noexcept;
 
-  int device() const noexcept override { return inner_->device(); }
-  const char* name() const noexcept override { return inner_->name(); }
-  void* allocate_segment(std::size_t size_bytes) override {
-    return inner_->allocate_segment(size_bytes);
-  }
-  void free_segment(void* base, std::size_t size_bytes) override {
-    inner_->free_segment(base, size_bytes);
-  }
-  bool free_segment_synchronizes() const noexcept override {
-    return inner_->free_segment_synchronizes();
-  }
-  bool supports_expandable() const noexcept override { return inner_->supports_expandable(); }
-  std::size_t map_granularity_bytes() const noexcept override {
-    return inner_->map_granularity_bytes();
-  }
-  void* reserve_address_range(std::size_t size_bytes) override {
-    return inner_->reserve_address_range(size_bytes);
-  }
-  void release_address_range(void* base, std::size_t size_bytes) override {
-    inner_->release_address_range(base, size_bytes);
-  }
-  bool map(void* addr, std::size_t size_bytes) override { return inner_->map(addr, size_bytes); }
-  void unmap(void* addr, std::size_t size_bytes) override { inner_->unmap(addr, size_bytes); }
-  event_handle create_event() override { return inner_->create_event(); }
-  void destroy_event(event_handle event) noexcept override { inner_->destroy_event(event); }
-  void record_event(event_handle event, stream_handle stream) override {
-    inner_->record_event(event, stream);
-  }
-  bool query_event(event_handle event) override { return inner_->query_event(event); }
-  void synchronize_event(event_handle event) override { inner_->synchronize_event(event); }
   void stream_wait_event(stream_handle stream, event_handle event) override;
-  bool query_stream(stream_handle stream) override { return inner_->query_stream(stream); }
-  void synchronize_device() override { inner_->synchronize_device(); }
-  void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override {
-    inner_->memory_info(free_bytes, total_bytes);
-  }
-  bool stream_is_capturing(stream_handle stream) noexcept override {
-    return inner_->stream_is_capturing(stream);
-  }
-  bool stream_is_per_thread(stream_handle stream) const noexcept override {
-    return inner_->stream_is_per_thread(stream);
-  }
 
  private:
-  std::unique_ptr<device_backend> inner_;
   stream_handle watched_;
 };
 

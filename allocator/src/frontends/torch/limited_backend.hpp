@@ -4,7 +4,7 @@
 // (torch_history.cpp defines note()).
 #pragma once
 
-#include <streamsafe/backends/device_backend.hpp>
+#include <streamsafe/backends/forwarding_backend.hpp>
 
 #include <c10/core/CachingDeviceAllocator.h>
 
@@ -18,23 +18,29 @@ namespace cda = c10::CachingDeviceAllocator;
 
 class torch_allocator;
 
-// Forwards every call to the device's real backend; refuses growth beyond a per-device cap on
+// The owned real backend, a base so that it exists before forwarding_backend refers to it.
+struct owned_backend {
+  std::unique_ptr<device_backend> owned;
+};
+
+// Forwards every call to the device's real backend (forwarding_backend); refuses growth beyond a per-device cap on
 // reserved bytes (set_per_process_memory_fraction) as the device being out of memory, so that
 // streamsafe's out-of-memory path (release behind a fence, retry, out_of_memory) applies; and
 // reports segment events to the history.
-class limited_backend final : public device_backend {
+class limited_backend final : private owned_backend, public forwarding_backend {
  public:
   limited_backend(std::unique_ptr<device_backend> inner, std::atomic<std::size_t>* limit_bytes,
                   torch_allocator* owner)
-      : inner_(std::move(inner)), limit_bytes_(limit_bytes), owner_(owner) {}
+      : owned_backend{std::move(inner)},
+        forwarding_backend(*owned),
+        limit_bytes_(limit_bytes),
+        owner_(owner) {}
 
-  int device() const noexcept override { return inner_->device(); }
-  const char* name() const noexcept override { return inner_->name(); }
   void* allocate_segment(std::size_t size_bytes) override {
     if (!take(size_bytes)) return nullptr;
     void* p = nullptr;
     try {
-      p = inner_->allocate_segment(size_bytes);
+      p = inner().allocate_segment(size_bytes);
     } catch (...) {
       backed_bytes_.fetch_sub(size_bytes);
       throw;
@@ -47,28 +53,15 @@ class limited_backend final : public device_backend {
     return p;
   }
   void free_segment(void* base, std::size_t size_bytes) override {
-    inner_->free_segment(base, size_bytes);
+    inner().free_segment(base, size_bytes);
     backed_bytes_.fetch_sub(size_bytes);
     note(cda::TraceEntry::SEGMENT_FREE, base, size_bytes);
-  }
-  bool free_segment_synchronizes() const noexcept override {
-    return inner_->free_segment_synchronizes();
-  }
-  bool supports_expandable() const noexcept override { return inner_->supports_expandable(); }
-  std::size_t map_granularity_bytes() const noexcept override {
-    return inner_->map_granularity_bytes();
-  }
-  void* reserve_address_range(std::size_t size_bytes) override {
-    return inner_->reserve_address_range(size_bytes);
-  }
-  void release_address_range(void* base, std::size_t size_bytes) override {
-    inner_->release_address_range(base, size_bytes);
   }
   bool map(void* addr, std::size_t size_bytes) override {
     if (!take(size_bytes)) return false;
     bool ok = false;
     try {
-      ok = inner_->map(addr, size_bytes);
+      ok = inner().map(addr, size_bytes);
     } catch (...) {
       backed_bytes_.fetch_sub(size_bytes);
       throw;
@@ -81,32 +74,10 @@ class limited_backend final : public device_backend {
     return true;
   }
   void unmap(void* addr, std::size_t size_bytes) override {
-    inner_->unmap(addr, size_bytes);
+    inner().unmap(addr, size_bytes);
     backed_bytes_.fetch_sub(size_bytes);
     note(cda::TraceEntry::SEGMENT_UNMAP, addr, size_bytes);
   }
-  event_handle create_event() override { return inner_->create_event(); }
-  void destroy_event(event_handle event) noexcept override { inner_->destroy_event(event); }
-  void record_event(event_handle event, stream_handle stream) override {
-    inner_->record_event(event, stream);
-  }
-  bool query_event(event_handle event) override { return inner_->query_event(event); }
-  void synchronize_event(event_handle event) override { inner_->synchronize_event(event); }
-  void stream_wait_event(stream_handle stream, event_handle event) override {
-    inner_->stream_wait_event(stream, event);
-  }
-  bool query_stream(stream_handle stream) override { return inner_->query_stream(stream); }
-  void synchronize_device() override { inner_->synchronize_device(); }
-  void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override {
-    inner_->memory_info(free_bytes, total_bytes);
-  }
-  bool stream_is_capturing(stream_handle stream) noexcept override {
-    return inner_->stream_is_capturing(stream);
-  }
-  bool stream_is_per_thread(stream_handle stream) const noexcept override {
-    return inner_->stream_is_per_thread(stream);
-  }
-
  private:
   bool take(std::size_t size_bytes) {
     const std::size_t limit = limit_bytes_->load(std::memory_order_relaxed);
@@ -119,7 +90,6 @@ class limited_backend final : public device_backend {
   }
   void note(cda::TraceEntry::Action action, void* addr, std::size_t size_bytes) noexcept;
 
-  std::unique_ptr<device_backend> inner_;
   std::atomic<std::size_t>* limit_bytes_;
   torch_allocator* owner_;
   std::atomic<std::size_t> backed_bytes_{0};

@@ -158,3 +158,102 @@ STREAMSAFE_EXPORT size_t streamsafe_torch_ext_empty_cache(void) {
     return 0;
   }
 }
+
+// ---- tags and sleep/wake (docs/sleep.md) -----------------------------------------------------
+// Each call returns 0, or -1 with {"error": "..."} in out; the pause calls write the tag's status
+// as JSON into out (truncated to len).
+namespace {
+
+struct tag_frame {
+  std::unique_ptr<streamsafe::tag_scope> thread;
+  std::unique_ptr<streamsafe::process_tag_scope> process;  // all_threads: autograd's too
+};
+thread_local std::vector<tag_frame> t_tags;
+
+std::string status_json(const streamsafe::pause_status& s) {
+  return "{\"tag\": \"" + s.tag + "\", \"phase\": \"" + streamsafe::to_string(s.phase) +
+         "\", \"released_bytes\": " + std::to_string(s.released_bytes) +
+         ", \"pending_bytes\": " + std::to_string(s.pending_bytes) +
+         ", \"offloaded_host_bytes\": " + std::to_string(s.offloaded_host_bytes) +
+         ", \"allocated_bytes\": " + std::to_string(s.allocated_bytes) +
+         ", \"reserved_bytes\": " + std::to_string(s.reserved_bytes) + "}";
+}
+
+template <class F>
+int json_call(char* out, size_t len, F&& f) {
+  try {
+    if (!g_allocator) throw std::logic_error("streamsafe: the extension is not installed");
+    return streamsafe::detail::copy_text(f(), out, len) < 0 ? -1 : 0;
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    for (char& c : msg) c = c == '"' ? '\'' : c;
+    streamsafe::detail::copy_text("{\"error\": \"" + msg + "\", \"kind\": \"" +
+                                      (dynamic_cast<const streamsafe::out_of_memory*>(&e)
+                                           ? "out_of_memory"
+                                           : "error") +
+                                      "\"}",
+                                  out, len);
+    return -1;
+  }
+}
+
+streamsafe::caching_allocator& device_allocator(int device) {
+  auto& a = g_allocator->core();
+  return a.device_allocator(device < 0 ? a.current_device() : device);
+}
+
+}  // namespace
+
+STREAMSAFE_EXPORT int streamsafe_torch_ext_tag_push(const char* tag, int all_threads, char* out,
+                                                   size_t len) {
+  return json_call(out, len, [&] {
+    tag_frame f;
+    f.thread = std::make_unique<streamsafe::tag_scope>(tag ? tag : "");
+    if (all_threads) f.process = std::make_unique<streamsafe::process_tag_scope>(tag);
+    t_tags.push_back(std::move(f));
+    return std::string("{}");
+  });
+}
+
+STREAMSAFE_EXPORT int streamsafe_torch_ext_tag_pop(char* out, size_t len) {
+  return json_call(out, len, [&] {
+    if (t_tags.empty()) throw std::logic_error("streamsafe: tag pop with no tag pushed on this thread");
+    t_tags.pop_back();
+    return std::string("{}");
+  });
+}
+
+STREAMSAFE_EXPORT int streamsafe_torch_ext_pause(const char* tag, int device, int offload, int wait,
+                                                char* out, size_t len) {
+  return json_call(out, len, [&] {
+    return status_json(device_allocator(device).pause(
+        tag ? tag : "", offload ? streamsafe::pause_mode::offload : streamsafe::pause_mode::discard,
+        wait ? streamsafe::empty_cache_mode::wait : streamsafe::empty_cache_mode::defer));
+  });
+}
+
+STREAMSAFE_EXPORT int streamsafe_torch_ext_resume(const char* tag, int device, void* stream,
+                                                 char* out, size_t len) {
+  return json_call(out, len, [&] {
+    auto& a = device_allocator(device);
+    return status_json(stream ? a.resume(tag ? tag : "", reinterpret_cast<std::uintptr_t>(stream))
+                              : a.resume(tag ? tag : ""));
+  });
+}
+
+STREAMSAFE_EXPORT int streamsafe_torch_ext_tag_status(const char* tag, int device, char* out,
+                                                     size_t len) {
+  return json_call(out, len, [&] { return status_json(device_allocator(device).tag_status(tag ? tag : "")); });
+}
+
+STREAMSAFE_EXPORT int streamsafe_torch_ext_empty_cache_tag(const char* tag, char* out, size_t len) {
+  return json_call(out, len, [&] {
+    return "{\"released_bytes\": " + std::to_string(g_allocator->core().empty_cache(tag ? tag : "")) + "}";
+  });
+}
+
+STREAMSAFE_EXPORT int streamsafe_torch_ext_trim(size_t bytes_to_keep, char* out, size_t len) {
+  return json_call(out, len, [&] {
+    return "{\"released_bytes\": " + std::to_string(g_allocator->core().trim(bytes_to_keep)) + "}";
+  });
+}

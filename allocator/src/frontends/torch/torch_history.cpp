@@ -8,7 +8,7 @@ namespace streamsafe::torch_ext {
 
 void limited_backend::note(cda::TraceEntry::Action action, void* addr,
                            std::size_t size_bytes) noexcept {
-  owner_->note_segment(action, inner_->device(), addr, size_bytes);
+  owner_->note_segment(action, inner().device(), addr, size_bytes);
 }
 
 void torch_allocator::note_alloc(void* p, std::size_t n, int device, cudaStream_t stream) {

@@ -1,0 +1,413 @@
+// Sleep and wake (core/sleep.hpp, sleep.cpp) on the simulated device: tags, pause in discard
+// and offload mode, resume at the same addresses, hooks, per-tag empty_cache and trim. Each
+// safety property has a control that breaks it with the unsafe fence scope
+// (allocation_stream), so that the check is seen to fail where the fence is missing.
+#include "support/forwarding_device.hpp"
+#include "support/sim_fixture.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+using namespace streamsafe;
+using namespace streamsafe::test;
+using namespace std::chrono_literals;
+
+namespace {
+
+options expandable(fence_scope scope = fence_scope::all_streams,
+                   empty_cache_mode mode = empty_cache_mode::wait) {
+  options o = make_options(backend_kind::expandable, scope, mode);
+  o.release_worker = release_worker_mode::off;
+  return o;
+}
+
+std::size_t faults_of(const sim::simulated_device& dev, sim::fault_kind kind) {
+  std::size_t n = 0;
+  for (const auto& f : dev.faults()) n += f.kind == kind ? 1 : 0;
+  return n;
+}
+
+// A tag's blocks on stream s: weights (written with `value`) and a gradient buffer.
+struct tagged_blocks {
+  void* weights = nullptr;
+  void* grads = nullptr;
+};
+
+tagged_blocks allocate_tagged(caching_allocator& a, sim::simulated_device& dev, stream_handle s,
+                              std::uint8_t value) {
+  tag_scope scope("train");
+  tagged_blocks t;
+  t.weights = a.allocate(48 * MiB, s);
+  t.grads = a.allocate(3 * MiB, s);
+  dev.launch(s, 5, {writes(t.weights, 48 * MiB, value)}, "init weights");
+  dev.run_until_idle();
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("Tags: memory allocated under a tag_scope comes from the tag's own segments",
+          "[sleep][tags]") {
+  sim_env env(expandable());
+  const auto s = env.dev.create_stream();
+  void* untagged = env.alloc.allocate(1 * MiB, s);
+  void* tagged = nullptr;
+  {
+    tag_scope outer("kv_cache");
+    CHECK(tag_scope::current() == tag_of("kv_cache"));
+    tagged = env.alloc.allocate(1 * MiB, s);
+    {
+      tag_scope none(tag_id{0});
+      void* plain = env.alloc.allocate(1 * MiB, s);
+      env.alloc.deallocate(plain);
+    }
+    CHECK(tag_scope::current() == tag_of("kv_cache"));
+  }
+  CHECK(tag_scope::current() == 0);
+  CHECK(tag_name(tag_of("kv_cache")) == "kv_cache");
+  // Different segments: the untagged block never shares a segment with the tagged one.
+  const memory_snapshot snap = env.alloc.snapshot();
+  std::string tag_of_untagged = "?", tag_of_tagged = "?";
+  for (const auto& seg : snap.segments) {
+    for (const auto& b : seg.blocks) {
+      if (b.address == addr(untagged)) tag_of_untagged = seg.tag;
+      if (b.address == addr(tagged)) tag_of_tagged = seg.tag;
+    }
+  }
+  CHECK(tag_of_untagged.empty());
+  CHECK(tag_of_tagged == "kv_cache");
+  CHECK(env.alloc.tag_status("kv_cache").allocated_bytes == 1 * MiB);
+  CHECK_THROWS_AS(tag_of(""), config_error);
+  CHECK_THROWS_AS(tag_of(std::string(65, 'x')), config_error);
+  CHECK_THROWS_AS(tag_of("bad\nname"), config_error);
+  env.alloc.deallocate(untagged);
+  env.alloc.deallocate(tagged);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("pause(discard) gives a tag's chunks back only after a side stream's pending read",
+          "[sleep][pause]") {
+  const bool unsafe = GENERATE(false, true);
+  CAPTURE(unsafe);
+  sim_env env(expandable(unsafe ? fence_scope::allocation_stream : fence_scope::all_streams,
+                         empty_cache_mode::defer));
+  const auto s = env.dev.create_stream();
+  const auto side = env.dev.create_stream();
+  void* other = env.alloc.allocate(8 * MiB, s);  // untagged: must stay mapped
+  const tagged_blocks t = allocate_tagged(env.alloc, env.dev, s, 3);
+  env.alloc.record_stream(other, side);  // the allocator knows the side stream
+  // The SignSGD tail: a read of the gradients on the side stream, still queued.
+  const auto hold = env.dev.hold(side);
+  env.dev.launch(side, 10, {reads(t.grads, 3 * MiB), reads(t.weights, 48 * MiB)}, "sign tail");
+  const std::size_t reserved_before = env.alloc.stats().reserved_bytes.current;
+
+  const pause_status st = env.alloc.pause("train", pause_mode::discard);
+  if (unsafe) {
+    // The fence covers only the allocation stream: the unmap runs under the pending read.
+    CHECK(faults_of(env.dev, sim::fault_kind::release_under_pending_work) > 0);
+    env.dev.open(hold);
+    env.dev.run_until_idle();
+    return;
+  }
+  CHECK(st.phase == tag_phase::pausing);
+  CHECK(st.pending_bytes >= 51 * MiB);
+  CHECK(env.dev.is_mapped(addr(t.weights), 48 * MiB));
+  {
+    tag_scope scope("train");
+    CHECK_THROWS_AS(env.alloc.allocate(1 * MiB, s), tag_paused);
+  }
+  void* plain = env.alloc.allocate(1 * MiB, s);  // untagged memory is not affected
+  env.dev.open(hold);
+  env.dev.run_until_idle();
+  const pause_status done = env.alloc.tag_status("train");  // moves the deferred pause along
+  CHECK(done.phase == tag_phase::paused);
+  CHECK(done.pending_bytes == 0);
+  CHECK(done.reserved_bytes == 0);
+  CHECK(done.allocated_bytes >= 51 * MiB);  // live blocks stay allocated, pointers valid
+  CHECK_FALSE(env.dev.is_mapped(addr(t.weights), 1));
+  CHECK(env.dev.is_mapped(addr(other), 8 * MiB));
+  CHECK(env.alloc.stats().reserved_bytes.current <=
+        static_cast<std::int64_t>(reserved_before - 51 * MiB + 2 * MiB));
+  CHECK(env.dev.fault_count() == 0);
+  env.alloc.check_invariants();
+
+  const pause_status back = env.alloc.resume("train");
+  CHECK(back.phase == tag_phase::active);
+  CHECK(env.dev.is_mapped(addr(t.weights), 48 * MiB));
+  CHECK(env.dev.is_mapped(addr(t.grads), 3 * MiB));
+  CHECK_FALSE(env.dev.value_at(addr(t.weights)).has_value());  // discard: contents lost
+  {
+    tag_scope scope("train");
+    void* more = env.alloc.allocate(1 * MiB, s);
+    env.alloc.deallocate(more);
+  }
+  env.dev.launch(s, 1, {writes(t.weights, 48 * MiB, 1)}, "use after resume");
+  env.dev.run_until_idle();
+  CHECK(env.dev.fault_count() == 0);
+  env.alloc.deallocate(plain);
+  env.alloc.deallocate(other);
+  env.alloc.deallocate(t.weights);
+  env.alloc.deallocate(t.grads);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("pause(offload) copies after the pending write and resume restores before new work",
+          "[sleep][offload]") {
+  const bool unsafe = GENERATE(false, true);
+  CAPTURE(unsafe);
+  sim_env env(expandable(unsafe ? fence_scope::allocation_stream : fence_scope::all_streams,
+                         empty_cache_mode::defer));
+  const auto s = env.dev.create_stream();
+  const auto side = env.dev.create_stream();
+  const tagged_blocks t = allocate_tagged(env.alloc, env.dev, s, 3);
+  env.alloc.record_stream(t.grads, side);
+  // A write of 9 over the weights on the side stream, pending at the pause.
+  const auto hold = env.dev.hold(side);
+  env.dev.launch(side, 10, {writes(t.weights, 48 * MiB, 9)}, "last optimizer write");
+  env.alloc.pause("train", pause_mode::offload);
+  CHECK(env.dev.host_bytes_in_use() >= 48 * MiB);
+  env.dev.open(hold);
+  env.dev.run_until_idle();
+  if (unsafe) {
+    // The copy stream was not ordered after the side stream: the copy raced the write.
+    CHECK(faults_of(env.dev, sim::fault_kind::cross_stream_race) > 0);
+    return;
+  }
+  CHECK(env.alloc.tag_status("train").phase == tag_phase::paused);
+  CHECK(env.alloc.tag_status("train").offloaded_host_bytes >= 48 * MiB);
+  CHECK_FALSE(env.dev.is_mapped(addr(t.weights), 1));
+  env.alloc.resume("train");
+  // Work on the owner stream after resume is ordered after the restore: no race, sees 9.
+  env.dev.launch(s, 1, {reads(t.weights, 48 * MiB)}, "forward");
+  CHECK(env.dev.fault_count() == 0);
+  // A stream the resume did not order races the restore (the caller's job: resume(tag, stream)).
+  const auto unordered = env.dev.create_stream();
+  env.dev.launch(unordered, 1, {writes(t.weights, 4096, 5)}, "unordered write");
+  CHECK(faults_of(env.dev, sim::fault_kind::cross_stream_race) > 0);
+  env.dev.run_until_idle();
+  env.dev.clear_faults();
+  CHECK(env.dev.value_at(addr(t.weights) + 4096) == std::optional<std::uint8_t>(9));
+  CHECK(env.dev.value_at(addr(t.weights) + 48 * MiB - 1) == std::optional<std::uint8_t>(9));
+  CHECK(env.alloc.tag_status("train").offloaded_host_bytes == 0);
+  // The ordered variant: resume(tag, stream) makes that stream wait for the restore.
+  env.alloc.pause("train", pause_mode::offload, empty_cache_mode::wait);
+  env.alloc.resume("train", unordered);
+  env.dev.launch(unordered, 1, {reads(t.weights, 48 * MiB)}, "ordered read");
+  env.dev.run_until_idle();
+  CHECK(env.dev.fault_count() == 0);
+  CHECK(env.dev.value_at(addr(t.weights) + 8192) == std::optional<std::uint8_t>(9));
+  env.alloc.deallocate(t.weights);
+  env.alloc.deallocate(t.grads);
+  CHECK(env.alloc.release_host_cache() >= 48 * MiB);
+  CHECK(env.dev.host_bytes_in_use() == 0);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("pause in wait mode returns with everything back; frees during the pause work",
+          "[sleep][pause]") {
+  sim_env env(expandable());
+  const auto s = env.dev.create_stream();
+  const auto side = env.dev.create_stream();
+  const tagged_blocks t = allocate_tagged(env.alloc, env.dev, s, 4);
+  env.alloc.record_stream(t.grads, side);
+  env.dev.launch(side, 50, {reads(t.grads, 3 * MiB)}, "tail");
+  const pause_status st = env.alloc.pause("train", pause_mode::discard);
+  CHECK(st.phase == tag_phase::paused);
+  CHECK(st.reserved_bytes == 0);
+  CHECK(st.released_bytes >= 51 * MiB);
+  CHECK(env.dev.fault_count() == 0);
+  // Pausing twice is a no-op; a free of a paused block works and it is reusable after resume.
+  CHECK(env.alloc.pause("train", pause_mode::discard).phase == tag_phase::paused);
+  env.alloc.deallocate(t.grads);
+  env.alloc.check_invariants();
+  CHECK(env.alloc.resume("train").phase == tag_phase::active);
+  CHECK(env.alloc.resume("train").phase == tag_phase::active);  // twice: a no-op
+  {
+    tag_scope scope("train");
+    void* again = env.alloc.allocate(3 * MiB, s);
+    CHECK(env.dev.is_mapped(addr(again), 3 * MiB));
+    env.alloc.deallocate(again);
+  }
+  env.alloc.deallocate(t.weights);
+  CHECK(env.alloc.resume("never_used").phase == tag_phase::active);
+  CHECK(env.alloc.pause("never_used", pause_mode::discard).phase == tag_phase::paused);
+  CHECK(env.alloc.resume("never_used").phase == tag_phase::active);
+  CHECK_THROWS_AS(env.alloc.pause("", pause_mode::discard), config_error);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("pause is refused where it cannot be safe or cannot keep addresses", "[sleep][errors]") {
+  SECTION("cuda_malloc backend") {
+    sim_env env(make_options(backend_kind::cuda_malloc));
+    CHECK_THROWS_AS(env.alloc.pause("train", pause_mode::discard), config_error);
+  }
+  SECTION("inside a stream callback") {
+    sim_env env(expandable());
+    callback_scope cb;
+    CHECK_THROWS_AS(env.alloc.pause("train", pause_mode::discard), std::logic_error);
+    CHECK_THROWS_AS(env.alloc.resume("train"), std::logic_error);
+  }
+  SECTION("during a graph capture") {
+    sim_env env(expandable());
+    const auto s = env.dev.create_stream();
+    {
+      tag_scope scope("train");
+      env.alloc.deallocate(env.alloc.allocate(1 * MiB, s));
+    }
+    env.alloc.notify_capture_begin(s);
+    CHECK_THROWS_AS(env.alloc.pause("train", pause_mode::discard), std::logic_error);
+    env.alloc.notify_capture_end(s);
+    CHECK(env.alloc.pause("train", pause_mode::discard).phase == tag_phase::paused);
+    env.alloc.resume("train");
+  }
+}
+
+TEST_CASE("Sleep hooks see every range before its unmap and after its map", "[sleep][hooks]") {
+  sim_env env(expandable());
+  const auto s = env.dev.create_stream();
+  const tagged_blocks t = allocate_tagged(env.alloc, env.dev, s, 1);
+  std::vector<sleep_hook_event> seen;
+  sim::simulated_device* dev = &env.dev;
+  bool mapped_at_before = true, mapped_at_after = true;
+  env.alloc.set_sleep_hook([&](const sleep_hook_event& e) {
+    seen.push_back(e);
+    const bool m = dev->is_mapped(e.address, e.size_bytes);
+    if (e.what == sleep_hook_event::kind::before_unmap) mapped_at_before = mapped_at_before && m;
+    if (e.what == sleep_hook_event::kind::after_map) mapped_at_after = mapped_at_after && m;
+    if (seen.size() == 1) throw std::runtime_error("a hook that throws is logged and ignored");
+  });
+  env.alloc.pause("train", pause_mode::discard);
+  env.alloc.resume("train");
+  std::size_t before = 0, after = 0;
+  for (const auto& e : seen) {
+    CHECK(e.tag == "train");
+    (e.what == sleep_hook_event::kind::before_unmap ? before : after) += e.size_bytes;
+  }
+  CHECK(before >= 51 * MiB);
+  CHECK(after == before);
+  CHECK(mapped_at_before);
+  CHECK(mapped_at_after);
+  env.alloc.deallocate(t.weights);
+  env.alloc.deallocate(t.grads);
+}
+
+TEST_CASE("The release worker makes a deferred pause off the caller's thread", "[sleep][worker]") {
+  class unmap_watch final : public forwarding_device {
+   public:
+    explicit unmap_watch(sim::simulated_device& d)
+        : forwarding_device(d), home_(std::this_thread::get_id()) {}
+    void unmap(void* p, std::size_t n) override {
+      (std::this_thread::get_id() == home_ ? home_calls : other_calls).fetch_add(1);
+      dev_.unmap(p, n);
+    }
+    std::atomic<int> home_calls{0}, other_calls{0};
+
+   private:
+    std::thread::id home_;
+  };
+  sim::simulated_device dev(sim_config());
+  unmap_watch watch(dev);
+  options o = expandable(fence_scope::all_streams, empty_cache_mode::defer);
+  o.release_worker = release_worker_mode::on;
+  caching_allocator alloc(watch, o);
+  const auto s = dev.create_stream();
+  const tagged_blocks t = allocate_tagged(alloc, dev, s, 2);
+  const auto hold = dev.hold(s);
+  const pause_status st = alloc.pause("train", pause_mode::offload);
+  CHECK(st.phase == tag_phase::pausing);
+  std::this_thread::sleep_for(5ms);
+  CHECK(dev.is_mapped(addr(t.weights), 48 * MiB));  // the hold keeps the fence pending
+  dev.open(hold);
+  dev.run_until_idle();
+  const auto until = std::chrono::steady_clock::now() + 5s;
+  while (alloc.tag_status("train").phase != tag_phase::paused &&
+         std::chrono::steady_clock::now() < until) {
+    dev.run_until_idle();  // the offload copy the worker enqueued
+    std::this_thread::sleep_for(1ms);
+  }
+  CHECK(alloc.tag_status("train").phase == tag_phase::paused);
+  CHECK(watch.home_calls == 0);
+  CHECK(watch.other_calls > 0);
+  alloc.resume("train");
+  dev.run_until_idle();
+  CHECK(dev.value_at(addr(t.weights)) == std::optional<std::uint8_t>(2));
+  CHECK(dev.fault_count() == 0);
+  alloc.deallocate(t.weights);
+  alloc.deallocate(t.grads);
+}
+
+TEST_CASE("resume out of memory keeps the tag paused; a later resume completes it",
+          "[sleep][oom]") {
+  sim_env env(expandable(), sim_config(512 * MiB));
+  const auto s = env.dev.create_stream();
+  void* big = nullptr;
+  {
+    tag_scope scope("kv");
+    big = env.alloc.allocate(300 * MiB, s);
+  }
+  env.alloc.pause("kv", pause_mode::discard);
+  void* squatter = env.alloc.allocate(300 * MiB, s);  // the memory the tag gave back
+  CHECK_THROWS_AS(env.alloc.resume("kv"), out_of_memory);
+  CHECK(env.alloc.tag_status("kv").phase == tag_phase::paused);
+  CHECK_FALSE(env.dev.is_mapped(addr(big), 1));
+  env.alloc.check_invariants();
+  env.alloc.deallocate(squatter);
+  env.alloc.empty_cache();
+  CHECK(env.alloc.resume("kv").phase == tag_phase::active);
+  CHECK(env.dev.is_mapped(addr(big), 300 * MiB));
+  env.alloc.deallocate(big);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("empty_cache(tag) releases only that tag's free memory; trim keeps what is asked",
+          "[sleep][trim]") {
+  sim_env env(expandable());
+  const auto s = env.dev.create_stream();
+  void* a = nullptr;
+  void* b = nullptr;
+  {
+    tag_scope scope("kv");
+    a = env.alloc.allocate(100 * MiB, s);
+  }
+  b = env.alloc.allocate(100 * MiB, s);
+  env.alloc.deallocate(a);
+  env.alloc.deallocate(b);
+  const auto reserved = env.alloc.stats().reserved_bytes.current;
+  const std::size_t released = env.alloc.empty_cache("kv");
+  CHECK(released >= 100 * MiB);
+  CHECK(env.alloc.stats().reserved_bytes.current == reserved - static_cast<std::int64_t>(released));
+  CHECK(env.alloc.tag_status("kv").reserved_bytes == 0);
+  CHECK(env.alloc.stats().reserved_bytes.current >= static_cast<std::int64_t>(100 * MiB));
+  // trim: keep at most 40 MiB of free reserved memory.
+  env.alloc.trim(40 * MiB);
+  const statistics st = env.alloc.stats();
+  CHECK(st.reserved_bytes.current - st.allocated_bytes.current <=
+        static_cast<std::int64_t>(40 * MiB));
+  CHECK(env.alloc.trim(40 * MiB) == 0);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("Destroying the allocator with a tag paused or pausing is clean", "[sleep]") {
+  sim::simulated_device dev(sim_config());
+  const auto s = dev.create_stream();
+  {
+    caching_allocator alloc(dev, expandable(fence_scope::all_streams, empty_cache_mode::defer));
+    const tagged_blocks t = allocate_tagged(alloc, dev, s, 1);
+    alloc.pause("train", pause_mode::offload, empty_cache_mode::wait);
+    {
+      tag_scope scope("kv");
+      alloc.allocate(10 * MiB, s);
+    }
+    dev.launch(s, 100, {}, "busy");
+    alloc.pause("kv", pause_mode::discard);  // pending at destruction
+    (void)t;
+  }
+  dev.run_until_idle();
+  CHECK(dev.fault_count() == 0);
+  CHECK(dev.host_bytes_in_use() == 0);
+}
