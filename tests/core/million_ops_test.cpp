@@ -9,8 +9,8 @@
 // program ends by freeing everything and draining the cache to zero reserved bytes, and the
 // allocator gives back every event it created.
 //
-// A failure names the seed; STREAMSAFE_SEED=<seed> reruns that one program alone and prints its
-// operations.
+// A failure names the seed; STREAMSAFE_SEED=<seed> reruns that one program alone, checking after
+// every operation, and prints its operations.
 #include "fuzz/allocator_program.hpp"
 
 #include <catch2/catch.hpp>
@@ -41,7 +41,7 @@ program_stats run_one(std::uint64_t seed, bool trace) {
   p.keep_trace(trace);
   random_source src(seed);
   try {
-    p.run(src, ops_per_program, check_every);
+    p.run(src, ops_per_program, trace ? 1 : check_every);  // a rerun checks after every step
     p.finish();
   } catch (const violation& v) {
     if (trace) {
@@ -75,8 +75,11 @@ TEST_CASE(
             << " out_of_memory, " << total.injections << " injected failures ("
             << total.injected_errors << " surfaced as errors), " << total.hold_deadlocks
             << " waits refused under a hold, " << total.bad_pointer_checks << " bad pointers, "
-            << total.streams_destroyed << " streams destroyed, " << seconds << " s\n";
+            << total.streams_destroyed << " streams destroyed, " << total.pauses << " pauses, "
+            << total.resumes << " resumes, " << seconds << " s\n";
   CHECK(total.operations >= 1000000);
   CHECK(total.injected_errors > 0);
+  CHECK(total.pauses > 0);
+  CHECK(total.resumes > 0);
   CHECK(total.streams_destroyed > 0);
 }

@@ -173,6 +173,7 @@ struct program_stats {
   std::uint64_t bad_pointer_checks = 0;
   std::uint64_t streams_destroyed = 0;
   std::uint64_t invariant_checks = 0;
+  std::uint64_t pauses = 0, resumes = 0;  // of the tag op_sleep pauses (completed calls)
 
   program_stats& operator+=(const program_stats& o) {
     operations += o.operations;
@@ -185,6 +186,8 @@ struct program_stats {
     bad_pointer_checks += o.bad_pointer_checks;
     streams_destroyed += o.streams_destroyed;
     invariant_checks += o.invariant_checks;
+    pauses += o.pauses;
+    resumes += o.resumes;
     return *this;
   }
 };
@@ -241,6 +244,18 @@ class program {
       expect_ok("final deallocate", [&] { alloc_->deallocate(live_.back().ptr); });
       live_.pop_back();
     }
+    while (!paused_.empty()) {  // frees of a paused tag's blocks work while it is paused
+      expect_ok("final deallocate (paused)", [&] { alloc_->deallocate(paused_.back().ptr); });
+      paused_.pop_back();
+    }
+    if (config_.backend == backend_kind::expandable) {
+      dev_.run_until_idle();  // then the cache goes, so that the resume fits under the limit
+      expect_ok("empty_cache before the final resume",
+                [&] { alloc_->empty_cache(empty_cache_mode::wait); });
+      settle_worker();
+      expect_ok("final resume", [&] { alloc_->resume(k_tag); });
+      tag_paused_ = false;
+    }
     dev_.run_until_idle();
     expect_ok("final empty_cache", [&] { alloc_->empty_cache(empty_cache_mode::wait); });
     expect_ok("final reclaim", [&] { alloc_->reclaim(); });
@@ -289,12 +304,17 @@ class program {
     std::size_t block_size;  // as find_block reports
     std::uint64_t stream_uid;
     std::vector<std::uint64_t> users;  // uids of streams that used it (recorded or not)
+    bool tagged = false;               // allocated under the tag k_tag (expandable only)
   };
 
   struct armed_failure {
     sim::call call;
     int count;
   };
+
+  static constexpr const char* k_tag = "fuzz";
+  bool tag_paused_ = false;         // k_tag is pausing or paused
+  std::vector<live_block> paused_;  // its live blocks meanwhile
 
   static sim::device_config device_config(const program_config& c) {
     sim::device_config d;
@@ -470,24 +490,35 @@ class program {
     } catch (const std::logic_error& e) {
       require(false, e.what());
     }
+    // tag_status first: it moves a deferred pause along (unmaps), which stats() must include.
+    const std::int64_t paused_bytes =
+        tag_paused_ ? static_cast<std::int64_t>(alloc_->tag_status(k_tag).released_bytes) : 0;
     const statistics s = alloc_->stats();
     std::int64_t allocated = 0, requested = 0;
-    for (const live_block& b : live_) {
-      allocated += static_cast<std::int64_t>(b.block_size);
-      requested += static_cast<std::int64_t>(b.size);
+    for (const std::vector<live_block>* list : {&live_, &paused_}) {
+      for (const live_block& b : *list) {
+        allocated += static_cast<std::int64_t>(b.block_size);
+        requested += static_cast<std::int64_t>(b.size);
+      }
     }
     require(s.allocated_bytes.current == allocated,
             "allocated_bytes " + std::to_string(s.allocated_bytes.current) + " != live blocks " +
                 std::to_string(allocated));
     require(s.requested_bytes.current == requested,
             "requested_bytes disagrees with the live blocks");
-    require(s.allocation.current == static_cast<std::int64_t>(live_.size()),
+    require(s.allocation.current == static_cast<std::int64_t>(live_.size() + paused_.size()),
             "allocation count disagrees");
     require(s.active_bytes.current >= s.allocated_bytes.current, "active < allocated");
-    require(s.reserved_bytes.current >= s.active_bytes.current, "reserved < active");
-    require(static_cast<std::size_t>(s.reserved_bytes.current) == dev_.bytes_in_use(),
-            "reserved_bytes " + std::to_string(s.reserved_bytes.current) +
-                " != device bytes in use " + std::to_string(dev_.bytes_in_use()));
+    require(s.reserved_bytes.current + paused_bytes >= s.active_bytes.current, "reserved < active");
+    if (static_cast<std::size_t>(s.reserved_bytes.current) != dev_.bytes_in_use()) {
+      const pause_status t = alloc_->tag_status(k_tag);
+      require(false, "reserved_bytes " + std::to_string(s.reserved_bytes.current) +
+                         " != device bytes in use " + std::to_string(dev_.bytes_in_use()) +
+                         " (tag " + k_tag + ": " + to_string(t.phase) + ", released " +
+                         std::to_string(t.released_bytes) + ", pending " +
+                         std::to_string(t.pending_bytes) + ", reserved " +
+                         std::to_string(t.reserved_bytes) + ")");
+    }
     require(static_cast<std::size_t>(s.reserved_bytes.current) <= config_.memory_limit_bytes,
             "reserved bytes above the memory limit");
     require(alloc_->pending_release_bytes() <= static_cast<std::size_t>(s.reserved_bytes.current),
@@ -503,6 +534,7 @@ class program {
     const std::uint8_t raw = src.byte();
     const std::uint8_t op = raw % 32;
     if (raw == 255) return op_graphs(src);
+    if (raw == 254 || raw == 253) return op_sleep(src);
     if (op < 8) return op_allocate(src);
     if (op < 12) return op_use(src);
     if (op < 14) return op_free(src);
@@ -571,6 +603,80 @@ class program {
     }
   }
 
+  // Sleep/wake of the tag k_tag (sleep.cpp): pause (discard or offload, wait or defer), or while
+  // it is paused a host free of one of its blocks or a resume. While paused its blocks sit in
+  // paused_, out of reach of the operations that launch work on live blocks.
+  template <class Source>
+  void op_sleep(Source& src) {
+    const std::uint8_t flags = src.byte();
+    const snapshot before = snap();
+    const bool injected = armed_.has_value();
+    if (config_.backend != backend_kind::expandable) {
+      note("pause on the cuda_malloc backend");
+      bool refused = false;
+      try {
+        alloc_->pause(k_tag, pause_mode::discard);
+      } catch (const config_error&) {
+        refused = true;
+      }
+      require(refused, "pause on the cuda_malloc backend was not refused");
+      require_same(before, "refused pause");
+      return;
+    }
+    if (!tag_paused_) {
+      const pause_mode mode = (flags & 1) ? pause_mode::offload : pause_mode::discard;
+      const empty_cache_mode how = (flags & 2) ? empty_cache_mode::wait : empty_cache_mode::defer;
+      note(std::string("pause ") + (mode == pause_mode::offload ? "offload" : "discard") +
+           (how == empty_cache_mode::wait ? " wait" : " defer"));
+      try {
+        with_armed([&] { alloc_->pause(k_tag, mode, how); });
+      } catch (const backend_error& e) {
+        accept_backend_error("pause", e, injected);
+      } catch (const out_of_memory&) {
+        ++stats_.out_of_memory;  // no pinned host memory for the copies: still pausing
+      }
+      tag_paused_ = alloc_->tag_status(k_tag).phase != tag_phase::active;
+      if (!tag_paused_) return;
+      ++stats_.pauses;
+      for (std::size_t i = live_.size(); i-- > 0;) {
+        if (!live_[i].tagged) continue;
+        paused_.push_back(live_[i]);
+        live_.erase(live_.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+      return;
+    }
+    if (!paused_.empty() && (flags % 3) == 0) {
+      const std::size_t i = pick(src, paused_.size());
+      note("deallocate a paused block");
+      expect_ok("deallocate a paused block", [&] { alloc_->deallocate(paused_[i].ptr); });
+      ++stats_.frees;
+      remember_freed(paused_[i].ptr);
+      paused_.erase(paused_.begin() + static_cast<std::ptrdiff_t>(i));
+      return;
+    }
+    const stream_slot& s = streams_[pick(src, streams_.size())];
+    note("resume on stream " + std::to_string(s.handle));
+    try {
+      with_armed([&] { alloc_->resume(k_tag, s.handle); });
+    } catch (const out_of_memory&) {
+      ++stats_.out_of_memory;  // the part that could not be mapped stays paused
+    } catch (const backend_error& e) {
+      accept_backend_error("resume", e, injected);
+    }
+    if (alloc_->tag_status(k_tag).phase != tag_phase::active) return;
+    tag_paused_ = false;
+    ++stats_.resumes;
+    // resume ordered s after the restore: later uses order after s (the contract's "other
+    // streams are ordered by the caller"; a destroyed owner stream orders nothing).
+    for (live_block b : paused_) {
+      require(dev_.is_mapped(reinterpret_cast<std::uintptr_t>(b.ptr), b.block_size),
+              "a resumed block is not mapped");
+      if (!std::count(b.users.begin(), b.users.end(), s.uid)) b.users.push_back(s.uid);
+      live_.push_back(b);
+    }
+    paused_.clear();
+  }
+
   template <class Source>
   void op_allocate(Source& src) {
     const std::size_t slot = pick(src, streams_.size());
@@ -598,8 +704,20 @@ class program {
       require(now.event_syncs == counted.event_syncs && now.device_syncs == counted.device_syncs,
               "allocate waited on the host under empty_cache:defer (K8)");
     };
+    // One allocation in eight is under the tag that op_sleep pauses and resumes.
+    const bool tagged = config_.backend == backend_kind::expandable && duration % 8 == 0;
     try {
-      with_armed([&] { p = alloc_->allocate(size, s.handle); });
+      if (tagged) {
+        tag_scope scope(k_tag);
+        with_armed([&] { p = alloc_->allocate(size, s.handle); });
+      } else {
+        with_armed([&] { p = alloc_->allocate(size, s.handle); });
+      }
+      require(!(tagged && tag_paused_), "an allocation under a paused tag succeeded");
+    } catch (const tag_paused&) {
+      require(tagged && tag_paused_, "tag_paused for a tag that is not paused");
+      require_same(before, "allocate under a paused tag");
+      return std::nullopt;
     } catch (const invalid_size&) {
       require(size == 0, "invalid_size for a size of " + std::to_string(size));
       require_same(before, "allocate(0)");
@@ -631,19 +749,21 @@ class program {
     require(info.size_bytes >= size && info.size_bytes % 512 == 0,
             "block smaller than the request");
     require(info.stream == s.handle, "block's stream is not the asking stream");
-    for (const live_block& b : live_) {
-      const auto ba = reinterpret_cast<std::uintptr_t>(b.ptr);
-      require(!(a < ba + b.block_size && ba < a + info.size_bytes),
-              "block handed out twice: [" + std::to_string(a) + ", +" +
-                  std::to_string(info.size_bytes) + ") overlaps a live block at " +
-                  std::to_string(ba));
+    for (const std::vector<live_block>* list : {&live_, &paused_}) {
+      for (const live_block& b : *list) {
+        const auto ba = reinterpret_cast<std::uintptr_t>(b.ptr);
+        require(!(a < ba + b.block_size && ba < a + info.size_bytes),
+                "block handed out twice: [" + std::to_string(a) + ", +" +
+                    std::to_string(info.size_bytes) + ") overlaps a live block at " +
+                    std::to_string(ba));
+      }
     }
     // The new owner writes it at once, on its stream.
     dev_.launch(s.handle, duration,
                 {sim::range{a, size, sim::access::write, static_cast<std::uint8_t>(duration)}},
                 "write after allocate");
     s.seen = true;
-    live_.push_back({p, size, info.size_bytes, s.uid, {}});
+    live_.push_back({p, size, info.size_bytes, s.uid, {}, tagged});
     return live_.size() - 1;
   }
 
@@ -967,8 +1087,10 @@ class program {
     std::string expect;
     if (kind == 0 && !freed_.empty()) {
       p = freed_[pick(src, freed_.size())];
-      for (const live_block& b : live_) {
-        if (b.ptr == p) return;  // handed out again: not stale
+      for (const std::vector<live_block>* list : {&live_, &paused_}) {
+        for (const live_block& b : *list) {
+          if (b.ptr == p) return;  // handed out again: not stale
+        }
       }
     } else if (kind == 1 && !live_.empty()) {
       const live_block& b = live_[pick(src, live_.size())];

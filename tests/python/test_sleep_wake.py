@@ -44,9 +44,9 @@ def test_offload_keeps_contents_and_gives_memory_back(ss):
 def test_discard_and_the_side_stream_tail(ss):
     """A per-parameter tail on a side stream still runs at the pause: defer mode waits for it."""
     side = torch.cuda.Stream()
+    out = torch.zeros(16, device="cuda")  # untagged: the pause leaves it alone
     with ss.tag("pt_grads"):
         grads = [torch.ones(4 * MiB, device="cuda") for _ in range(16)]
-        out = torch.zeros(16, device="cuda")
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for i, g in enumerate(grads):

@@ -567,11 +567,56 @@ struct caching_allocator::impl {
   // The pool of st for (small, tag), created if missing; throws tag_paused while refused.
   pool& pool_for_locked(stream_state& st, bool small, tag_id tag, std::size_t size)
       STREAMSAFE_REQUIRES(mu_, st.mu);
-  // Offload copies of ps enqueued on copy_stream_ behind its fence (host memory from host_).
-  void enqueue_offload_locked(tag_state& t, paused_segment& ps) STREAMSAFE_REQUIRES(mu_);
+  // Offload: host memory for t's segments still to copy (host_, mu_ dropped), then their copies
+  // on copy_stream_ behind their fences.
+  void enqueue_offload_locked(device_lock& lk, tag_state& t) STREAMSAFE_REQUIRES(mu_);
   bool pause_ready_locked(const paused_segment& ps) STREAMSAFE_REQUIRES(mu_);  // polls only
   // Unmaps (hooks first, mu_ dropped) the segments of t that are ready; wait: waits for them.
   std::size_t advance_pause_locked(device_lock& lk, tag_state& t, bool wait)
+      STREAMSAFE_REQUIRES(mu_);
+  // Waits (mu_ dropped) for the fences or copies of t's segments still mapped; returns them.
+  std::vector<paused_segment*> wait_pause_locked(device_lock& lk, tag_state& t)
+      STREAMSAFE_REQUIRES(mu_);
+  // The hooks, then the unmaps of `ready` (mu_ dropped), then their bookkeeping.
+  std::size_t unmap_paused_locked(device_lock& lk, tag_state& t,
+                                  const std::vector<paused_segment*>& ready)
+      STREAMSAFE_REQUIRES(mu_);
+  void release_pause_events_locked(paused_segment& ps) STREAMSAFE_REQUIRES(mu_);
+  // Runs f with mu_ dropped and t.busy counted (resume and pause of t wait for it); rethrows.
+  template <class F>
+  void unlocked_for_tag(device_lock& lk, tag_state& t, F&& f) STREAMSAFE_REQUIRES(mu_) {
+    std::exception_ptr failed;
+    ++t.busy;
+    {
+      driver_call_scope in_flight(*this, lk);
+      try {
+        f();
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    }
+    --t.busy;
+    driver_calls_done_.notify_all();
+    if (failed) std::rethrow_exception(failed);
+  }
+  // pause: the tag's segments marked paused, their runs and fence streams; the fences recorded.
+  std::vector<paused_segment> collect_pause_locked(tag_id tag, pause_mode mode,
+                                                   const std::string& where)
+      STREAMSAFE_REQUIRES(mu_);
+  void record_pause_fences_locked(std::vector<paused_segment>& segs) STREAMSAFE_REQUIRES(mu_);
+  // resume: maps ps's given-back runs and restores its copies; false (nothing changed) when
+  // the memory is not there.
+  struct resume_work {
+    stream_handle copy_stream = 0;
+    std::vector<sleep_hook_event> hooks;
+    std::vector<stream_handle> owners;
+    bool restored = false;
+  };
+  bool resume_segment_locked(tag_state& t, paused_segment& ps, resume_work& w)
+      STREAMSAFE_REQUIRES(mu_);
+  void order_after_restore_locked(resume_work& w, const stream_handle* also)
+      STREAMSAFE_REQUIRES(mu_);
+  void set_phase_after_resume_locked(tag_state& t, std::vector<paused_segment> kept)
       STREAMSAFE_REQUIRES(mu_);
   std::size_t advance_pauses_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // every tag
   void cancel_paused_segment_locked(tag_state& t, paused_segment& ps) STREAMSAFE_REQUIRES(mu_);

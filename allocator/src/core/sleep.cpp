@@ -11,14 +11,10 @@
 // completed is unmapped, the hook first, with mu_ dropped (tag_state::busy counts the calls in
 // flight; resume and a second pause wait for them). Wait mode waits on exactly those events, no
 // lock held; defer mode never waits: what is ready goes now, the rest at the release worker's
-// passes (or, without a worker, at reclaim, tag_status, empty_cache and allocation slow paths).
+// passes (or, without a worker, at reclaim, tag_status and a second pause of the tag).
 // Blocks keep their state and `mapped` flag while paused; segment::paused_bytes holds the
 // bytes given back, out of mapped_bytes and reserved bytes.
-// resume(tag) maps the given-back runs again at the same addresses (chunk by chunk, as growth
-// does), restores offloaded contents on copy_stream_ and frees the host copies there
-// (stream-ordered: host_ reuses them only after the restore), and makes every stream owning a
-// segment of the tag, and the caller's stream, wait on the device for the restore. Runs that
-// pause had not unmapped yet are kept; their copies are dropped (freed behind the copy).
+// resume is in wake.cpp.
 // Nothing here runs during a graph capture (pause and resume refuse; the worker waits).
 #include "allocator_state.hpp"
 #include "format.hpp"
@@ -84,41 +80,44 @@ void caching_allocator::impl::wait_tag_idle_locked(device_lock& lk, const tag_st
   driver_calls_done_.wait(lk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return t.busy == 0; });
 }
 
-void caching_allocator::impl::enqueue_offload_locked(tag_state& t, paused_segment& ps) {
-  if (ps.copies_enqueued) return;
-  if (ps.copies.empty()) {
-    ps.copies_enqueued = true;
-    return;
-  }
-  caching_allocator& host = host_allocator_locked();
-  const stream_handle cs = copy_stream_locked();
-  std::size_t done = 0;
-  try {
+void caching_allocator::impl::enqueue_offload_locked(device_lock& lk, tag_state& t) {
+  // The pinned host memory first, for every segment still to copy, with mu_ dropped: a first
+  // pause pins gigabytes (cudaHostAlloc, about 2 GB/s) and no other call of this allocator may
+  // wait for that. busy keeps resume and other pauses of the tag off t.segments meanwhile.
+  std::vector<offload_copy*> need;
+  for (paused_segment& ps : t.segments) {
+    if (ps.copies_enqueued || ps.runs_unmapped == ps.runs.size()) continue;
     for (offload_copy& c : ps.copies) {
-      c.host = host.allocate(c.bytes, cs);
-      ++done;
+      if (!c.host) need.push_back(&c);
     }
-  } catch (...) {
-    for (std::size_t i = 0; i < done; ++i) {
-      host.deallocate(ps.copies[i].host);
-      ps.copies[i].host = nullptr;
+  }
+  if (!need.empty()) {
+    caching_allocator& host = host_allocator_locked();
+    const stream_handle cs = copy_stream_locked();
+    // On a failure what was allocated stays for the next try.
+    unlocked_for_tag(lk, t, [&] {
+      for (offload_copy* c : need) c->host = host.allocate(c->bytes, cs);
+    });
+  }
+  // Then the copies, behind every use the fence covers (and destroyed streams' last work).
+  for (paused_segment& ps : t.segments) {
+    if (ps.copies_enqueued || ps.runs_unmapped == ps.runs.size()) continue;
+    ps.copies_enqueued = true;
+    if (ps.copies.empty()) continue;
+    const stream_handle cs = copy_stream_locked();
+    for (const auto& e : ps.fence) backend_.stream_wait_event(cs, e.event);
+    for (const auto& tomb : tombstones_) backend_.stream_wait_event(cs, tomb.event);
+    stats_.stream_waits += ps.fence.size() + tombstones_.size();
+    std::size_t bytes = 0;
+    for (const offload_copy& c : ps.copies) {
+      backend_.copy_async(c.host, reinterpret_cast<const void*>(c.addr), c.bytes, cs);
+      bytes += c.bytes;
     }
-    throw;
+    ps.copied = get_event();
+    backend_.record_event(ps.copied, cs);
+    ++stats_.events_recorded;
+    t.offloaded_host_bytes += bytes;
   }
-  // The copies run after every use the fence covers (and destroyed streams' last work).
-  for (const auto& e : ps.fence) backend_.stream_wait_event(cs, e.event);
-  for (const auto& tomb : tombstones_) backend_.stream_wait_event(cs, tomb.event);
-  stats_.stream_waits += ps.fence.size() + tombstones_.size();
-  std::size_t bytes = 0;
-  for (const offload_copy& c : ps.copies) {
-    backend_.copy_async(c.host, reinterpret_cast<const void*>(c.addr), c.bytes, cs);
-    bytes += c.bytes;
-  }
-  ps.copied = get_event();
-  backend_.record_event(ps.copied, cs);
-  ++stats_.events_recorded;
-  ps.copies_enqueued = true;
-  t.offloaded_host_bytes += bytes;
 }
 
 bool caching_allocator::impl::pause_ready_locked(const paused_segment& ps) {
@@ -132,73 +131,49 @@ bool caching_allocator::impl::pause_ready_locked(const paused_segment& ps) {
   return true;
 }
 
-std::size_t caching_allocator::impl::advance_pause_locked(device_lock& lk, tag_state& t,
-                                                          bool wait) {
-  if (t.phase != tag_phase::pausing || capturing()) return 0;
-  wait_tag_idle_locked(lk, t);
-  if (t.phase != tag_phase::pausing) return 0;  // resumed by another thread meanwhile
-  if (t.mode == pause_mode::offload) {
-    for (paused_segment& ps : t.segments) {
-      if (ps.runs_unmapped < ps.runs.size()) enqueue_offload_locked(t, ps);
-    }
-  }
+std::vector<caching_allocator::impl::paused_segment*> caching_allocator::impl::wait_pause_locked(
+    device_lock& lk, tag_state& t) {
   std::vector<paused_segment*> ready;
-  if (wait) {
-    std::vector<event_handle> waits;
-    for (paused_segment& ps : t.segments) {
-      if (ps.runs_unmapped == ps.runs.size()) continue;
-      ready.push_back(&ps);
-      if (ps.copied != 0) {
-        waits.push_back(ps.copied);
-      } else {
-        for (const auto& e : ps.fence) waits.push_back(e.event);
-      }
+  std::vector<event_handle> waits;
+  for (paused_segment& ps : t.segments) {
+    if (ps.runs_unmapped == ps.runs.size()) continue;
+    ready.push_back(&ps);
+    if (ps.copied != 0) {
+      waits.push_back(ps.copied);  // the copy waited for the fence on the device
+    } else {
+      for (const auto& e : ps.fence) waits.push_back(e.event);
     }
-    for (const auto& tomb : tombstones_) waits.push_back(tomb.event);
-    ++t.busy;
-    const auto pinned = static_cast<std::int64_t>(tombstones_.size());
-    tombstone_refs_.fetch_add(pinned);  // not pooled while waited on unlocked
-    std::exception_ptr failed;
-    {
-      driver_call_scope in_flight(*this, lk);
-      try {
-        for (event_handle e : waits) backend_.synchronize_event(e);
-      } catch (...) {
-        failed = std::current_exception();
-      }
-    }
+  }
+  for (const auto& tomb : tombstones_) waits.push_back(tomb.event);
+  const auto pinned = static_cast<std::int64_t>(tombstones_.size());
+  tombstone_refs_.fetch_add(pinned);  // not pooled while waited on unlocked
+  try {
+    unlocked_for_tag(lk, t, [&] {
+      for (event_handle e : waits) backend_.synchronize_event(e);
+    });
+  } catch (...) {
     tombstone_refs_.fetch_sub(pinned);
-    --t.busy;
-    driver_calls_done_.notify_all();
-    if (failed) std::rethrow_exception(failed);
-    ++stats_.fence_waits;
-  } else {
-    for (paused_segment& ps : t.segments) {
-      if (ps.runs_unmapped < ps.runs.size() && pause_ready_locked(ps)) ready.push_back(&ps);
-    }
+    throw;
   }
-  if (ready.empty()) {
-    if (std::all_of(t.segments.begin(), t.segments.end(),
-                    [](const paused_segment& ps) { return ps.runs_unmapped == ps.runs.size(); })) {
-      t.phase = tag_phase::paused;  // nothing was mapped
-      --pauses_pending_;
-    }
-    return 0;
-  }
+  tombstone_refs_.fetch_sub(pinned);
+  ++stats_.fence_waits;
+  return ready;
+}
+
+std::size_t caching_allocator::impl::unmap_paused_locked(device_lock& lk, tag_state& t,
+                                                         const std::vector<paused_segment*>& ready) {
   std::vector<sleep_hook_event> hooks;
+  std::vector<std::size_t> before;
   for (const paused_segment* ps : ready) {
+    before.push_back(ps->runs_unmapped);
     for (std::size_t i = ps->runs_unmapped; i < ps->runs.size(); ++i) {
       hooks.push_back({sleep_hook_event::kind::before_unmap, t.name, backend_.device(),
                        ps->runs[i].first, ps->runs[i].second});
     }
   }
   const sleep_hook hook = hook_;
-  std::vector<std::size_t> before(ready.size());
-  for (std::size_t i = 0; i < ready.size(); ++i) before[i] = ready[i]->runs_unmapped;
   std::exception_ptr error;
-  ++t.busy;
-  {
-    driver_call_scope in_flight(*this, lk);
+  unlocked_for_tag(lk, t, [&] {
     call_hooks_unlocked(hooks, hook);
     for (paused_segment* ps : ready) {
       try {
@@ -207,12 +182,10 @@ std::size_t caching_allocator::impl::advance_pause_locked(device_lock& lk, tag_s
           backend_.unmap(reinterpret_cast<void*>(run.first), run.second);
         }
       } catch (...) {
-        if (!error) error = std::current_exception();
+        if (!error) error = std::current_exception();  // the rest of that segment stays mapped
       }
     }
-  }
-  --t.busy;
-  driver_calls_done_.notify_all();
+  });
   std::size_t released = 0;
   for (std::size_t i = 0; i < ready.size(); ++i) {
     paused_segment& ps = *ready[i];
@@ -229,23 +202,44 @@ std::size_t caching_allocator::impl::advance_pause_locked(device_lock& lk, tag_s
       trace(trace_action::segment_unmap, seg->base, bytes, seg->stream);
       released += bytes;
     }
-    if (ps.runs_unmapped == ps.runs.size()) {
-      for (const auto& e : ps.fence) put_event(e.event);
-      ps.fence.clear();
-      if (ps.copied != 0) put_event(ps.copied);
-      ps.copied = 0;
+    if (ps.runs_unmapped == ps.runs.size()) release_pause_events_locked(ps);
+  }
+  detail::log().debug("device {}: pause('{}'): {} bytes back to the driver", backend_.device(),
+                      t.name, released);
+  if (error) std::rethrow_exception(error);
+  return released;
+}
+
+void caching_allocator::impl::release_pause_events_locked(paused_segment& ps) {
+  for (const auto& e : ps.fence) put_event(e.event);
+  ps.fence.clear();
+  if (ps.copied != 0) put_event(ps.copied);
+  ps.copied = 0;
+}
+
+std::size_t caching_allocator::impl::advance_pause_locked(device_lock& lk, tag_state& t,
+                                                          bool wait) {
+  if (t.phase != tag_phase::pausing || capturing()) return 0;
+  wait_tag_idle_locked(lk, t);
+  if (t.phase != tag_phase::pausing) return 0;  // resumed by another thread meanwhile
+  if (t.mode == pause_mode::offload) {
+    enqueue_offload_locked(lk, t);
+    if (t.phase != tag_phase::pausing) return 0;
+  }
+  std::vector<paused_segment*> ready;
+  if (wait) {
+    ready = wait_pause_locked(lk, t);
+  } else {
+    for (paused_segment& ps : t.segments) {
+      if (ps.runs_unmapped < ps.runs.size() && pause_ready_locked(ps)) ready.push_back(&ps);
     }
   }
-  const bool all = std::all_of(t.segments.begin(), t.segments.end(), [](const paused_segment& ps) {
-    return ps.runs_unmapped == ps.runs.size();
-  });
-  if (all) {
+  const std::size_t released = ready.empty() ? 0 : unmap_paused_locked(lk, t, ready);
+  if (std::all_of(t.segments.begin(), t.segments.end(),
+                  [](const paused_segment& ps) { return ps.runs_unmapped == ps.runs.size(); })) {
     t.phase = tag_phase::paused;
     --pauses_pending_;
   }
-  detail::log().debug("device {}: pause('{}'): {} bytes back to the driver{}", backend_.device(),
-                      t.name, released, all ? "; the tag is paused" : "");
-  if (error) std::rethrow_exception(error);
   return released;
 }
 
@@ -293,10 +287,17 @@ void caching_allocator::impl::destroy_sleep_state_locked(device_lock& lk) {
   // Pauses underway finish (their fences waited on): nothing a segment still maps is left to a
   // later unmap. Offloaded contents are dropped; the host copies go back to host_.
   for (auto& [id, t] : tags_) {
-    if (t->phase == tag_phase::pausing) advance_pause_locked(lk, *t, true);
+    try {
+      if (t->phase == tag_phase::pausing) advance_pause_locked(lk, *t, true);
+    } catch (const std::exception& e) {
+      detail::log().error("device {}: finishing pause('{}') at destruction: {}", backend_.device(),
+                          t->name, e.what());
+    }
     for (paused_segment& ps : t->segments) {
+      if (ps.runs_unmapped == 0) ps.seg->paused = false;  // still mapped: released as cache
+      release_pause_events_locked(ps);
       for (offload_copy& c : ps.copies) {
-        if (c.host) host_->deallocate(c.host);
+        if (c.host && host_) host_->deallocate(c.host);
         c.host = nullptr;
       }
     }
@@ -313,6 +314,64 @@ void caching_allocator::impl::destroy_sleep_state_locked(device_lock& lk) {
 
 pause_status caching_allocator::pause(std::string_view tag, pause_mode mode) {
   return pause(tag, mode, impl_->opts_.empty_cache);
+}
+
+std::vector<caching_allocator::impl::paused_segment> caching_allocator::impl::collect_pause_locked(
+    tag_id tag, pause_mode mode, const std::string& where) {
+  // The fence streams: the empty_cache scope; for `device` every known stream (polled in defer
+  // mode, where a device-wide synchronisation could only be waited for).
+  std::vector<stream_handle> every;
+  for (auto& [s, st] : streams_) {
+    if (st->graph == 0 && st->alive.load(std::memory_order_acquire)) every.push_back(s);
+  }
+  std::vector<paused_segment> segs;
+  for (auto& [base, seg] : segments_) {
+    if (seg->owner->tag != tag || !seg->expandable) continue;
+    detail::lock_guard<stream_lock> slk(state_of(*seg->owner).mu);
+    flush_quick_locked(*seg->owner);
+    paused_segment ps;
+    ps.seg = seg;
+    for (block* b = seg->first; b; b = b->next) {
+      if (!b->mapped || b->state == block_state::releasing) continue;
+      if (!ps.runs.empty() && ps.runs.back().first + ps.runs.back().second == b->addr) {
+        ps.runs.back().second += b->size;
+      } else {
+        ps.runs.emplace_back(b->addr, b->size);
+      }
+      ps.bytes += b->size;
+      if (mode == pause_mode::offload && b->state == block_state::active && !b->free_held)
+        ps.copies.push_back({b->addr, b->size, nullptr});
+    }
+    const std::size_t chunk = chunk_bytes(seg);
+    for (const auto& run : ps.runs) {
+      if ((run.first - seg->base) % chunk != 0 || run.second % chunk != 0)
+        throw std::logic_error(where + ": mapped run " + hex(run.first) + " of " +
+                               std::to_string(run.second) + " bytes is not chunk-aligned");
+    }
+    ps.fence_streams =
+        opts_.release_fence == fence_scope::device ? every : fence_streams_locked(seg);
+    // The copy stream too: a restore of an earlier resume may still write the blocks.
+    if (has_copy_stream_) ps.fence_streams.push_back(copy_stream_);
+    segs.push_back(std::move(ps));
+  }
+  return segs;
+}
+
+void caching_allocator::impl::record_pause_fences_locked(std::vector<paused_segment>& segs) {
+  try {
+    for (paused_segment& ps : segs) {
+      if (ps.runs.empty()) continue;
+      for (stream_handle s : ps.fence_streams) {
+        const event_handle e = get_event();
+        ps.fence.push_back({e, s});
+        backend_.record_event(e, s);
+        ++stats_.events_recorded;
+      }
+    }
+  } catch (...) {
+    for (paused_segment& ps : segs) release_pause_events_locked(ps);
+    throw;
+  }
 }
 
 pause_status caching_allocator::pause(std::string_view tag, pause_mode mode,
@@ -337,62 +396,15 @@ pause_status caching_allocator::pause(std::string_view tag, pause_mode mode,
     throw std::logic_error(where + " during a CUDA graph capture: no memory can be released then");
   impl::tag_state& t = m.tag_state_locked(id);
   m.wait_tag_idle_locked(lk, t);
+  const bool worker = m.worker_usable_locked();
   if (t.phase != tag_phase::active) {  // pausing twice: a no-op that moves the first one along
-    if (how == empty_cache_mode::wait || !m.worker_usable_locked())
+    if (how == empty_cache_mode::wait || !worker)
       m.advance_pause_locked(lk, t, how == empty_cache_mode::wait);
     return m.tag_status_locked(t);
   }
   m.fence_unfenced_locked();
-  // The fence streams: the empty_cache scope, every known stream for `device` (polled in defer
-  // mode, where a device-wide synchronisation could only be waited for).
-  std::vector<stream_handle> every;
-  for (auto& [s, st] : m.streams_) {
-    if (st->graph == 0 && st->alive.load(std::memory_order_acquire)) every.push_back(s);
-  }
-  std::vector<impl::paused_segment> segs;
-  for (auto& [base, seg] : m.segments_) {
-    if (seg->owner->tag != id || !seg->expandable) continue;
-    detail::lock_guard<stream_lock> slk(impl::state_of(*seg->owner).mu);
-    m.flush_quick_locked(*seg->owner);
-    impl::paused_segment ps;
-    ps.seg = seg;
-    const std::size_t chunk = m.chunk_bytes(seg);
-    for (block* b = seg->first; b; b = b->next) {
-      if (!b->mapped || b->state == block_state::releasing) continue;
-      if (!ps.runs.empty() && ps.runs.back().first + ps.runs.back().second == b->addr) {
-        ps.runs.back().second += b->size;
-      } else {
-        ps.runs.emplace_back(b->addr, b->size);
-      }
-      ps.bytes += b->size;
-      if (mode == pause_mode::offload && b->state == block_state::active && !b->free_held)
-        ps.copies.push_back({b->addr, b->size, nullptr});
-    }
-    for (const auto& run : ps.runs) {
-      if ((run.first - seg->base) % chunk != 0 || run.second % chunk != 0)
-        throw std::logic_error(where + ": mapped run " + hex(run.first) + " of " +
-                               std::to_string(run.second) + " bytes is not chunk-aligned");
-    }
-    ps.fence_streams = m.opts_.release_fence == fence_scope::device ? every
-                                                                     : m.fence_streams_locked(seg);
-    segs.push_back(std::move(ps));
-  }
-  try {
-    for (impl::paused_segment& ps : segs) {
-      if (ps.runs.empty()) continue;
-      for (stream_handle s : ps.fence_streams) {
-        const event_handle e = m.get_event();
-        ps.fence.push_back({e, s});
-        m.backend_.record_event(e, s);
-        ++m.stats_.events_recorded;
-      }
-    }
-  } catch (...) {
-    for (impl::paused_segment& ps : segs) {
-      for (const auto& e : ps.fence) m.put_event(e.event);
-    }
-    throw;
-  }
+  std::vector<impl::paused_segment> segs = m.collect_pause_locked(id, mode, where);
+  m.record_pause_fences_locked(segs);
   for (impl::paused_segment& ps : segs) ps.seg->paused = true;
   t.segments = std::move(segs);
   t.mode = mode;
@@ -403,160 +415,11 @@ pause_status caching_allocator::pause(std::string_view tag, pause_mode mode,
                       mode == pause_mode::offload ? "offload" : "discard", t.segments.size());
   if (how == empty_cache_mode::wait) {
     m.advance_pause_locked(lk, t, true);
-  } else if (m.worker_usable_locked() && m.ensure_worker_locked()) {
+  } else if (worker && m.ensure_worker_locked()) {
     m.worker_kick_ = true;  // the worker enqueues the copies and unmaps: nothing on this thread
     m.worker_wake_->notify_one();
   } else {
     m.advance_pause_locked(lk, t, false);
-  }
-  return m.tag_status_locked(t);
-}
-
-pause_status caching_allocator::resume(std::string_view tag) {
-  return resume_impl(tag, nullptr);
-}
-
-pause_status caching_allocator::resume(std::string_view tag, stream_handle also_order) {
-  return resume_impl(tag, &also_order);
-}
-
-pause_status caching_allocator::resume_impl(std::string_view tag, const stream_handle* also) {
-  impl& m = *impl_;
-  if (m.inherited()) m.throw_inherited("resume");
-  const tag_id id = tag_of(tag);
-  const std::string where = tag_where("resume", tag, m.backend_.device());
-  if (callback_scope::active())
-    throw std::logic_error(where + " inside a stream callback: a resume makes CUDA calls");
-  device_lock lk(m.mu_);
-  auto found = m.tags_.find(id);
-  if (found == m.tags_.end()) {  // nothing of the tag here: a no-op
-    pause_status s;
-    s.tag = std::string(tag);
-    return s;
-  }
-  impl::tag_state& t = *found->second;
-  m.wait_tag_idle_locked(lk, t);
-  if (t.phase == tag_phase::active) return m.tag_status_locked(t);  // resuming twice: a no-op
-  m.detect_captures_locked(lk);
-  if (m.capturing())
-    throw std::logic_error(where + " during a CUDA graph capture: resume after the capture ends");
-  caching_allocator* host = m.host_.get();
-  const bool restore = std::any_of(t.segments.begin(), t.segments.end(), [](const auto& ps) {
-    return ps.copies_enqueued && !ps.copies.empty() && ps.runs_unmapped != 0;
-  });
-  const stream_handle cs = restore ? m.copy_stream_locked() : 0;
-  std::vector<impl::paused_segment> kept;
-  std::vector<sleep_hook_event> hooks;
-  std::vector<stream_handle> owners;
-  std::size_t missing = 0;
-  bool restored = false;
-  for (impl::paused_segment& ps : t.segments) {
-    segment* seg = ps.seg;
-    const std::size_t chunk = m.chunk_bytes(seg);
-    if (missing != 0) {
-      missing += ps.bytes;
-      kept.push_back(std::move(ps));
-      continue;
-    }
-    std::size_t mapped_runs = 0;
-    for (; mapped_runs < ps.runs_unmapped; ++mapped_runs) {
-      const auto& run = ps.runs[mapped_runs];
-      if (m.map_chunks_locked(run.first, run.second, chunk) != run.second) break;
-    }
-    if (mapped_runs < ps.runs_unmapped) {  // out of memory: this segment stays paused whole
-      for (std::size_t r = 0; r < mapped_runs; ++r)
-        m.backend_.unmap(reinterpret_cast<void*>(ps.runs[r].first), ps.runs[r].second);
-      missing += ps.bytes;
-      kept.push_back(std::move(ps));
-      continue;
-    }
-    std::size_t bytes = 0;
-    for (std::size_t r = 0; r < ps.runs_unmapped; ++r) {
-      bytes += ps.runs[r].second;
-      hooks.push_back({sleep_hook_event::kind::after_map, t.name, m.backend_.device(),
-                       ps.runs[r].first, ps.runs[r].second});
-    }
-    // Offloaded contents come back behind nothing else on the copy stream; each host copy is
-    // freed there, so host_ hands it out again only after the restore (or the first copy, for a
-    // run that was never unmapped) has run.
-    for (impl::offload_copy& c : ps.copies) {
-      if (!c.host) continue;
-      const bool given_back = std::any_of(
-          ps.runs.begin(), ps.runs.begin() + static_cast<std::ptrdiff_t>(ps.runs_unmapped),
-          [&](const auto& run) {
-            return c.addr >= run.first && c.addr + c.bytes <= run.first + run.second;
-          });
-      if (given_back) {
-        m.backend_.copy_async(reinterpret_cast<void*>(c.addr), c.host, c.bytes, cs);
-        restored = true;
-      }
-      host->deallocate(c.host);
-      c.host = nullptr;
-    }
-    for (const auto& e : ps.fence) m.put_event(e.event);
-    if (ps.copied != 0) m.put_event(ps.copied);
-    {
-      detail::lock_guard<stream_lock> slk(impl::state_of(*seg->owner).mu);
-      seg->mapped_bytes += bytes;
-      seg->paused_bytes -= bytes;
-      seg->paused = false;
-    }
-    m.stats_.reserved_bytes.increase(static_cast<std::int64_t>(bytes));
-    m.stats_.num_device_alloc += bytes / chunk;
-    if (bytes != 0) m.trace(trace_action::segment_map, seg->base, bytes, seg->stream);
-    if (std::find(owners.begin(), owners.end(), seg->stream) == owners.end())
-      owners.push_back(seg->stream);
-  }
-  if (restored) {
-    // Work on the segments' streams (and the caller's) after this call sees the contents.
-    if (also && std::find(owners.begin(), owners.end(), *also) == owners.end())
-      owners.push_back(*also);
-    const event_handle ready = m.get_event();
-    m.backend_.record_event(ready, cs);
-    ++m.stats_.events_recorded;
-    for (stream_handle s : owners) {
-      if (s == cs) continue;
-      m.backend_.stream_wait_event(s, ready);
-      ++m.stats_.stream_waits;
-    }
-    m.put_event(ready);  // the waits are enqueued: recording it again later changes none of them
-  }
-  const bool was_pausing = t.phase == tag_phase::pausing;
-  t.segments = std::move(kept);
-  t.offloaded_host_bytes = 0;
-  for (const impl::paused_segment& ps : t.segments) {
-    for (const impl::offload_copy& c : ps.copies) t.offloaded_host_bytes += c.host ? c.bytes : 0;
-  }
-  if (t.segments.empty()) {
-    t.phase = tag_phase::active;
-    t.refused.store(false, std::memory_order_release);
-    if (was_pausing) --m.pauses_pending_;
-  } else {
-    const bool all = std::all_of(t.segments.begin(), t.segments.end(), [](const auto& ps) {
-      return ps.runs_unmapped == ps.runs.size();
-    });
-    const tag_phase next = all ? tag_phase::paused : tag_phase::pausing;
-    if (was_pausing && next != tag_phase::pausing) --m.pauses_pending_;
-    if (!was_pausing && next == tag_phase::pausing) ++m.pauses_pending_;
-    t.phase = next;
-  }
-  if (!hooks.empty() && m.hook_) {
-    const sleep_hook hook = m.hook_;
-    ++t.busy;
-    {
-      impl::driver_call_scope in_flight(m, lk);
-      m.call_hooks_unlocked(hooks, hook);
-    }
-    --t.busy;
-    m.driver_calls_done_.notify_all();
-  }
-  if (missing != 0) {
-    ++m.stats_.num_ooms;
-    const std::string message = where + ": out of memory mapping " + std::to_string(missing) +
-                                " bytes; that part stays paused, the rest is resumed: free memory "
-                                "and call resume again";
-    detail::log().warn("{}", message);
-    throw out_of_memory(message);
   }
   return m.tag_status_locked(t);
 }
