@@ -10,7 +10,8 @@ are paused (weights and optim: offload to pinned host memory; grads: discard) an
 resumed; at the switch back kv_cache is paused (discard) and the training tags resumed.
 
 Rows (each in its own process: a fault poisons the CUDA context):
-  streamsafe-defer  pause(wait=False): fenced, never blocks; the release worker unmaps
+  streamsafe-defer  pause(wait=False): fenced, never blocks; the release worker unmaps;
+                    resume(wait=False) + wait_resumed before the next step: the worker maps
   streamsafe-wait   pause(wait=True): the host waits on exactly the fence events
   sync-then-unmap   torch.cuda.synchronize() first, then pause (what careful tools do)
   unmap-no-wait     release_fence:allocation_stream: the fence ignores the side stream (what the
@@ -53,6 +54,7 @@ def child(args):
     sst.install(CONF[args.child])
     dev = torch.device("cuda", 0)
     wait = args.child != "streamsafe-defer" and args.child != "unmap-no-wait"
+    defer_resume = args.child == "streamsafe-defer"  # resume(wait=False), then wait_resumed
     torch.manual_seed(0)
     n = (args.mib << 20) // 4
     compute = torch.cuda.current_stream()
@@ -123,14 +125,23 @@ def child(args):
             pause_kv_s = time.perf_counter() - t_back
             t0 = time.perf_counter()
             for t, _ in TRAIN_TAGS:
-                sst.resume(t)
+                sst.resume(t, wait=not defer_resume)
             resume_s = time.perf_counter() - t0
             back_s = time.perf_counter() - t_back
+            # streamsafe-defer: the worker maps while the caller goes on; wait before the step.
+            t0 = time.perf_counter()
+            if defer_resume:
+                for t, _ in TRAIN_TAGS:
+                    st = sst.wait_resumed(t)
+                    if st["phase"] != "active":
+                        raise RuntimeError(f"resume of {t}: {st}")
+            wait_resumed_s = time.perf_counter() - t0
             rows.append(dict(cycle=cycle, free_before_gib=before, free_after_call_gib=after_call,
                              free_after_settle_gib=after_settle, pause_ms=pause_s * 1e3,
                              settle_ms=settle_s * 1e3, resume_kv_ms=resume_kv_s * 1e3,
                              switch_ms=switch_s * 1e3, pause_kv_ms=pause_kv_s * 1e3,
-                             resume_ms=resume_s * 1e3, back_ms=back_s * 1e3, kv_sum=kv_sum))
+                             resume_ms=resume_s * 1e3, back_ms=back_s * 1e3,
+                             wait_resumed_ms=wait_resumed_s * 1e3, kv_sum=kv_sum))
         torch.cuda.synchronize()
         checksum = float(sum(p.double().sum().item() for p in params))
     except Exception as e:  # noqa: BLE001 - the outcome is the report
@@ -179,7 +190,7 @@ def parent(args):
                   f"{c['settle_ms']:.2f} ms more, free {c['free_before_gib']:.2f} -> "
                   f"{c['free_after_call_gib']:.2f} -> {c['free_after_settle_gib']:.2f} GiB, resume kv "
                   f"{c['resume_kv_ms']:.2f} ms, pause kv {c['pause_kv_ms']:.2f} ms, resume 3 tags "
-                  f"{c['resume_ms']:.2f} ms")
+                  f"{c['resume_ms']:.2f} ms (then wait_resumed {c['wait_resumed_ms']:.2f} ms)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -333,12 +333,38 @@ TEST_CASE("The release worker makes a deferred pause off the caller's thread", "
   CHECK(alloc.tag_status("train").phase == tag_phase::paused);
   CHECK(watch.home_calls == 0);
   CHECK(watch.other_calls > 0);
-  alloc.resume("train");
+  // resume_async: the worker maps and restores; wait_resumed says when; then s is ordered.
+  const pause_status r = alloc.resume_async("train");
+  CHECK((r.phase == tag_phase::resuming || r.phase == tag_phase::active));
+  const pause_status done = alloc.wait_resumed("train", 5s);
+  CHECK(done.phase == tag_phase::active);
+  CHECK(done.error.empty());
+  CHECK(dev.is_mapped(addr(t.weights), 48 * MiB));
+  dev.launch(s, 1, {reads(t.weights, 48 * MiB)}, "after wait_resumed");
   dev.run_until_idle();
   CHECK(dev.value_at(addr(t.weights)) == std::optional<std::uint8_t>(2));
   CHECK(dev.fault_count() == 0);
+  {
+    tag_scope scope("train");
+    alloc.deallocate(alloc.allocate(1 * MiB, s));
+  }
   alloc.deallocate(t.weights);
   alloc.deallocate(t.grads);
+}
+
+TEST_CASE("resume_async without a worker is resume on the caller's thread", "[sleep][worker]") {
+  sim_env env(expandable());
+  const auto s = env.dev.create_stream();
+  const tagged_blocks t = allocate_tagged(env.alloc, env.dev, s, 6);
+  env.alloc.pause("train", pause_mode::offload);
+  CHECK(env.alloc.resume_async("train", s).phase == tag_phase::active);
+  CHECK(env.alloc.wait_resumed("train", 1s).phase == tag_phase::active);
+  env.dev.launch(s, 1, {reads(t.weights, 48 * MiB)}, "use");
+  env.dev.run_until_idle();
+  CHECK(env.dev.value_at(addr(t.weights)) == std::optional<std::uint8_t>(6));
+  CHECK(env.dev.fault_count() == 0);
+  env.alloc.deallocate(t.weights);
+  env.alloc.deallocate(t.grads);
 }
 
 TEST_CASE("resume out of memory keeps the tag paused; a later resume completes it",

@@ -657,7 +657,12 @@ class program {
     const stream_slot& s = streams_[pick(src, streams_.size())];
     note("resume on stream " + std::to_string(s.handle));
     try {
-      with_armed([&] { alloc_->resume(k_tag, s.handle); });
+      if (flags & 4) {  // off the caller's thread when a worker runs, then waited for
+        with_armed([&] { alloc_->resume_async(k_tag, s.handle); });
+        alloc_->wait_resumed(k_tag, std::chrono::seconds(10));
+      } else {
+        with_armed([&] { alloc_->resume(k_tag, s.handle); });
+      }
     } catch (const out_of_memory&) {
       ++stats_.out_of_memory;  // the part that could not be mapped stays paused
     } catch (const backend_error& e) {

@@ -8,6 +8,9 @@
 
 #include "support/json_check.hpp"
 
+#include <streamsafe/core/caching_allocator.hpp>
+#include <streamsafe/sim/simulated_device.hpp>
+
 #include "html_report.hpp"
 #include "replay.hpp"
 #include "trace_reader.hpp"
@@ -500,3 +503,29 @@ TEST_CASE("The HTML report is one self-contained file with the plot and the segm
 }
 
 #endif  // STREAMSAFE_HAVE_REPLAY_LIB
+
+TEST_CASE("The HTML segment map names each segment's tag and what a pause gave back",
+          "[replay][sleep]") {
+  sim::simulated_device dev;
+  options o;
+  o.backend = backend_kind::expandable;
+  caching_allocator alloc(dev, o);
+  void* p = nullptr;
+  {
+    tag_scope scope("kv_cache");
+    p = alloc.allocate(30 * MiB, 0);
+  }
+  alloc.pause("kv_cache", pause_mode::discard);
+  html_report_input in;
+  in.title = "paused";
+  in.usage = {{0, 0, 0}, {1, 30 * MiB, 0}};
+  in.snapshot = alloc.snapshot();
+  std::ostringstream os;
+  write_html_report(os, in);
+  const std::string html = os.str();
+  CHECK(html.find("tag kv_cache") != std::string::npos);
+  CHECK(html.find(", paused ") != std::string::npos);
+  CHECK(html.find("(paused: its memory is back with the driver until resume)") != std::string::npos);
+  alloc.resume("kv_cache");
+  alloc.deallocate(p);
+}

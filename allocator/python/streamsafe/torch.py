@@ -89,7 +89,8 @@ def _load_ext():
         lib.streamsafe_torch_ext_tag_push.argtypes = (ctypes.c_char_p, ctypes.c_int) + buf
         lib.streamsafe_torch_ext_tag_pop.argtypes = buf
         lib.streamsafe_torch_ext_pause.argtypes = (ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int) + buf
-        lib.streamsafe_torch_ext_resume.argtypes = (ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p) + buf
+        lib.streamsafe_torch_ext_resume.argtypes = (ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int) + buf
+        lib.streamsafe_torch_ext_wait_resumed.argtypes = (ctypes.c_char_p, ctypes.c_int, ctypes.c_longlong) + buf
         lib.streamsafe_torch_ext_tag_status.argtypes = (ctypes.c_char_p, ctypes.c_int) + buf
         lib.streamsafe_torch_ext_empty_cache_tag.argtypes = (ctypes.c_char_p,) + buf
         lib.streamsafe_torch_ext_trim.argtypes = (ctypes.c_size_t,) + buf
@@ -282,15 +283,25 @@ def pause(name, mode="offload", wait=False, device=None):
     return _sleep_call("pause", name.encode(), _device_index(device), int(mode == "offload"), int(bool(wait)))
 
 
-def resume(name, device=None, stream=None):
+def resume(name, device=None, stream=None, wait=True):
     """Maps memory at the tag's addresses again and restores offloaded contents. Work enqueued
     after the call on the tag's streams and on `stream` (default: the current stream) sees the
     contents; the host does not wait for the device. Raises torch.OutOfMemoryError when the memory
     is not there (that part stays paused; call it again once memory is free). A no-op for an
-    active tag. Returns the tag's status."""
+    active tag. Returns the tag's status.
+
+    wait=False hands the mapping to the release worker and returns at once (phase "resuming");
+    call wait_resumed(name) before using the tag's tensors, which orders the streams then."""
     if stream is None:
         stream = torch.cuda.current_stream(device)
-    return _sleep_call("resume", name.encode(), _device_index(device), ctypes.c_void_p(stream.cuda_stream))
+    return _sleep_call("resume", name.encode(), _device_index(device),
+                       ctypes.c_void_p(stream.cuda_stream), int(not wait))
+
+
+def wait_resumed(name, device=None, timeout_s=60.0):
+    """Returns once a resume(name, wait=False) has mapped and restored the tag (or at the
+    timeout: the status then says "resuming"); an out-of-memory on the worker is in "error"."""
+    return _sleep_call("wait_resumed", name.encode(), _device_index(device), int(timeout_s * 1000))
 
 
 def tag_status(name, device=None):

@@ -198,6 +198,11 @@ struct caching_allocator::impl {
     std::vector<paused_segment> segments;
     std::size_t offloaded_host_bytes = 0;
     int busy = 0;  // pause/resume driver calls in flight with mu_ dropped
+    // resume_async: the phase before `resuming`, the caller's stream, the worker's last error.
+    tag_phase phase_before_resume = tag_phase::paused;
+    bool has_resume_stream = false;
+    stream_handle resume_stream = 0;
+    std::string resume_error;
   };
 
   impl(device_backend& backend, options opts);
@@ -530,7 +535,8 @@ struct caching_allocator::impl {
 
   // ---- tags.cpp, sleep.cpp -----------------------------------------------------------------
   std::unordered_map<tag_id, std::unique_ptr<tag_state>> tags_ STREAMSAFE_GUARDED_BY(mu_);
-  std::size_t pauses_pending_ STREAMSAFE_GUARDED_BY(mu_) = 0;  // tags in phase pausing
+  std::size_t pauses_pending_ STREAMSAFE_GUARDED_BY(mu_) = 0;   // tags in phase pausing
+  std::size_t resumes_pending_ STREAMSAFE_GUARDED_BY(mu_) = 0;  // tags in phase resuming
   sleep_hook hook_ STREAMSAFE_GUARDED_BY(mu_);
   stream_handle copy_stream_ STREAMSAFE_GUARDED_BY(mu_) = 0;
   bool has_copy_stream_ STREAMSAFE_GUARDED_BY(mu_) = false;
@@ -618,6 +624,10 @@ struct caching_allocator::impl {
       STREAMSAFE_REQUIRES(mu_);
   void set_phase_after_resume_locked(tag_state& t, std::vector<paused_segment> kept)
       STREAMSAFE_REQUIRES(mu_);
+  // The resume of t on this thread (also of one handed to the worker); throws out_of_memory.
+  void resume_tag_locked(device_lock& lk, tag_state& t, const stream_handle* also,
+                         const std::string& where) STREAMSAFE_REQUIRES(mu_);
+  std::size_t advance_resumes_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // the worker
   std::size_t advance_pauses_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // every tag
   void cancel_paused_segment_locked(tag_state& t, paused_segment& ps) STREAMSAFE_REQUIRES(mu_);
   pause_status tag_status_locked(const tag_state& t) STREAMSAFE_REQUIRES(mu_);

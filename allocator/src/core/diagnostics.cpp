@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <utility>
 #include <sstream>
+#include <vector>
 
 namespace streamsafe {
 
@@ -32,14 +33,16 @@ const char* state_name(block_state s) {
 
 std::size_t caching_allocator::impl::largest_free_locked(const stream_state* held) const {
   std::size_t largest = 0;
+  std::vector<tag_id> refused;
+  for (const auto& [id, t] : tags_) {
+    if (t->refused.load(std::memory_order_acquire)) refused.push_back(id);
+  }
   for (auto& [s, state] : streams_) {
     std::unique_lock<stream_lock> slk(state->mu, std::defer_lock);
     if (state.get() != held) slk.lock();
     for_each_pool(std::as_const(*state), [&](const pool& p) {
-      if (p.tag != 0) {  // a paused tag's free blocks serve nobody until resume
-        auto it = tags_.find(p.tag);
-        if (it != tags_.end() && it->second->refused.load(std::memory_order_acquire)) return;
-      }
+      // A paused tag's free blocks serve nobody until resume.
+      if (std::find(refused.begin(), refused.end(), p.tag) != refused.end()) return;
       if (const block* b = p.mapped.largest()) largest = std::max(largest, b->size);
     });
   }

@@ -116,7 +116,12 @@ void caching_allocator::impl::check_pool_locked(const pool& p, census& c) const 
 }
 
 void caching_allocator::impl::check_stream_locked(const stream_state& st, census& c) const {
-  for_each_pool(st, [&](const pool& p) { check_pool_locked(p, c); });
+  check_pool_locked(st.small_pool, c);
+  check_pool_locked(st.large_pool, c);
+  for (const auto& tp : st.tagged) {
+    check_pool_locked(tp->small_pool, c);
+    check_pool_locked(tp->large_pool, c);
+  }
   c.pending_list_blocks += st.pending.size() + st.unfenced.size();
   c.active_map_blocks += st.active.size();
   st.active.for_each([&](const block* b) {

@@ -104,6 +104,7 @@ void caching_allocator::impl::hand_to_worker_locked(release_batch& batch) {
 std::size_t caching_allocator::impl::worker_pass_locked(device_lock& lk) {
   detect_captures_locked(lk);
   if (capturing()) return 0;  // capture.cpp: no query, no release meanwhile
+  if (resumes_pending_ != 0) advance_resumes_locked(lk);                      // wake.cpp
   std::size_t paused = pauses_pending_ != 0 ? advance_pauses_locked(lk) : 0;  // sleep.cpp
   if (deferred_.empty() || capturing()) return paused;
   release_batch now;
@@ -174,7 +175,7 @@ void caching_allocator::impl::worker_main() {
       delay = k_poll_min;
       continue;
     }
-    if (deferred_.empty() && pauses_pending_ == 0) {
+    if (deferred_.empty() && pauses_pending_ == 0 && resumes_pending_ == 0) {
       worker_wake_->wait(lk, wake);
       delay = k_poll_min;
       continue;

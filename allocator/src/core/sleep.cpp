@@ -267,6 +267,7 @@ pause_status caching_allocator::impl::tag_status_locked(const tag_state& t) {
   s.tag = t.name;
   s.phase = t.phase;
   s.offloaded_host_bytes = t.offloaded_host_bytes;
+  s.error = t.resume_error;
   for (const paused_segment& ps : t.segments) {
     for (std::size_t r = ps.runs_unmapped; r < ps.runs.size(); ++r)
       s.pending_bytes += ps.runs[r].second;
@@ -287,6 +288,7 @@ void caching_allocator::impl::destroy_sleep_state_locked(device_lock& lk) {
   // Pauses underway finish (their fences waited on): nothing a segment still maps is left to a
   // later unmap. Offloaded contents are dropped; the host copies go back to host_.
   for (auto& [id, t] : tags_) {
+    if (t->phase == tag_phase::resuming) t->phase = t->phase_before_resume;  // not done: dropped
     try {
       if (t->phase == tag_phase::pausing) advance_pause_locked(lk, *t, true);
     } catch (const std::exception& e) {
@@ -396,6 +398,13 @@ pause_status caching_allocator::pause(std::string_view tag, pause_mode mode,
     throw std::logic_error(where + " during a CUDA graph capture: no memory can be released then");
   impl::tag_state& t = m.tag_state_locked(id);
   m.wait_tag_idle_locked(lk, t);
+  if (t.phase == tag_phase::resuming) {  // a resume_async not done yet: first, here
+    try {
+      m.resume_tag_locked(lk, t, nullptr, where);
+    } catch (const out_of_memory&) {
+      // The part that could not be mapped is still paused: the pause below covers the rest.
+    }
+  }
   const bool worker = m.worker_usable_locked();
   if (t.phase != tag_phase::active) {  // pausing twice: a no-op that moves the first one along
     if (how == empty_cache_mode::wait || !worker)

@@ -41,6 +41,7 @@ const char* to_string(tag_phase phase) noexcept {
     case tag_phase::active: return "active";
     case tag_phase::pausing: return "pausing";
     case tag_phase::paused: return "paused";
+    case tag_phase::resuming: return "resuming";
   }
   return "unknown";
 }

@@ -117,6 +117,66 @@ void caching_allocator::impl::set_phase_after_resume_locked(tag_state& t,
   if (next == tag_phase::active) t.refused.store(false, std::memory_order_release);
 }
 
+void caching_allocator::impl::resume_tag_locked(device_lock& lk, tag_state& t,
+                                                const stream_handle* also,
+                                                const std::string& where) {
+  if (t.phase == tag_phase::resuming) {  // handed to the worker and not done yet: done here
+    t.phase = t.phase_before_resume;
+    --resumes_pending_;
+  }
+  resume_work w;
+  if (std::any_of(t.segments.begin(), t.segments.end(),
+                  [](const auto& ps) { return ps.copies_enqueued && !ps.copies.empty(); }))
+    w.copy_stream = copy_stream_locked();
+  std::vector<paused_segment> kept;
+  std::size_t missing = 0;
+  for (paused_segment& ps : t.segments) {
+    if (missing != 0 || !resume_segment_locked(t, ps, w)) {
+      missing += ps.bytes;
+      kept.push_back(std::move(ps));
+    }
+  }
+  if (w.restored) order_after_restore_locked(w, also);
+  set_phase_after_resume_locked(t, std::move(kept));
+  if (!w.hooks.empty() && hook_) {
+    const sleep_hook hook = hook_;
+    unlocked_for_tag(lk, t, [&] { call_hooks_unlocked(w.hooks, hook); });
+  }
+  if (missing != 0) {
+    ++stats_.num_ooms;
+    const std::string message = where + ": out of memory mapping " + std::to_string(missing) +
+                                " bytes; that part stays paused, the rest is resumed: free memory "
+                                "and call resume again";
+    detail::log().warn("{}", message);
+    throw out_of_memory(message);
+  }
+}
+
+std::size_t caching_allocator::impl::advance_resumes_locked(device_lock& lk) {
+  std::vector<tag_state*> resuming;
+  for (auto& [id, t] : tags_) {
+    if (t->phase == tag_phase::resuming) resuming.push_back(t.get());
+  }
+  std::size_t resumed = 0;
+  for (tag_state* t : resuming) {
+    wait_tag_idle_locked(lk, *t);
+    if (t->phase != tag_phase::resuming) continue;
+    const bool has_also = t->has_resume_stream;
+    const stream_handle also = t->resume_stream;
+    try {
+      resume_tag_locked(lk, *t, has_also ? &also : nullptr,
+                        "streamsafe: resume('" + t->name + "') on device " +
+                            std::to_string(backend_.device()) + " (release worker)");
+      t->resume_error.clear();
+    } catch (const std::exception& e) {
+      if (!lk.owns_lock()) lk.lock();
+      t->resume_error = e.what();  // tag_status().error; the tag stays paused
+    }
+    ++resumed;
+  }
+  return resumed;
+}
+
 pause_status caching_allocator::resume_impl(std::string_view tag, const stream_handle* also) {
   impl& m = *impl_;
   if (m.inherited()) m.throw_inherited("resume");
@@ -137,31 +197,63 @@ pause_status caching_allocator::resume_impl(std::string_view tag, const stream_h
   m.detect_captures_locked(lk);
   if (m.capturing())
     throw std::logic_error(where + " during a CUDA graph capture: resume after the capture ends");
-  impl::resume_work w;
-  if (std::any_of(t.segments.begin(), t.segments.end(),
-                  [](const auto& ps) { return ps.copies_enqueued && !ps.copies.empty(); }))
-    w.copy_stream = m.copy_stream_locked();
-  std::vector<impl::paused_segment> kept;
-  std::size_t missing = 0;
-  for (impl::paused_segment& ps : t.segments) {
-    if (missing != 0 || !m.resume_segment_locked(t, ps, w)) {
-      missing += ps.bytes;
-      kept.push_back(std::move(ps));
+  m.resume_tag_locked(lk, t, also, where);
+  return m.tag_status_locked(t);
+}
+
+pause_status caching_allocator::resume_async(std::string_view tag) {
+  return resume_async_impl(tag, nullptr);
+}
+
+pause_status caching_allocator::resume_async(std::string_view tag, stream_handle also_order) {
+  return resume_async_impl(tag, &also_order);
+}
+
+pause_status caching_allocator::resume_async_impl(std::string_view tag,
+                                                  const stream_handle* also) {
+  impl& m = *impl_;
+  {
+    device_lock lk(m.mu_);
+    const tag_id id = tag_of(tag);
+    auto found = m.tags_.find(id);
+    if (!m.inherited() && !callback_scope::active() && m.worker_usable_locked() &&
+        found != m.tags_.end() && m.ensure_worker_locked()) {
+      impl::tag_state& t = *found->second;
+      if (t.phase == tag_phase::resuming || t.phase == tag_phase::active)
+        return m.tag_status_locked(t);  // already handed over, or nothing to do
+      t.phase_before_resume = t.phase;
+      t.phase = tag_phase::resuming;
+      t.has_resume_stream = also != nullptr;
+      t.resume_stream = also ? *also : 0;
+      ++m.resumes_pending_;
+      m.worker_kick_ = true;
+      m.worker_wake_->notify_one();
+      return m.tag_status_locked(t);
     }
   }
-  if (w.restored) m.order_after_restore_locked(w, also);
-  m.set_phase_after_resume_locked(t, std::move(kept));
-  if (!w.hooks.empty() && m.hook_) {
-    const sleep_hook hook = m.hook_;
-    m.unlocked_for_tag(lk, t, [&] { m.call_hooks_unlocked(w.hooks, hook); });
+  return resume_impl(tag, also);  // no worker: on this thread
+}
+
+pause_status caching_allocator::wait_resumed(std::string_view tag,
+                                             std::chrono::nanoseconds timeout) {
+  impl& m = *impl_;
+  const tag_id id = tag_of(tag);
+  device_lock lk(m.mu_);
+  auto found = m.tags_.find(id);
+  if (found == m.tags_.end()) {
+    pause_status s;
+    s.tag = std::string(tag);
+    return s;
   }
-  if (missing != 0) {
-    ++m.stats_.num_ooms;
-    const std::string message = where + ": out of memory mapping " + std::to_string(missing) +
-                                " bytes; that part stays paused, the rest is resumed: free memory "
-                                "and call resume again";
-    detail::log().warn("{}", message);
-    throw out_of_memory(message);
+  impl::tag_state& t = *found->second;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (t.phase == tag_phase::resuming && std::chrono::steady_clock::now() < deadline) {
+    if (!m.worker_ || !m.worker_usable_locked()) break;
+    if (!m.wait_for_worker_locked(lk, &deadline)) break;
+  }
+  if (t.phase == tag_phase::resuming && (!m.worker_ || !m.worker_usable_locked())) {
+    m.resume_tag_locked(lk, t, t.has_resume_stream ? &t.resume_stream : nullptr,
+                        "streamsafe: resume('" + t.name + "')");
   }
   return m.tag_status_locked(t);
 }

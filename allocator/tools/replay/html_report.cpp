@@ -329,6 +329,9 @@ void write_segment_map(std::ostream& os, const memory_snapshot& snap, const std:
                           human(static_cast<double>(b.size_bytes));
       if (b.requested_bytes) title += " (requested " + with_commas(b.requested_bytes) + " B)";
       title += ", stream " + std::to_string(b.stream);
+      if (!seg.tag.empty()) title += ", tag " + seg.tag;
+      if (seg.paused_bytes != 0 && b.state != snapshot_block_state::unmapped)
+        title += " (paused: its memory is back with the driver until resume)";
       if (!b.waiting_on.empty()) {
         title += ", waiting on stream";
         for (stream_handle s : b.waiting_on) title += " " + std::to_string(s);
@@ -344,7 +347,9 @@ void write_segment_map(std::ostream& os, const memory_snapshot& snap, const std:
        << hex(seg.address) << ": " << human(static_cast<double>(seg.size_bytes))
        << (seg.expandable ? " reserved (expandable), " : ", ")
        << human(static_cast<double>(seg.mapped_bytes)) << " mapped, " << to_string(seg.pool)
-       << " pool, stream " << seg.stream << "</title></rect>\n";
+       << " pool, stream " << seg.stream << (seg.tag.empty() ? "" : ", tag " + seg.tag)
+       << (seg.paused_bytes ? ", paused " + human(static_cast<double>(seg.paused_bytes)) : "")
+       << "</title></rect>\n";
     offset += static_cast<double>(drawn[i]);
   }
   os << "</svg>\n<div class=\"legend\">";

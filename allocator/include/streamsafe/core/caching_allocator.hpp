@@ -237,6 +237,15 @@ class caching_allocator {
   // device.
   pause_status resume(std::string_view tag);
   pause_status resume(std::string_view tag, stream_handle also_order);
+  // As resume, off the caller's thread: with the release worker running, the call hands the
+  // mapping and the restore to it and returns at once (phase resuming; allocation under the
+  // tag still throws tag_paused). wait_resumed(tag) returns once it is done (or at the
+  // timeout); only then are the streams ordered after the restore, so enqueue work on the
+  // tag's memory after wait_resumed. Out of memory on the worker leaves the tag paused and
+  // names the bytes in tag_status().error. Without a worker it is resume().
+  pause_status resume_async(std::string_view tag);
+  pause_status resume_async(std::string_view tag, stream_handle also_order);
+  pause_status wait_resumed(std::string_view tag, std::chrono::nanoseconds timeout);
   // The tag's phase and bytes; moves a deferred pause along when no worker does (never waits).
   pause_status tag_status(std::string_view tag);
   // Called before each unmap and after each map of pause and resume (core/sleep.hpp).
@@ -287,6 +296,7 @@ class caching_allocator {
 
  private:
   pause_status resume_impl(std::string_view tag, const stream_handle* also_order);
+  pause_status resume_async_impl(std::string_view tag, const stream_handle* also_order);
 
   struct impl;
   std::unique_ptr<impl> impl_;

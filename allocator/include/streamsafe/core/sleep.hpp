@@ -67,6 +67,7 @@ enum class tag_phase {
   active,   // mapped and usable
   pausing,  // pause called; some chunks still mapped, behind their fence (or offload copy)
   paused,   // every chunk of the tag is back with the driver
+  resuming, // resume_async: the release worker maps it again; allocation still refused
 };
 
 const char* to_string(tag_phase phase) noexcept;
@@ -80,6 +81,7 @@ struct pause_status {
   std::size_t offloaded_host_bytes = 0;  // pinned host bytes holding the tag's contents
   std::size_t allocated_bytes = 0;       // the tag's live blocks (valid pointers throughout)
   std::size_t reserved_bytes = 0;        // the tag's mapped bytes now
+  std::string error;  // why the last resume_async left the tag paused (out of memory), else ""
 };
 
 // The hook's view of one range: called before each unmap and after each map that pause and

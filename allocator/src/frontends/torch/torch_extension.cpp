@@ -170,13 +170,19 @@ struct tag_frame {
 };
 thread_local std::vector<tag_frame> t_tags;
 
+std::string quoted(std::string text) {
+  for (char& c : text) c = (c == '"' || c == '\\') ? '\'' : c;
+  return text;
+}
+
 std::string status_json(const streamsafe::pause_status& s) {
   return "{\"tag\": \"" + s.tag + "\", \"phase\": \"" + streamsafe::to_string(s.phase) +
          "\", \"released_bytes\": " + std::to_string(s.released_bytes) +
          ", \"pending_bytes\": " + std::to_string(s.pending_bytes) +
          ", \"offloaded_host_bytes\": " + std::to_string(s.offloaded_host_bytes) +
          ", \"allocated_bytes\": " + std::to_string(s.allocated_bytes) +
-         ", \"reserved_bytes\": " + std::to_string(s.reserved_bytes) + "}";
+         ", \"reserved_bytes\": " + std::to_string(s.reserved_bytes) + ", \"error\": \"" +
+         quoted(s.error) + "\"}";
 }
 
 template <class F>
@@ -233,11 +239,22 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_pause(const char* tag, int device, in
 }
 
 STREAMSAFE_EXPORT int streamsafe_torch_ext_resume(const char* tag, int device, void* stream,
-                                                 char* out, size_t len) {
+                                                 int async, char* out, size_t len) {
   return json_call(out, len, [&] {
     auto& a = device_allocator(device);
-    return status_json(stream ? a.resume(tag ? tag : "", reinterpret_cast<std::uintptr_t>(stream))
-                              : a.resume(tag ? tag : ""));
+    const std::string name = tag ? tag : "";
+    const auto s = reinterpret_cast<std::uintptr_t>(stream);
+    if (async) return status_json(stream ? a.resume_async(name, s) : a.resume_async(name));
+    return status_json(stream ? a.resume(name, s) : a.resume(name));
+  });
+}
+
+STREAMSAFE_EXPORT int streamsafe_torch_ext_wait_resumed(const char* tag, int device,
+                                                       long long timeout_ms, char* out,
+                                                       size_t len) {
+  return json_call(out, len, [&] {
+    return status_json(device_allocator(device).wait_resumed(
+        tag ? tag : "", std::chrono::milliseconds(timeout_ms)));
   });
 }
 
