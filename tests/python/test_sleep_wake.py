@@ -96,3 +96,18 @@ def test_unsafe_scope_faults_where_the_default_does_not():
         "print('sums', acc.tolist())\n")
     rc, out = run_child(code)
     assert rc != 0 and "illegal" in out.lower(), out
+
+
+def test_touching_a_paused_tensor_is_an_illegal_address():
+    """The tag's virtual range stays reserved and unmapped while paused: a kernel that reads it
+    faults (never reads another tag's memory)."""
+    code = (
+        "import torch, streamsafe.torch as s\n"
+        "s.install('backend:expandable')\n"
+        "with s.tag('w'):\n"
+        "    t = torch.ones(16 << 20, device='cuda')\n"
+        "other = torch.full((16 << 20,), 7.0, device='cuda')\n"
+        "s.pause('w', mode='discard', wait=True)\n"
+        "print('sum', t.sum().item())\n")
+    rc, out = run_child(code)
+    assert rc != 0 and "illegal" in out.lower(), out
