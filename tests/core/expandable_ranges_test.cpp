@@ -162,3 +162,53 @@ TEST_CASE(
   env.alloc.deallocate(d);
   env.alloc.check_invariants();
 }
+
+TEST_CASE("Expandable: a growth maps what the request lacks, the last chunk cut to the granularity",
+          "[expandable-ranges][expandable][corpus-policy]") {
+  sim_env env(make_options(backend_kind::expandable));  // 20 MiB chunks in large pools
+  auto s = env.dev.create_stream();
+  void* a = env.alloc.allocate(30 * MiB, s);  // a 20 MiB chunk and a 10 MiB one, not two of 20
+  CHECK(env.alloc.stats().reserved_bytes.current == static_cast<std::int64_t>(30 * MiB));
+  CHECK(env.dev.counters().maps == 2);
+  void* b = env.alloc.allocate(3 * MiB, s);  // after a, in a chunk of its own (4 MiB)
+  CHECK(env.alloc.stats().reserved_bytes.current == static_cast<std::int64_t>(34 * MiB));
+  CHECK(env.dev.counters().maps == 3);
+  env.alloc.deallocate(a);
+  // a's chunks lie wholly inside its block: all 30 MiB can be unmapped while b lives.
+  CHECK(env.alloc.empty_cache() == 30 * MiB);
+  CHECK(env.alloc.stats().num_device_free == 2);
+  env.alloc.deallocate(b);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE(
+    "Expandable: before a growth past the peak, the smallest idle runs are unmapped, only as many "
+    "bytes as the growth exceeds the peak by",
+    "[expandable-ranges][expandable][corpus-policy]") {
+  sim_env env(make_options(backend_kind::expandable));
+  auto s = env.dev.create_stream();
+  env.alloc.deallocate(env.alloc.allocate(180 * MiB, s));
+  env.alloc.empty_cache();  // peak reserved 180 MiB, nothing mapped
+  void* a = env.alloc.allocate(40 * MiB, s);
+  void* b = env.alloc.allocate(20 * MiB, s);
+  void* c = env.alloc.allocate(60 * MiB, s);
+  void* d = env.alloc.allocate(20 * MiB, s);
+  env.dev.launch(s, 10, {writes(b, 20 * MiB, 0x42), writes(d, 20 * MiB, 0x44)}, "fill b, d");
+  env.alloc.deallocate(a);
+  env.alloc.deallocate(c);  // idle: 40 and 60 MiB between live blocks; 140 MiB mapped
+  // 80 MiB fits neither hole: mapping it raises reserved to 220 MiB, 40 past the peak. The 40 MiB
+  // hole is unmapped first; the 60 MiB one stays mapped for a later request.
+  void* e = env.alloc.allocate(80 * MiB, s);
+  env.dev.launch(s, 10, {writes(e, 80 * MiB, 0x45)}, "use e");
+  CHECK(env.alloc.stats().reserved_bytes.peak == static_cast<std::int64_t>(180 * MiB));
+  CHECK(env.alloc.stats().reserved_bytes.current == static_cast<std::int64_t>(180 * MiB));
+  const auto maps = env.dev.counters().maps;
+  void* f = env.alloc.allocate(60 * MiB, s);  // the hole left mapped: no map
+  CHECK(env.dev.counters().maps == maps);
+  env.dev.run_until_idle();
+  CHECK(env.dev.fault_count() == 0);
+  CHECK(env.dev.value_at(addr(b)) == std::optional<std::uint8_t>(0x42));
+  CHECK(env.dev.value_at(addr(d)) == std::optional<std::uint8_t>(0x44));
+  for (void* p : {b, d, e, f}) env.alloc.deallocate(p);
+  env.alloc.check_invariants();
+}

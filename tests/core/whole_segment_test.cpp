@@ -250,3 +250,34 @@ TEST_CASE("Control: whole_segment_split_ratio:0 keeps the idle segments and grow
   env.alloc.deallocate(c);
   env.alloc.check_invariants();
 }
+
+TEST_CASE(
+    "Idle whole segments of a quarter of the new segment go back before a growth past the peak",
+    "[segment-fit][corpus-policy]") {
+  sim_env env(with_ratio(8));
+  auto s = env.dev.create_stream();
+  void* a = env.alloc.allocate(12 * MiB, s);
+  void* b = env.alloc.allocate(12 * MiB, s);
+  env.alloc.deallocate(a);
+  env.alloc.deallocate(b);  // 24 MiB idle in two segments: under 60 MiB, over a quarter of it
+  void* c = env.alloc.allocate(60 * MiB, s);
+  env.dev.run_until_idle();
+  CHECK(env.alloc.stats().reserved_bytes.peak == static_cast<std::int64_t>(60 * MiB));  // not 84
+  CHECK(env.alloc.stats().reserved_bytes.current == static_cast<std::int64_t>(60 * MiB));
+  CHECK(env.dev.counters().segment_frees == 2);
+  env.alloc.deallocate(c);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("Idle whole segments under a quarter of the new segment stay cached",
+          "[segment-fit][corpus-policy]") {
+  sim_env env(with_ratio(8));
+  auto s = env.dev.create_stream();
+  void* a = env.alloc.allocate(12 * MiB, s);
+  env.alloc.deallocate(a);  // 12 MiB idle: under a quarter of 60 MiB, not worth a cudaFree
+  void* c = env.alloc.allocate(60 * MiB, s);
+  CHECK(env.alloc.stats().reserved_bytes.peak == static_cast<std::int64_t>(72 * MiB));
+  CHECK(env.dev.counters().segment_frees == 0);
+  env.alloc.deallocate(c);
+  env.alloc.check_invariants();
+}

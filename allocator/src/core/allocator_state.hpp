@@ -223,9 +223,6 @@ struct caching_allocator::impl {
   std::size_t device_total_bytes_ = 0;
   std::size_t small_chunk_bytes_ = 0;  // expandable small pools: the driver's granularity
   std::size_t large_chunk_bytes_ = 0;  // expandable large pools: options::expandable_chunk_bytes
-  std::size_t chunk_bytes(const segment* seg) const {
-    return seg->small ? small_chunk_bytes_ : large_chunk_bytes_;
-  }
 
   mutable detail::mutex mu_;
   using device_lock = detail::unique_lock<detail::mutex>;  // mu_, dropped around driver calls
@@ -340,10 +337,10 @@ struct caching_allocator::impl {
   block* add_segment_locked(pool& p, std::uintptr_t base, std::size_t size, bool mapped)
       STREAMSAFE_REQUIRES(mu_);
   // The unmapped block of p to grow into for `rounded` bytes and how many bytes to map there.
-  block* choose_unmapped_locked(pool& p, std::size_t rounded, std::size_t& map_bytes) const
+  block* choose_unmapped_locked(const pool& p, std::size_t rounded, std::size_t& map_bytes) const
       STREAMSAFE_REQUIRES(mu_);
-  std::size_t map_chunks_locked(std::uintptr_t addr, std::size_t bytes, std::size_t chunk)
-      STREAMSAFE_REQUIRES(mu_);  // bytes mapped
+  std::size_t map_chunks_locked(segment* seg, std::uintptr_t addr, std::size_t bytes,
+                                std::size_t chunk) STREAMSAFE_REQUIRES(mu_);  // bytes mapped
   block* expandable_fit_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
   block* steal_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
   // A destroyed stream's whole free segment for p, behind the tombstone (before growing).
@@ -359,8 +356,17 @@ struct caching_allocator::impl {
       STREAMSAFE_REQUIRES(mu_);  // step 3 of the allocation order
   bool growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const
       STREAMSAFE_REQUIRES(mu_);
+  // ---- growth_release.cpp (expandable: idle chunks unmapped before a growth past the peak) --
   bool expandable_growth_raises_peak_locked(const pool& p, std::size_t rounded) const
       STREAMSAFE_REQUIRES(mu_);
+  // Bytes a growth of p for `rounded` bytes maps beyond peak reserved (0: none), and the free
+  // mapped block it extends (null: none).
+  std::size_t expandable_growth_excess_locked(const pool& p, std::size_t rounded,
+                                              const block** extended) const
+      STREAMSAFE_REQUIRES(mu_);
+  // mu_ held, st's lock not: unmaps idle free chunks of every pool, up to the growth's excess.
+  std::size_t release_idle_chunks_before_growth(device_lock& lk, stream_state& st,
+                                                std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
   void* finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size)
       STREAMSAFE_REQUIRES(st.mu);
   void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small,
@@ -492,6 +498,16 @@ struct caching_allocator::impl {
       STREAMSAFE_REQUIRES(mu_);
   void detach_whole_segment_locked(release_batch& batch, segment* seg)
       STREAMSAFE_REQUIRES(mu_);  // a free cuda_malloc segment
+  // Forgets seg's chunks inside [addr, addr + bytes) after their unmap; returns how many.
+  static std::size_t forget_chunks(segment* seg, std::uintptr_t addr, std::size_t bytes);
+  // True when [addr, addr + bytes) is a union of whole mapped chunks of seg.
+  static bool whole_chunk_run(const segment* seg, std::uintptr_t addr, std::size_t bytes);
+  // The chunks wholly inside mapped block b of expandable seg: [lo, hi); false if none.
+  static bool whole_chunks_of(const segment* seg, const block* b, std::uintptr_t& lo,
+                              std::uintptr_t& hi);
+  // The whole chunks of seg's free mapped blocks but `keep`, detached into batch; true if any.
+  bool detach_free_chunks_locked(release_batch& batch, segment* seg, const block* keep)
+      STREAMSAFE_REQUIRES(mu_);
   // Free memory that can go back: everything, only released graphs' pools, or only one tag's.
   release_batch collect_releasable_locked(bool released_graphs_only = false,
                                           const tag_id* only_tag = nullptr)

@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <set>
 #include <vector>
 
@@ -79,6 +80,9 @@ struct segment {
   // blocks keep mapped = true: resume maps them again); not in mapped_bytes.
   bool paused = false;
   std::size_t paused_bytes = 0;
+  // Expandable: the mapped chunks, start -> bytes, each one backend map (and unmapped only
+  // whole). Chunks are multiples of the driver's granularity, not all of one size (growth.cpp).
+  std::map<std::uintptr_t, std::size_t> chunks;
 };
 
 // Best-fit order: size, then address.

@@ -4,7 +4,10 @@
 // cuda_malloc backend: one segment per growth (segment_bytes_for), within limit_bytes_.
 // expandable backend: reserved address ranges per pool (a first one, and another when a request
 // fits in no hole of those the pool has), chunks mapped into their unmapped blocks as needed
-// (each chunk mapped alone, so that any may later be unmapped alone).
+// (each chunk mapped alone, so that any may later be unmapped alone; segment::chunks). A growth
+// maps exactly what the request lacks, rounded up to the driver's granularity: in chunks of
+// the pool's chunk size, the last one the rest, so that no growth leaves up to a chunk of free
+// mapped memory behind the request.
 // Invariant: stats_.reserved_bytes counts every mapped byte of every segment (and of the
 // segments being released, release.cpp). Locks: the device lock (mu_) and the lock of the
 // growing pool's stream are held by every function here; steal_segment_locked also takes the
@@ -59,37 +62,63 @@ block* caching_allocator::impl::new_segment_locked(pool& p, std::size_t rounded)
   return b;
 }
 
-std::size_t caching_allocator::impl::map_chunks_locked(std::uintptr_t addr, std::size_t bytes,
-                                                       std::size_t chunk) {
-  // One backend map per chunk, so that any chunk can later be unmapped alone. Out of memory
-  // part-way: the chunks mapped so far are unmapped again, except during a graph capture (no
-  // unmap may run then), where they are kept, counted in the returned bytes.
+std::size_t caching_allocator::impl::map_chunks_locked(segment* seg, std::uintptr_t addr,
+                                                       std::size_t bytes, std::size_t chunk) {
+  // One backend map per chunk, so that any chunk can later be unmapped alone: `chunk` bytes
+  // each, the last one the rest (a multiple of the granularity). Out of memory part-way: the
+  // chunks mapped so far are unmapped again, except during a graph capture (no unmap may run
+  // then), where they are kept, counted in the returned bytes.
   std::size_t done = 0;
+  std::size_t maps = 0;
+  auto forget = [&] {
+    seg->chunks.erase(seg->chunks.lower_bound(addr), seg->chunks.lower_bound(addr + done));
+  };
   try {
-    for (; done < bytes; done += chunk) {
-      if (!backend_.map(reinterpret_cast<void*>(addr + done), chunk)) break;
+    while (done < bytes) {
+      const std::size_t piece = std::min(chunk, bytes - done);
+      // Recorded before the map, so that nothing can throw after a map succeeded.
+      const auto at = seg->chunks.emplace(addr + done, piece).first;
+      bool mapped = false;
+      try {
+        mapped = backend_.map(reinterpret_cast<void*>(addr + done), piece);
+      } catch (...) {
+        seg->chunks.erase(at);
+        throw;
+      }
+      if (!mapped) {
+        seg->chunks.erase(at);
+        break;
+      }
+      ++maps;
+      done += piece;
     }
   } catch (...) {
-    if (done) backend_.unmap(reinterpret_cast<void*>(addr), done);
+    if (done) {
+      backend_.unmap(reinterpret_cast<void*>(addr), done);
+      forget();
+    }
     throw;
   }
-  if (done < bytes) {
-    if (capturing()) return done;
-    if (done) backend_.unmap(reinterpret_cast<void*>(addr), done);
+  if (done < bytes && !capturing()) {
+    if (done) {
+      backend_.unmap(reinterpret_cast<void*>(addr), done);
+      forget();
+    }
     return 0;
   }
+  stats_.num_device_alloc += maps;
   return done;
 }
 
-block* caching_allocator::impl::choose_unmapped_locked(pool& p, std::size_t rounded,
+block* caching_allocator::impl::choose_unmapped_locked(const pool& p, std::size_t rounded,
                                                        std::size_t& map_bytes) const {
-  const std::size_t gran = p.small ? small_chunk_bytes_ : large_chunk_bytes_;
-  // Bytes to map if we grow into unmapped block u, reusing a free mapped block just before it.
+  // Bytes to map if we grow into unmapped block u, reusing a free mapped block just before it:
+  // what the request lacks, to the granularity (map_chunks_locked cuts it into chunks).
   auto need = [&](const block* u) -> std::size_t {
     std::size_t have = (u->prev && u->prev->state == block_state::free && u->prev->mapped)
                            ? u->prev->size
                            : 0;
-    return have >= rounded ? 0 : detail::round_up(rounded - have, gran);
+    return have >= rounded ? 0 : detail::round_up(rounded - have, small_chunk_bytes_);
   };
   block* choice = nullptr;
   if (auto it = p.unmapped.lower_bound(detail::block_order::key{rounded, 0});
@@ -129,7 +158,7 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
     choice = choose_unmapped_locked(p, rounded, map_bytes);
   }
   if (!choice) return nullptr;
-  const std::size_t mapped = map_chunks_locked(choice->addr, map_bytes, gran);
+  const std::size_t mapped = map_chunks_locked(choice->seg, choice->addr, map_bytes, gran);
   if (mapped == 0) return nullptr;
   const bool partial = mapped < map_bytes;  // kept during a capture: free memory, too little
   map_bytes = mapped;
@@ -139,7 +168,6 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   choice->mapped = true;
   choice->seg->mapped_bytes += map_bytes;
   stats_.reserved_bytes.increase(static_cast<std::int64_t>(map_bytes));
-  stats_.num_device_alloc += map_bytes / gran;
   trace(trace_action::segment_map, choice->addr, map_bytes, p.stream);
   detail::log().debug("device {}: segment_map {} bytes at {} (stream {})", backend_.device(),
                       map_bytes, hex(choice->addr), hex(p.stream));
@@ -258,26 +286,10 @@ bool caching_allocator::impl::growth_raises_peak_with_refused_locked(const pool&
                             detail::segment_bytes_for(rounded);
   if (grown <= static_cast<std::size_t>(stats_.reserved_bytes.peak) || grown > limit_bytes_)
     return false;
-  // Worth the driver calls only when the idle segments would cover the growth.
+  // Worth the driver calls only when the idle segments are a good part of the growth.
   std::size_t idle = 0;
   p.mapped.for_each([&](const block* b) { idle += idle_at_growth(b, rounded) ? b->size : 0; });
-  return idle >= detail::segment_bytes_for(rounded);
-}
-
-bool caching_allocator::impl::expandable_growth_raises_peak_locked(const pool& p,
-                                                                   std::size_t rounded) const {
-  // Mapping more for a large request past peak reserved, while at least as much free memory
-  // sits mapped, raises the peak by memory that is idle: the free chunks are unmapped first
-  // (behind their fence), so that the new chunks come out of them. Below the peak growth costs
-  // nothing, and small requests (2 MiB chunks) are not worth the driver calls.
-  if (p.small) return false;
-  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-  const std::size_t growth = detail::round_up(rounded, large_chunk_bytes_);
-  if (reserved + growth <= static_cast<std::size_t>(stats_.reserved_bytes.peak)) return false;
-  std::int64_t allocated = 0;
-  for (auto& [s, state] : streams_)
-    allocated += state->cur_allocated.load(std::memory_order_relaxed);
-  return static_cast<std::int64_t>(reserved) - allocated >= static_cast<std::int64_t>(growth);
+  return idle >= detail::segment_bytes_for(rounded) / detail::k_idle_release_divisor;
 }
 
 bool caching_allocator::impl::wants_collection_locked(std::size_t rounded) const {

@@ -93,6 +93,64 @@ void caching_allocator::impl::detach_whole_segment_locked(release_batch& batch, 
   add_fence_streams_locked(batch, seg);
 }
 
+bool caching_allocator::impl::detach_free_chunks_locked(release_batch& batch, segment* seg,
+                                                        const block* keep) {
+  // The whole chunks inside each free mapped block of an expandable segment (but `keep`) become
+  // blocks of state releasing in `batch`; the pieces around them stay free.
+  bool took = false;
+  for (block* b = seg->first; b; b = b->next) {
+    if (b->state != block_state::free || !b->mapped || b == keep) continue;
+    std::uintptr_t lo = 0;
+    std::uintptr_t hi = 0;
+    if (!whole_chunks_of(seg, b, lo, hi)) continue;
+    seg->owner->mapped.erase(b);
+    block* mid = b;
+    if (lo > b->addr) {
+      mid = split_off_locked(b, lo - b->addr);
+      seg->owner->mapped.insert(b);
+    }
+    if (hi < mid->addr + mid->size)
+      seg->owner->mapped.insert(split_off_locked(mid, hi - mid->addr));
+    mid->state = block_state::releasing;
+    batch.blocks.push_back(mid);
+    batch.bytes += mid->size;
+    took = true;
+    b = mid;
+  }
+  return took;
+}
+
+bool caching_allocator::impl::whole_chunks_of(const segment* seg, const block* b,
+                                              std::uintptr_t& lo, std::uintptr_t& hi) {
+  // The chunks of a mapped block lie back to back; those wholly inside it form [lo, hi).
+  const auto& chunks = seg->chunks;
+  const std::uintptr_t end = b->addr + b->size;
+  auto first = chunks.lower_bound(b->addr);
+  if (first == chunks.end() || first->first >= end) return false;
+  auto last = std::prev(chunks.lower_bound(end));  // the chunk holding the block's last byte
+  lo = first->first;
+  hi = last->first + last->second <= end ? last->first + last->second : last->first;
+  return hi > lo;
+}
+
+std::size_t caching_allocator::impl::forget_chunks(segment* seg, std::uintptr_t addr,
+                                                   std::size_t bytes) {
+  const auto from = seg->chunks.lower_bound(addr);
+  const auto to = seg->chunks.lower_bound(addr + bytes);
+  const auto n = static_cast<std::size_t>(std::distance(from, to));
+  seg->chunks.erase(from, to);
+  return n;
+}
+
+bool caching_allocator::impl::whole_chunk_run(const segment* seg, std::uintptr_t addr,
+                                              std::size_t bytes) {
+  const auto first = seg->chunks.find(addr);
+  const auto end = seg->chunks.lower_bound(addr + bytes);
+  if (first == seg->chunks.end() || end == first) return false;
+  const auto last = std::prev(end);
+  return last->first + last->second == addr + bytes;
+}
+
 caching_allocator::impl::release_batch caching_allocator::impl::collect_releasable_locked(
     bool released_graphs_only, const tag_id* only_tag) {
   release_batch batch;
@@ -108,28 +166,7 @@ caching_allocator::impl::release_batch caching_allocator::impl::collect_releasab
         detach_whole_segment_locked(batch, seg);
       continue;
     }
-    const std::size_t gran = chunk_bytes(seg);
-    bool took = false;
-    for (block* b = seg->first; b; b = b->next) {
-      if (b->state != block_state::free || !b->mapped) continue;
-      const std::uintptr_t lo = seg->base + detail::round_up(b->addr - seg->base, gran);
-      const std::uintptr_t hi = seg->base + (b->addr + b->size - seg->base) / gran * gran;
-      if (hi <= lo) continue;
-      seg->owner->mapped.erase(b);
-      block* mid = b;
-      if (lo > b->addr) {
-        mid = split_off_locked(b, lo - b->addr);
-        seg->owner->mapped.insert(b);
-      }
-      if (hi < mid->addr + mid->size)
-        seg->owner->mapped.insert(split_off_locked(mid, hi - mid->addr));
-      mid->state = block_state::releasing;
-      batch.blocks.push_back(mid);
-      batch.bytes += mid->size;
-      took = true;
-      b = mid;
-    }
-    if (took) add_fence_streams_locked(batch, seg);
+    if (detach_free_chunks_locked(batch, seg, nullptr)) add_fence_streams_locked(batch, seg);
   }
   return batch;
 }
@@ -248,7 +285,7 @@ std::size_t caching_allocator::impl::account_release_locked(block* b, bool relea
   stats_.reserved_bytes.decrease(static_cast<std::int64_t>(bytes));
   stats_.bytes_released += bytes;
   if (seg->expandable) {
-    stats_.num_device_free += bytes / chunk_bytes(seg);
+    stats_.num_device_free += forget_chunks(seg, b->addr, bytes);
     seg->mapped_bytes -= bytes;
     b->mapped = false;
     trace(trace_action::segment_unmap, b->addr, bytes, seg->stream);
@@ -430,7 +467,8 @@ std::size_t caching_allocator::impl::release_safe_now(device_lock& lk, release_b
 
 std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, stream_state& st,
                                                               std::size_t rounded) {
-  if (opts_.backend == backend_kind::expandable) return release_cached(lk, opts_.empty_cache);
+  if (opts_.backend == backend_kind::expandable)
+    return release_idle_chunks_before_growth(lk, st, rounded);
   release_batch batch;
   {
     detail::lock_guard<stream_lock> slk(st.mu);

@@ -9,8 +9,9 @@
 // segment split for a long-lived activation stays split, and the next logits-sized request then
 // needs a new segment (docs/observability.md, "Memory efficiency on the GPT-2 trace").
 // Before a growth that would raise peak reserved, the whole free segments the rule refuses to
-// the request go back to the driver behind their fence (caching_allocator.cpp, release.cpp): they
-// would otherwise sit idle at the new peak. The rule gives way when a new segment would exceed
+// the request, and those too small for it, go back to the driver behind their fence (growth.cpp,
+// release.cpp) when together they are at least a quarter of the new segment: they would
+// otherwise sit idle at the new peak. The rule gives way when a new segment would exceed
 // the memory limit.
 #pragma once
 
@@ -23,6 +24,12 @@ namespace streamsafe::detail {
 // Free blocks at most this much larger than the request always pass (PyTorch's 20 MiB large
 // segment: the same slack its max_split_size rule allows).
 inline constexpr std::size_t k_whole_segment_slack_bytes = k_large_segment_bytes;
+// Before a growth past peak reserved, idle whole segments go back when together they are at
+// least this fraction (1 / divisor) of the new segment. Chosen on the tuning half of the corpus
+// (docs/observability.md, "Memory efficiency on the corpus"): 1 (cover the whole new segment)
+// leaves segments idle at the peak on variable shapes; releasing before every growth past the
+// peak makes the fixed-shape GPT-2 trace give back and take again segments at every step.
+inline constexpr std::size_t k_idle_release_divisor = 4;
 // The largest accepted options::whole_segment_split_ratio (0 is off).
 inline constexpr std::size_t k_max_whole_segment_ratio = 1024;
 

@@ -198,7 +198,8 @@ std::size_t caching_allocator::impl::unmap_paused_locked(device_lock& lk, tag_st
       seg->paused_bytes += bytes;
       stats_.reserved_bytes.decrease(static_cast<std::int64_t>(bytes));
       stats_.bytes_released += bytes;
-      stats_.num_device_free += bytes / chunk_bytes(seg);
+      for (std::size_t r = before[i]; r < ps.runs_unmapped; ++r)
+        stats_.num_device_free += forget_chunks(seg, ps.runs[r].first, ps.runs[r].second);
       trace(trace_action::segment_unmap, seg->base, bytes, seg->stream);
       released += bytes;
     }
@@ -344,9 +345,8 @@ std::vector<caching_allocator::impl::paused_segment> caching_allocator::impl::co
       if (mode == pause_mode::offload && b->state == block_state::active && !b->free_held)
         ps.copies.push_back({b->addr, b->size, nullptr});
     }
-    const std::size_t chunk = chunk_bytes(seg);
     for (const auto& run : ps.runs) {
-      if ((run.first - seg->base) % chunk != 0 || run.second % chunk != 0)
+      if (!whole_chunk_run(seg, run.first, run.second))
         throw std::logic_error(where + ": mapped run " + hex(run.first) + " of " +
                                std::to_string(run.second) + " bytes is not chunk-aligned");
     }

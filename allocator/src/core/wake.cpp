@@ -28,7 +28,7 @@ pause_status caching_allocator::resume(std::string_view tag, stream_handle also_
 bool caching_allocator::impl::resume_segment_locked(tag_state& t, paused_segment& ps,
                                                     resume_work& w) {
   segment* seg = ps.seg;
-  const std::size_t chunk = chunk_bytes(seg);
+  const std::size_t chunk = seg->small ? small_chunk_bytes_ : large_chunk_bytes_;
   std::size_t given_back = 0;
   for (std::size_t r = 0; r < ps.runs_unmapped; ++r) given_back += ps.runs[r].second;
   if (static_cast<std::size_t>(stats_.reserved_bytes.current) + given_back > limit_bytes_)
@@ -36,11 +36,13 @@ bool caching_allocator::impl::resume_segment_locked(tag_state& t, paused_segment
   std::size_t mapped_runs = 0;
   for (; mapped_runs < ps.runs_unmapped; ++mapped_runs) {
     const auto& run = ps.runs[mapped_runs];
-    if (map_chunks_locked(run.first, run.second, chunk) != run.second) break;
+    if (map_chunks_locked(seg, run.first, run.second, chunk) != run.second) break;
   }
   if (mapped_runs < ps.runs_unmapped) {  // out of memory: the segment stays paused whole
-    for (std::size_t r = 0; r < mapped_runs; ++r)
+    for (std::size_t r = 0; r < mapped_runs; ++r) {
       backend_.unmap(reinterpret_cast<void*>(ps.runs[r].first), ps.runs[r].second);
+      stats_.num_device_alloc -= forget_chunks(seg, ps.runs[r].first, ps.runs[r].second);
+    }
     return false;
   }
   for (std::size_t r = 0; r < ps.runs_unmapped; ++r) {
@@ -70,7 +72,6 @@ bool caching_allocator::impl::resume_segment_locked(tag_state& t, paused_segment
     seg->paused = false;
   }
   stats_.reserved_bytes.increase(static_cast<std::int64_t>(given_back));
-  stats_.num_device_alloc += given_back / chunk;
   if (given_back != 0) trace(trace_action::segment_map, seg->base, given_back, seg->stream);
   if (std::find(w.owners.begin(), w.owners.end(), seg->stream) == w.owners.end())
     w.owners.push_back(seg->stream);

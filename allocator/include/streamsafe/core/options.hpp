@@ -68,9 +68,11 @@ struct options {
   // (and more than 20 MiB bigger) is not split for it; the request takes the free remainder of
   // a split segment or a new segment of its own, so the big segment stays whole for a request of
   // its size. Before a growth that would raise peak reserved (and stay within the limit), the
-  // whole free segments so refused go back to the driver behind their fence (empty_cache mode:
-  // wait, or defer). 0 = off (PyTorch's placement); otherwise 1 to 1024. At the memory limit the
-  // rule gives way. On the GPT-2 trace: peak reserved / peak allocated 1.035 instead of 1.079.
+  // whole free segments so refused, and those too small for the request, go back to the driver
+  // behind their fence (empty_cache mode: wait, or defer) when together they are at least a
+  // quarter of the new segment. 0 = off (PyTorch's placement); otherwise 1 to 1024. At the
+  // memory limit the rule gives way. On the GPT-2 trace: peak reserved / peak allocated 1.035
+  // instead of 1.079.
   std::size_t whole_segment_split_ratio = 8;
   // Cap on reserved bytes per device (0 = the device's total memory).
   std::size_t memory_limit_bytes = 0;
@@ -78,7 +80,8 @@ struct options {
   double memory_fraction = 0.0;
   // Physical chunk mapped (and later unmapped) at a time in the large pools of expandable
   // segments, rounded up to the driver's granularity; small pools use the granularity (2 MiB).
-  // PyTorch's expandable segments use 20 MiB pages for large pools.
+  // A growth maps what the request lacks rounded up to the granularity: chunks of this size,
+  // the last one the rest. PyTorch's expandable segments use 20 MiB pages for large pools.
   std::size_t expandable_chunk_bytes = std::size_t{20} << 20;
   // Round requests above 512 B up to one of this many steps per power of two (0 = off), as
   // PyTorch's roundup_power2_divisions: fewer distinct sizes, better reuse, more rounding.
