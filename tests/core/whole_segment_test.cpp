@@ -281,3 +281,28 @@ TEST_CASE("Idle whole segments under a quarter of the new segment stay cached",
   env.alloc.deallocate(c);
   env.alloc.check_invariants();
 }
+
+TEST_CASE(
+    "A growth past the peak takes another stream's whole free segment, behind an event wait, "
+    "instead of a new one",
+    "[segment-fit][corpus-policy]") {
+  sim_env env(with_ratio(8));
+  auto s1 = env.dev.create_stream();
+  auto s2 = env.dev.create_stream();
+  void* a = env.alloc.allocate(100 * MiB, s1);
+  auto h = env.dev.hold(s1);
+  env.dev.launch(s1, 10, {writes(a, 100 * MiB, 0xA1)}, "s1 writes a, behind a hold");
+  env.alloc.deallocate(a);  // a whole free 100 MiB segment of s1's pool, s1's write pending
+  void* b = env.alloc.allocate(60 * MiB, s2);  // would be a new 60 MiB segment past the peak
+  CHECK(inside(b, a, 100 * MiB));
+  CHECK(env.dev.counters().segment_allocs == 1);
+  CHECK(env.alloc.stats().reserved_bytes.peak == static_cast<std::int64_t>(100 * MiB));
+  CHECK(env.alloc.stats().segments_moved == 1);
+  env.dev.launch(s2, 10, {writes(b, 60 * MiB, 0xB2)}, "s2 writes b");
+  env.dev.open(h);
+  env.dev.run_until_idle();
+  CHECK(env.dev.fault_count() == 0);  // s2's write waited for s1's
+  CHECK(env.dev.value_at(addr(b)) == std::optional<std::uint8_t>(0xB2));
+  env.alloc.deallocate(b);
+  env.alloc.check_invariants();
+}

@@ -12,8 +12,11 @@
 //   2b. (reuse_fence:all_streams, allocate_slow) the host frees since the last reuse fence:
 //      s waits on one event per other known stream for all of them (free.cpp);
 //   3. growth (growth.cpp): a new cudaMalloc segment, or more chunks mapped into s's expandable
-//      segment; if it would raise peak reserved, the whole segments skipped in step 1 are
-//      released first (fenced); at the memory limit, a skipped whole segment is split after all;
+//      segment; if it would raise peak reserved, idle memory is released first (fenced: the
+//      whole segments skipped in step 1 and those too small, or idle chunks of any pool,
+//      growth_release.cpp), and a cudaMalloc growth takes another stream's whole free segment
+//      that fits (as in step 4) before a new one; at the memory limit, a skipped whole segment
+//      is split after all;
 //   4. (out of memory) a whole free segment of another stream's pool, moved behind a fence
 //      that s waits on; then a safe release of the cache (fenced) and one retry; with the
 //      release worker on (release_worker.cpp), a wait for its pass over the queue and its

@@ -1,7 +1,9 @@
 // streamsafe core: growth, step 3 of the allocation order (allocate.cpp), and step 4's move of
 // a whole free segment from another stream.
 //
-// cuda_malloc backend: one segment per growth (segment_bytes_for), within limit_bytes_.
+// cuda_malloc backend: one segment per growth (segment_bytes_for), within limit_bytes_; a growth
+// of a large pool that would raise peak reserved first takes a whole free segment of another
+// stream's large pool (steal_segment_locked, as step 4 does at the memory limit).
 // expandable backend: reserved address ranges per pool (a first one, and another when a request
 // fits in no hole of those the pool has), chunks mapped into their unmapped blocks as needed
 // (each chunk mapped alone, so that any may later be unmapped alone; segment::chunks). A growth
@@ -271,6 +273,13 @@ block* caching_allocator::impl::adopt_dead_segment_locked(pool& p, std::size_t r
 block* caching_allocator::impl::grow_locked(pool& p, std::size_t rounded) {
   if (opts_.backend == backend_kind::expandable) return expandable_fit_locked(p, rounded);
   if (block* b = adopt_dead_segment_locked(p, rounded)) return b;
+  // A new large segment past peak reserved while another stream's large pool holds a whole free
+  // segment that fits: that segment moves to p behind an event wait (no driver call) instead.
+  if (!p.small &&
+      static_cast<std::size_t>(stats_.reserved_bytes.current) + detail::segment_bytes_for(rounded) >
+          static_cast<std::size_t>(stats_.reserved_bytes.peak)) {
+    if (block* b = steal_segment_locked(p, rounded)) return b;
+  }
   if (block* b = new_segment_locked(p, rounded)) return b;
   // At the memory limit the whole-segment rule gives way: split the best fit rather than fail.
   return opts_.whole_segment_split_ratio != 0 ? fit_ignoring_whole_rule(p, rounded) : nullptr;
