@@ -1,14 +1,15 @@
 // streamsafe core: expandable backend, idle chunks unmapped before a growth past the peak.
 //
-// When mapping chunks for a request (large or small pool) would raise peak reserved while free
-// chunks sit mapped in some pool (at least 20 MiB reserved and not allocated, besides the free
-// block the growth extends: less is not worth a fence), chunks are unmapped first, behind their
-// release fence (in the empty_cache mode), up to the bytes the growth exceeds the peak by: the new
-// chunks take their place and the peak does not rise. The smallest free runs go first (they are the
-// least likely to serve a later request), and no more chunks than the excess (fewer unmaps now,
-// fewer maps again later). The free block the growth extends is kept. Below the peak growth costs
-// nothing. Measured on the tuning half of the corpus (docs/observability.md, "Memory efficiency on
-// the corpus").
+// When mapping chunks for a request would raise peak reserved while at least 20 MiB is reserved
+// but not allocated besides the free block the growth extends (less is not worth a fence), whole
+// free chunks are unmapped first, behind their release fence, up to the bytes the growth exceeds
+// the peak by: the new chunks take their place and the peak does not rise. The smallest free
+// runs go first (the least likely to serve a later request), and no more chunks than the excess
+// (fewer unmaps now, fewer maps again later). The free block the growth extends is kept. A
+// small-pool growth takes only large pools' chunks. The fence is handled in the empty_cache
+// mode (wait: the host waits on it; defer: what is busy is queued and the growth goes on). Below
+// the peak growth costs nothing. Measured on the tuning half of the corpus (docs/observability.md,
+// "Memory efficiency on the corpus").
 #include "allocator_state.hpp"
 #include "logging.hpp"
 #include "size_classes.hpp"
@@ -59,13 +60,16 @@ std::size_t caching_allocator::impl::release_idle_chunks_before_growth(device_lo
                                                                        std::size_t rounded) {
   detect_captures_locked(lk);
   if (capturing()) return 0;
-  prepare_release_locked();
+  // A small-pool growth (2 MiB chunks) takes only large pools' free chunks, as they are: walking
+  // and flushing the small pools for 2 MiB made random_allocations (10,000 live small blocks)
+  // several times slower.
+  const bool small = detail::is_small(rounded);
+  if (!small) prepare_release_locked();
   const block* keep = nullptr;
   std::size_t excess = 0;
   {
     detail::lock_guard<stream_lock> slk(st.mu);
-    excess = expandable_growth_excess_locked(pool_of(st, detail::is_small(rounded)), rounded,
-                                             &keep);
+    excess = expandable_growth_excess_locked(pool_of(st, small), rounded, &keep);
   }
   if (excess == 0) return 0;
   // Every whole free chunk run is detached; the smallest are kept, chunk by chunk, up to the
@@ -73,7 +77,8 @@ std::size_t caching_allocator::impl::release_idle_chunks_before_growth(device_lo
   release_batch all;
   for (auto& [base, seg] : segments_) {
     stream_state& owner = state_of(*seg->owner);
-    if (!seg->expandable || seg->paused || (owner.graph != 0 && !owner.graph_released))
+    if (!seg->expandable || seg->paused || (small && seg->small) ||
+        (owner.graph != 0 && !owner.graph_released))
       continue;  // sleep.cpp owns a paused segment's mapping
     detail::lock_guard<stream_lock> slk(owner.mu);
     detach_free_chunks_locked(all, seg, keep);
@@ -106,6 +111,8 @@ std::size_t caching_allocator::impl::release_idle_chunks_before_growth(device_lo
   detail::log().debug(
       "device {}: unmapping {} bytes of idle chunks before a growth {} bytes past peak reserved",
       backend_.device(), chosen.bytes, excess);
+  // In the empty_cache mode: wait mode waits on the fence (the chunks' last uses may still be
+  // queued on the allocating stream itself), defer mode queues what is busy and grows.
   return release_collected(lk, chosen, opts_.empty_cache);
 }
 
