@@ -73,6 +73,9 @@ std::vector<stream_handle> caching_allocator::impl::fence_streams_locked(const s
       break;
     case fence_scope::device: break;
   }
+  // A resume's restore copies (wake.cpp) run on the internal copy stream; the segment's stream is
+  // ordered after them only while it is alive, so the fence covers the copy stream itself.
+  if (has_copy_stream_ && opts_.release_fence != fence_scope::device) out.push_back(copy_stream_);
   return out;
 }
 
