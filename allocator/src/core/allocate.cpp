@@ -170,7 +170,7 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
     device_lock dlk(m.mu_);
     m.detect_captures_locked(dlk);
     if (m.capturing())
-      return m.allocate_during_capture_locked(dlk, size_bytes, rounded, small, stream);
+      return m.allocate_during_capture_locked(dlk, size_bytes, rounded, small, m.key_of(stream));
   }
   impl::stream_state& st = m.state_for(stream);
   {

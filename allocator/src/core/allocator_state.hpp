@@ -121,8 +121,9 @@ struct caching_allocator::impl {
     // Mirrors of stats' current values, read without the lock to sample device-wide peaks.
     std::atomic<std::int64_t> cur_allocated{0}, cur_pending{0}, cur_requested{0};
     std::atomic<bool> alive{true};
-    // The handle this state serves, for the threads' stream caches: a retired state (reused
-    // for another stream later, never freed) holds k_tombstone_stream.
+    // The handle this state serves, for the threads' stream caches (a per-thread stream's
+    // handle, cudaStreamPerThread, for its key's state): a retired state (reused for another
+    // stream later, never freed) holds k_tombstone_stream.
     std::atomic<stream_handle> cache_key{0};
     // Non-zero: this is not a stream but the private pool of CUDA graph `graph` (capture.cpp),
     // keyed in streams_ by graph_key(graph); handle is the capturing stream.
@@ -318,10 +319,34 @@ struct caching_allocator::impl {
   // A function that takes a pool or a block (and no stream_state) runs under the lock of the
   // stream owning that pool or block's segment; clang cannot check that one (see the top).
   stream_state& state_for(stream_handle stream);  // no lock held; may take mu_
+  // `stream` is a key (key_of): a handle, or a per-thread stream's key.
   stream_state& get_or_create_stream_locked(stream_handle stream)
       STREAMSAFE_REQUIRES(mu_);  // mu_ held
-  stream_state& new_state_locked(stream_handle key, stream_handle handle)
+  // cache_key: the handle the threads' stream caches look the state up by (0: `key`).
+  stream_state& new_state_locked(stream_handle key, stream_handle handle,
+                                 stream_handle cache_key = 0)
       STREAMSAFE_REQUIRES(mu_);  // mu_ held
+
+  // ---- per-thread stream handles (cudaStreamPerThread; per_thread_stream.hpp, streams.cpp) ---
+  // Every stream the core keeps state for, uses, fences and events is named by a key: the
+  // handle itself, or for a handle the backend marks as per-thread (a different stream in every
+  // host thread) the calling thread's per-thread key. The public calls translate their stream
+  // argument with key_of; st.handle, pool::stream, segment::stream and block uses hold keys.
+  // Throws std::invalid_argument for a per-thread handle above k_per_thread_max_handle.
+  stream_handle key_of(stream_handle stream) const;
+  // The backend calls on a key. A per-thread key is named to the backend by its handle on its
+  // own thread only; from another thread (which cannot name that stream) the legacy default
+  // stream (0) stands in: the legacy stream is ordered both ways with every blocking stream, and
+  // every per-thread default stream is one (CUDA Driver API, "Stream synchronization behavior":
+  // an action in the legacy stream first waits on all blocking streams, then they wait on it).
+  // So an event recorded on 0 completes after all the work enqueued so far on every per-thread
+  // stream, and a wait of 0 orders their later work behind it.
+  // record_event_on returns the stream the event was recorded on (the key, or 0): the stream
+  // under which process_events_locked may use stream order to prove it.
+  stream_handle record_event_on(event_handle e, stream_handle key);
+  void stream_wait_on(stream_handle key, event_handle e);
+  bool query_stream_of(stream_handle key);  // another thread's per-thread stream: event on 0
+  bool stream_capturing(stream_handle key) noexcept;  // another thread's per-thread: false
   stream_state* owner_locked(const void* ptr)
       STREAMSAFE_REQUIRES(mu_);  // mu_ held: owner of the segment, or null
   block* new_block(stream_state& st);

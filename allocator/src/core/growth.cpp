@@ -189,7 +189,7 @@ block* caching_allocator::impl::move_segment_locked(segment* best, pool& p) {
     order_after_locked(p.stream, s);
   }
   for (auto& t : tombstones_) {
-    backend_.stream_wait_event(p.stream, t.event);
+    stream_wait_on(p.stream, t.event);
     ++stats_.stream_waits;
   }
   best->owner->mapped.erase(best->first);

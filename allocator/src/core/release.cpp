@@ -155,7 +155,7 @@ void caching_allocator::impl::record_fence_locked(release_batch& batch) {
     for (stream_handle s : batch.streams) {
       event_handle e = get_event();
       batch.fence.push_back({e, s});
-      backend_.record_event(e, s);
+      record_event_on(e, s);
       ++stats_.events_recorded;
     }
   } catch (...) {
@@ -312,7 +312,7 @@ bool caching_allocator::impl::free_segment_would_block_locked() {
   for (auto& [s, st] : streams_) {
     // Graph pools (st->graph != 0) are keyed by a graph id, not a stream: their streams are known
     // too.
-    if (st->graph == 0 && st->alive.load(std::memory_order_acquire) && !backend_.query_stream(s))
+    if (st->graph == 0 && st->alive.load(std::memory_order_acquire) && !query_stream_of(s))
       return true;
   }
   return false;
