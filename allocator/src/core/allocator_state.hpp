@@ -118,6 +118,11 @@ struct caching_allocator::impl {
     // The fast path runs process_events_locked once pending holds this many blocks (or when
     // nothing else fits); each run sets it k_pending_batch above what stays pending.
     std::size_t process_at = k_pending_batch;
+    // The idle fence of the large pool (cuda_malloc, release.cpp: prove_idle_segments_locked):
+    // events recorded at a growth over the whole free segments then not proven idle, which were
+    // labelled idle_fence_id; under mu_ and this lock.
+    std::vector<detail::pending_event> idle_fence;
+    std::uint32_t idle_fence_id = 0;
     // Mirrors of stats' current values, read without the lock to sample device-wide peaks.
     std::atomic<std::int64_t> cur_allocated{0}, cur_pending{0}, cur_requested{0};
     std::atomic<bool> alive{true};
@@ -552,6 +557,15 @@ struct caching_allocator::impl {
   // rule refuses to a request of `rounded` bytes (before a growth that would raise the peak).
   std::size_t release_refused_segments(device_lock& lk, stream_state& st, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_);
+  // Before a cuda_malloc growth (K12): once st's idle fence has completed, the whole free
+  // segments it labelled are proven idle; the whole free segments not labelled yet get a new
+  // fence (one event per fence stream, polled at a later growth, never waited on). A segment
+  // refused at a later growth past the peak then goes back without a fence recorded behind the
+  // stream's newest work. Opportunistic: a failed backend call leaves the labels as they were.
+  void prove_idle_segments_locked(stream_state& st, pool& p) STREAMSAFE_REQUIRES(mu_, st.mu);
+  void drop_idle_fence_locked(stream_state& st)
+      STREAMSAFE_REQUIRES(mu_);  // its events back to the pool
+  std::uint32_t next_idle_fence_id_ STREAMSAFE_GUARDED_BY(mu_) = 2;
   // After the driver call for b (released or not): its bookkeeping, under b's owner lock.
   std::size_t account_release_locked(block* b, bool released) STREAMSAFE_REQUIRES(mu_);
   void retire_all_pending_locked(device_lock& lk)

@@ -193,6 +193,7 @@ block* caching_allocator::impl::move_segment_locked(segment* best, pool& p) {
     ++stats_.stream_waits;
   }
   best->owner->mapped.erase(best->first);
+  best->first->idle_fence = 0;  // its idle proof is its old pool's
   --state_of(*best->owner).segments;
   ++state_of(p).segments;
   best->owner = &p;

@@ -9,8 +9,10 @@
 // segment split for a long-lived activation stays split, and the next logits-sized request then
 // needs a new segment (docs/observability.md, "Memory efficiency on the GPT-2 trace").
 // Before a growth that would raise peak reserved, the whole free segments the rule refuses to
-// the request go back to the driver behind their fence (caching_allocator.cpp, release.cpp): they
-// would otherwise sit idle at the new peak. The rule gives way when a new segment would exceed
+// the request go back to the driver behind their fence (allocate.cpp, release.cpp): they would
+// otherwise sit idle at the new peak. A fence recorded then comes after the stream's newest
+// work; the idle fence recorded one growth earlier (prove_idle_segments_locked) usually has
+// completed by then, so requests that grow a little each step (K12) do not strand them. The rule gives way when a new segment would exceed
 // the memory limit.
 #pragma once
 

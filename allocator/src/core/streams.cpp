@@ -163,6 +163,7 @@ void caching_allocator::impl::retire_dead_streams_locked() {
         for (event_handle e : st->event_cache)
           put_event(e);  // only streams_' caches are destroyed at the end
         st->event_cache.clear();
+        drop_idle_fence_locked(*st);
       }
     }
     if (!empty) {
