@@ -409,6 +409,14 @@ struct caching_allocator::impl {
   void retire_pending_locked(stream_state& st, block* b) STREAMSAFE_REQUIRES(st.mu);
   void free_found_locked(stream_state& st, block* b, const stream_handle* stream)
       STREAMSAFE_REQUIRES(mu_, st.mu);  // mu_ held
+  // The free dispatch of every path (free.cpp): true when b went back without events (a host
+  // free fenced at its reuse, reuse_fence:all_streams, or a same-stream free); false when it
+  // needs events, then recorded by free_with_events_locked (false: a stream this thread does
+  // not know and no device lock; b stays active) or deferred (defer_fence_locked).
+  bool free_without_events_locked(stream_state& st, block* b, const stream_handle* stream)
+      STREAMSAFE_REQUIRES(st.mu);
+  bool free_with_events_locked(stream_state& st, block* b, const stream_handle* stream,
+                               bool device_locked) STREAMSAFE_REQUIRES(st.mu);
   // b's owner stream lock held (and mu_ when device_locked); see caching_allocator.cpp.
   bool record_use_events_locked(block* b, const stream_handle* stream, bool device_locked);
   void commit_free_locked(stream_state& st, block* b, const stream_handle* stream)

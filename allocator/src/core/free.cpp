@@ -137,25 +137,44 @@ void caching_allocator::impl::fence_dead_stream_frees_locked(stream_state& st) {
   }
 }
 
-void caching_allocator::impl::free_found_locked(stream_state& st, block* b,
-                                                const stream_handle* stream) {
-  segment* seg = b->seg;
+bool caching_allocator::impl::free_without_events_locked(stream_state& st, block* b,
+                                                         const stream_handle* stream) {
+  // The one dispatch of a free, for the fast path, the device-locked path and held frees: a
+  // host free under reuse_fence:all_streams is fenced at its reuse (no event now); a free with
+  // no use on another stream goes straight back; anything else needs events.
   if (!stream && opts_.reuse_fence == reuse_fence_scope::all_streams && st.graph == 0) {
     free_unfenced_locked(st, b);
-    return;
+    return true;
   }
-  if (b->uses.empty() && (!stream || *stream == seg->stream)) {
+  if (b->uses.empty() && (!stream || *stream == b->seg->stream)) {
     free_same_stream_locked(st, b);
-    return;
+    return true;
   }
+  return false;
+}
+
+bool caching_allocator::impl::free_with_events_locked(stream_state& st, block* b,
+                                                      const stream_handle* stream,
+                                                      bool device_locked) {
   st.active.erase(b->addr);
+  bool recorded = false;
   try {
-    record_use_events_locked(b, stream, true);
+    recorded = record_use_events_locked(b, stream, device_locked);
   } catch (...) {
     st.active.insert(b);
     throw;
   }
+  if (!recorded) {
+    st.active.insert(b);  // a stream this thread does not know (never with the device lock)
+    return false;
+  }
   commit_free_locked(st, b, stream);
+  return true;
+}
+
+void caching_allocator::impl::free_found_locked(stream_state& st, block* b,
+                                                const stream_handle* stream) {
+  if (!free_without_events_locked(st, b, stream)) free_with_events_locked(st, b, stream, true);
 }
 
 bool caching_allocator::impl::record_use_events_locked(block* b, const stream_handle* stream,
@@ -312,31 +331,12 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   if (const stream_cache_entry& last = t_cache.last_used; last.owner == id_ && !capturing()) {
     auto& st = *static_cast<stream_state*>(last.state);
     detail::lock_guard<stream_lock> slk(st.mu);
-    if (block* b = st.active.find_active(addr)) {
-      if (!stream && opts_.reuse_fence == reuse_fence_scope::all_streams && !b->free_held &&
-          st.graph == 0) {
-        free_unfenced_locked(st, b);  // a host free, fenced against every stream at its reuse
-        return;
-      }
-      if (b->uses.empty() && (!stream || *stream == b->seg->stream) && !b->free_held) {
-        free_same_stream_locked(st, b);
-        return;
-      }
-      st.active.erase(addr);
-      bool recorded = false;
-      try {
-        // In a stream callback no backend call: the slow path below defers the events.
-        recorded = !b->free_held && !callback_scope::active() &&
-                   record_use_events_locked(b, stream, false);
-      } catch (...) {
-        st.active.insert(b);
-        throw;
-      }
-      if (recorded) {
-        commit_free_locked(st, b, stream);
-        return;
-      }
-      st.active.insert(b);  // a stream this thread does not know: the slow path below
+    // A free held by a capture goes to the slow path (which rejects it); in a stream callback
+    // no backend call: the slow path below defers the events; so does a stream this thread
+    // does not know.
+    if (block* b = st.active.find_active(addr); b && !b->free_held) {
+      if (free_without_events_locked(st, b, stream)) return;
+      if (!callback_scope::active() && free_with_events_locked(st, b, stream, false)) return;
     }
   }
   detail::lock_guard<detail::mutex> dlk(mu_);
@@ -356,17 +356,14 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   const auto own_per_thread = [](stream_handle s) {
     return detail::is_per_thread_key(s) && detail::own_per_thread_key(s);
   };
-  if (!stream && opts_.reuse_fence == reuse_fence_scope::all_streams && owner->graph == 0) {
-    free_unfenced_locked(*owner, b);  // as on the fast path: a host free waits for the reuse fence
-  } else if (b->uses.empty() && (!stream || *stream == b->seg->stream)) {
-    free_same_stream_locked(*owner, b);
-  } else if (!callback_scope::active() &&
-             (thread_allocated_here() || (stream && own_per_thread(*stream)) ||
-              std::any_of(b->uses.begin(), b->uses.end(), own_per_thread))) {
+  if (free_without_events_locked(*owner, b, stream)) return;  // as on the fast path
+  if (!callback_scope::active() &&
+      (thread_allocated_here() || (stream && own_per_thread(*stream)) ||
+       std::any_of(b->uses.begin(), b->uses.end(), own_per_thread))) {
     // A thread that has allocated from this allocator is an ordinary thread (a CUDA host
     // function thread that never allocated here is the case deferred below): its events are
     // recorded now, as on the fast path, so the block is retired by the next event query.
-    free_found_locked(*owner, b, stream);
+    free_with_events_locked(*owner, b, stream, true);
   } else {
     defer_fence_locked(*owner, b, stream);
   }
