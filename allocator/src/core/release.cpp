@@ -490,8 +490,10 @@ std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, s
     pool& p = st.large_pool;
     flush_quick_locked(p);
     // Proofs come from allocate_slow's prove_idle_segments_locked, one growth earlier.
-    // cudaFree waits for the whole device: proven or not, only while every stream is idle.
-    const bool direct = !free_segment_would_block_locked();
+    // cudaFree waits for the whole device: proven or not, only while every stream is idle. The
+    // release worker, when on, makes every release (release_collected hands it over).
+    const bool direct = !worker_releases_locked(empty_cache_mode::defer) &&
+                        !free_segment_would_block_locked();
     std::vector<segment*> refused;
     p.mapped.for_each([&](block* b) {
       if (idle_at_growth(b, rounded)) refused.push_back(b->seg);
