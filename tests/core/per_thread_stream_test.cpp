@@ -36,11 +36,22 @@ class per_thread_device final : public forwarding_device {
     if (fresh) it->second = dev_.create_stream();
     return it->second;
   }
-  void record_event(event_handle e, stream_handle s) override { dev_.record_event(e, resolve(s)); }
+  // The legacy default stream (0) is ordered both ways with every blocking stream, and every
+  // per-thread stream is one: an action on 0 first waits for the per-thread streams' work so
+  // far, and their later work waits for it (CUDA's "Stream synchronization behavior"). The core
+  // relies on it to fence another thread's per-thread stream, which only that thread can name.
+  void record_event(event_handle e, stream_handle s) override {
+    if (s == 0) legacy_waits_for_blocking();
+    dev_.record_event(e, resolve(s));
+    if (s == 0) blocking_wait_for(e);
+  }
   void stream_wait_event(stream_handle s, event_handle e) override {
+    if (s == 0) legacy_waits_for_blocking();
     dev_.stream_wait_event(resolve(s), e);
+    if (s == 0) blocking_wait_for(e);
   }
   bool query_stream(stream_handle s) override { return dev_.query_stream(resolve(s)); }
+  std::uint64_t legacy_actions() const { return legacy_actions_; }
   bool stream_is_capturing(stream_handle s) noexcept override {
     return dev_.stream_is_capturing(resolve(s));
   }
@@ -48,8 +59,24 @@ class per_thread_device final : public forwarding_device {
 
  private:
   stream_handle resolve(stream_handle s) { return s == k_per_thread ? own_stream() : s; }
+  void legacy_waits_for_blocking() {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++legacy_actions_;
+    for (auto& [thread, stream] : streams_) {
+      auto [it, fresh] = marks_.try_emplace(stream, 0);
+      if (fresh) it->second = dev_.create_event();
+      dev_.record_event(it->second, stream);
+      dev_.stream_wait_event(0, it->second);
+    }
+  }
+  void blocking_wait_for(event_handle e) {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& [thread, stream] : streams_) dev_.stream_wait_event(stream, e);
+  }
   std::mutex mu_;
   std::map<int, stream_handle> streams_;
+  std::map<stream_handle, event_handle> marks_;  // one event per per-thread stream
+  std::uint64_t legacy_actions_ = 0;
 };
 
 struct per_thread_env {
@@ -69,7 +96,7 @@ TEST_CASE(
     "cudaStreamPerThread in the core: a block one thread's per-thread stream still writes is not "
     "handed to "
     "another thread's per-thread stream without an ordering (or the handle is refused)",
-    "[per-thread-stream][fixme14]") {
+    "[per-thread-stream]") {
   per_thread_env env;
   void* p = nullptr;
   std::string refused;
@@ -151,4 +178,171 @@ TEST_CASE("Control: the same two threads on their own explicit streams do not ra
   env.dev.run_until_idle();
   CHECK(env.dev.fault_count() == 0);
   env.alloc.deallocate(q);
+}
+
+// ---- cudaStreamPerThread in the core: each thread's per-thread stream is its own stream -------
+
+namespace {
+
+std::string fault_text(const sim::simulated_device& dev) {
+  std::string text;
+  for (const auto& f : dev.faults()) text += f.message + "\n";
+  return text;
+}
+
+// No fault while the hold keeps a stream busy, none once it opens and everything has run.
+void check_no_fault_around(sim::simulated_device& dev, std::uint64_t hold) {
+  INFO(fault_text(dev));
+  CHECK(dev.fault_count() == 0);
+  dev.open(hold);
+  dev.run_until_idle();
+  INFO(fault_text(dev));
+  CHECK(dev.fault_count() == 0);
+}
+
+}  // namespace
+
+TEST_CASE(
+    "cudaStreamPerThread in the core: a use recorded from another thread is that thread's "
+    "per-thread stream, and a host free from the allocating thread fences it",
+    "[per-thread-stream]") {
+  // A allocates on its per-thread stream; B reads the block on B's per-thread stream and says
+  // so (record_stream(p, cudaStreamPerThread) on B); A frees it. A's next allocation must not
+  // write it before B's read: the use names B's stream, which only B can name to the driver,
+  // so A's free records its event on the legacy stream (ordered after every per-thread stream).
+  per_thread_env env;
+  std::uint64_t hold = 0;
+  std::thread a([&] {
+    const auto mine = env.backend.own_stream();
+    void* mine_p = env.alloc.allocate(32 * MiB, k_per_thread);
+    std::thread b([&] {
+      const auto theirs = env.backend.own_stream();
+      hold = env.dev.hold(theirs, "B's stream busy");
+      env.dev.launch(theirs, 10, {reads(mine_p, 32 * MiB)}, "B reads A's block");
+      env.alloc.record_stream(mine_p, k_per_thread);  // B's per-thread stream
+    });
+    b.join();
+    env.alloc.deallocate(mine_p);  // host free on A: the event for B's use goes on stream 0
+    void* again = env.alloc.allocate(32 * MiB, k_per_thread);
+    env.dev.launch(mine, 10, {writes(again, 32 * MiB, 0xA1)}, "A writes its next block");
+    env.alloc.deallocate(again);
+  });
+  a.join();
+  check_no_fault_around(env.dev, hold);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE(
+    "cudaStreamPerThread in the core: a stream-ordered free on another thread's per-thread "
+    "stream orders the allocating thread's reuse after it",
+    "[per-thread-stream]") {
+  per_thread_env env;
+  std::uint64_t hold = 0;
+  std::thread a([&] {
+    const auto mine = env.backend.own_stream();
+    void* p = env.alloc.allocate(32 * MiB, k_per_thread);
+    std::thread b([&] {
+      const auto theirs = env.backend.own_stream();
+      hold = env.dev.hold(theirs, "B's stream busy");
+      env.dev.launch(theirs, 10, {writes(p, 32 * MiB, 0xB0)}, "B writes A's block");
+      env.alloc.deallocate(p, k_per_thread);  // the last use is on B's per-thread stream
+    });
+    b.join();
+    void* q = env.alloc.allocate(32 * MiB, k_per_thread);
+    env.dev.launch(mine, 10, {writes(q, 32 * MiB, 0xA0)}, "A writes its next block");
+    env.alloc.deallocate(q);
+  });
+  a.join();
+  check_no_fault_around(env.dev, hold);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE(
+    "cudaStreamPerThread in the core: a host free from another thread returns the block to "
+    "the allocating thread's per-thread stream only",
+    "[per-thread-stream]") {
+  per_thread_env env;
+  void* p = nullptr;
+  std::uint64_t hold = 0;
+  std::thread a([&] {
+    const auto mine = env.backend.own_stream();
+    p = env.alloc.allocate(32 * MiB, k_per_thread);
+    hold = env.dev.hold(mine, "A's stream busy");
+    env.dev.launch(mine, 10, {writes(p, 32 * MiB, 0xA0)}, "A writes p");
+  });
+  a.join();
+  void* q = nullptr;
+  std::thread b([&] {
+    const auto mine = env.backend.own_stream();
+    env.alloc.deallocate(p);  // B frees A's block: the last use is on A's stream
+    q = env.alloc.allocate(32 * MiB, k_per_thread);
+    env.dev.launch(mine, 10, {writes(q, 32 * MiB, 0xB0)}, "B writes q");
+  });
+  b.join();
+  CHECK(q != p);
+  check_no_fault_around(env.dev, hold);
+  env.alloc.deallocate(q);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE(
+    "cudaStreamPerThread in the core: empty_cache on another thread fences every thread's "
+    "per-thread stream",
+    "[per-thread-stream]") {
+  sim::simulated_device dev{sim_config()};
+  per_thread_device backend{dev};
+  caching_allocator alloc{backend,
+                          make_options(backend_kind::cuda_malloc, fence_scope::all_streams,
+                                       empty_cache_mode::defer)};
+  std::uint64_t hold = 0;
+  std::thread a([&] {
+    const auto mine = backend.own_stream();
+    void* p = alloc.allocate(32 * MiB, k_per_thread);
+    hold = dev.hold(mine, "A's stream busy");
+    dev.launch(mine, 10, {writes(p, 32 * MiB, 0xA0)}, "A writes p");
+    alloc.deallocate(p);
+  });
+  a.join();
+  const auto legacy_before = backend.legacy_actions();
+  CHECK(alloc.empty_cache() == 0);  // A's write is pending: nothing goes back yet
+  CHECK(backend.legacy_actions() > legacy_before);  // fenced through the legacy stream
+  INFO(fault_text(dev));
+  CHECK(dev.fault_count() == 0);
+  CHECK(alloc.stats().reserved_bytes.current == 32 * MiB);
+  dev.open(hold);
+  dev.run_until_idle();
+  alloc.reclaim();
+  CHECK(alloc.stats().reserved_bytes.current == 0);
+  CHECK(dev.fault_count() == 0);
+  alloc.check_invariants();
+}
+
+TEST_CASE(
+    "cudaStreamPerThread in the core: a segment moved from one thread's per-thread stream to "
+    "another's is ordered after the first",
+    "[per-thread-stream]") {
+  // A 48 MiB device: B's 32 MiB request fits only in A's free segment, which moves to B's pool
+  // behind a fence on A's stream (recorded on the legacy stream: B cannot name A's stream).
+  sim::simulated_device dev{sim_config(48 * MiB)};
+  per_thread_device backend{dev};
+  caching_allocator alloc{backend, options{}};
+  std::uint64_t hold = 0;
+  std::thread a([&] {
+    const auto mine = backend.own_stream();
+    void* p = alloc.allocate(32 * MiB, k_per_thread);
+    hold = dev.hold(mine, "A's stream busy");
+    dev.launch(mine, 10, {writes(p, 32 * MiB, 0xA0)}, "A writes p");
+    alloc.deallocate(p);
+  });
+  a.join();
+  void* q = nullptr;
+  std::thread b([&] {
+    const auto mine = backend.own_stream();
+    q = alloc.allocate(32 * MiB, k_per_thread);
+    dev.launch(mine, 10, {writes(q, 32 * MiB, 0xB0)}, "B writes q");
+  });
+  b.join();
+  check_no_fault_around(dev, hold);
+  std::thread([&] { alloc.deallocate(q); }).join();
+  alloc.check_invariants();
 }

@@ -12,11 +12,13 @@
 //   2b. (reuse_fence:all_streams, allocate_slow) the host frees since the last reuse fence:
 //      s waits on one event per other known stream for all of them (free.cpp);
 //   3. growth (growth.cpp): a new cudaMalloc segment, or more chunks mapped into s's expandable
-//      segment; if it would raise peak reserved, idle memory is released first (fenced: the
-//      whole segments skipped in step 1 and those too small, or idle chunks of any pool,
-//      growth_release.cpp), and a cudaMalloc growth takes another stream's whole free segment
-//      that fits (as in step 4) before a new one; at the memory limit, a skipped whole segment
-//      is split after all;
+//      segment. First the queued releases whose fences have completed go back (never waiting);
+//      with cuda_malloc, s's whole free large segments get an idle fence to be proven idle by
+//      the next growth (release.cpp, K12); if the growth would raise peak reserved, idle memory
+//      is released first (the whole segments skipped in step 1 and those too small, or idle
+//      chunks of any pool, growth_release.cpp; proven ones at once, the rest fenced), and a
+//      cudaMalloc growth takes another stream's whole free segment that fits (as in step 4)
+//      before a new one; at the memory limit, a skipped whole segment is split after all;
 //   4. (out of memory) a whole free segment of another stream's pool, moved behind a fence
 //      that s waits on; then a safe release of the cache (fenced) and one retry; with the
 //      release worker on (release_worker.cpp), a wait for its pass over the queue and its
@@ -53,6 +55,7 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
                                      // still in st.active (active_map.hpp)
   } else {
     b->seg->owner->mapped.erase(b);
+    b->idle_fence = 0;               // its idle proof ends with this use (release.cpp)
     b->state = block_state::active;  // before the split, so the remainder does not merge back
     split_locked(b, rounded);
     st.active.insert(b);
@@ -103,6 +106,20 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   // reusable behind one fence (free.cpp) rather than the pool growing.
   if (!st.unfenced.empty()) fence_host_frees_locked(st);
   block* b = find_block_locked(st, p, rounded, false);
+  const bool worker = worker_releases_locked(opts_.empty_cache);  // no unmap on this thread
+  if (!b && !deferred_.empty() && !worker) {
+    // Releases queued earlier whose fences have completed go back before the pool grows (a
+    // refused segment queued at one growth would otherwise stay reserved through the next).
+    // Never waits.
+    slk.unlock();
+    finish_deferred(dlk, false);
+    slk.lock();
+    b = find_block_locked(st, p, rounded, false);
+  }
+  if (!b && !p.small && opts_.backend == backend_kind::cuda_malloc &&
+      opts_.whole_segment_split_ratio != 0) {
+    prove_idle_segments_locked(st, p);  // K12: an idle fence ahead of the next growth
+  }
   if (!b && growth_raises_peak_with_refused_locked(p, rounded)) {
     // Whole free segments the rule refuses to this request would sit idle while the pool grows
     // past its peak: they go back to the driver first, behind their fence (segment_fit.hpp).
@@ -119,7 +136,6 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   } else if (!b) {
     b = grow_locked(p, rounded);  // both locks held since the search above: straight to growth
   }
-  const bool worker = worker_releases_locked(opts_.empty_cache);  // no unmap on this thread
   if (!b && !deferred_.empty() && !worker) {
     slk.unlock();
     finish_deferred(dlk, false);
@@ -173,7 +189,7 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
     device_lock dlk(m.mu_);
     m.detect_captures_locked(dlk);
     if (m.capturing())
-      return m.allocate_during_capture_locked(dlk, size_bytes, rounded, small, stream);
+      return m.allocate_during_capture_locked(dlk, size_bytes, rounded, small, m.key_of(stream));
   }
   impl::stream_state& st = m.state_for(stream);
   {

@@ -118,11 +118,17 @@ struct caching_allocator::impl {
     // The fast path runs process_events_locked once pending holds this many blocks (or when
     // nothing else fits); each run sets it k_pending_batch above what stays pending.
     std::size_t process_at = k_pending_batch;
+    // The idle fence of the large pool (cuda_malloc, release.cpp: prove_idle_segments_locked):
+    // events recorded at a growth over the whole free segments then not proven idle, which were
+    // labelled idle_fence_id; under mu_ and this lock.
+    std::vector<detail::pending_event> idle_fence;
+    std::uint32_t idle_fence_id = 0;
     // Mirrors of stats' current values, read without the lock to sample device-wide peaks.
     std::atomic<std::int64_t> cur_allocated{0}, cur_pending{0}, cur_requested{0};
     std::atomic<bool> alive{true};
-    // The handle this state serves, for the threads' stream caches: a retired state (reused
-    // for another stream later, never freed) holds k_tombstone_stream.
+    // The handle this state serves, for the threads' stream caches (a per-thread stream's
+    // handle, cudaStreamPerThread, for its key's state): a retired state (reused for another
+    // stream later, never freed) holds k_tombstone_stream.
     std::atomic<stream_handle> cache_key{0};
     // Non-zero: this is not a stream but the private pool of CUDA graph `graph` (capture.cpp),
     // keyed in streams_ by graph_key(graph); handle is the capturing stream.
@@ -315,10 +321,34 @@ struct caching_allocator::impl {
   // A function that takes a pool or a block (and no stream_state) runs under the lock of the
   // stream owning that pool or block's segment; clang cannot check that one (see the top).
   stream_state& state_for(stream_handle stream);  // no lock held; may take mu_
+  // `stream` is a key (key_of): a handle, or a per-thread stream's key.
   stream_state& get_or_create_stream_locked(stream_handle stream)
       STREAMSAFE_REQUIRES(mu_);  // mu_ held
-  stream_state& new_state_locked(stream_handle key, stream_handle handle)
+  // cache_key: the handle the threads' stream caches look the state up by (0: `key`).
+  stream_state& new_state_locked(stream_handle key, stream_handle handle,
+                                 stream_handle cache_key = 0)
       STREAMSAFE_REQUIRES(mu_);  // mu_ held
+
+  // ---- per-thread stream handles (cudaStreamPerThread; per_thread_stream.hpp, streams.cpp) ---
+  // Every stream the core keeps state for, uses, fences and events is named by a key: the
+  // handle itself, or for a handle the backend marks as per-thread (a different stream in every
+  // host thread) the calling thread's per-thread key. The public calls translate their stream
+  // argument with key_of; st.handle, pool::stream, segment::stream and block uses hold keys.
+  // Throws std::invalid_argument for a per-thread handle above k_per_thread_max_handle.
+  stream_handle key_of(stream_handle stream) const;
+  // The backend calls on a key. A per-thread key is named to the backend by its handle on its
+  // own thread only; from another thread (which cannot name that stream) the legacy default
+  // stream (0) stands in: the legacy stream is ordered both ways with every blocking stream, and
+  // every per-thread default stream is one (CUDA Driver API, "Stream synchronization behavior":
+  // an action in the legacy stream first waits on all blocking streams, then they wait on it).
+  // So an event recorded on 0 completes after all the work enqueued so far on every per-thread
+  // stream, and a wait of 0 orders their later work behind it.
+  // record_event_on returns the stream the event was recorded on (the key, or 0): the stream
+  // under which process_events_locked may use stream order to prove it.
+  stream_handle record_event_on(event_handle e, stream_handle key);
+  void stream_wait_on(stream_handle key, event_handle e);
+  bool query_stream_of(stream_handle key);  // another thread's per-thread stream: event on 0
+  bool stream_capturing(stream_handle key) noexcept;  // another thread's per-thread: false
   stream_state* owner_locked(const void* ptr)
       STREAMSAFE_REQUIRES(mu_);  // mu_ held: owner of the segment, or null
   block* new_block(stream_state& st);
@@ -385,6 +415,14 @@ struct caching_allocator::impl {
   void retire_pending_locked(stream_state& st, block* b) STREAMSAFE_REQUIRES(st.mu);
   void free_found_locked(stream_state& st, block* b, const stream_handle* stream)
       STREAMSAFE_REQUIRES(mu_, st.mu);  // mu_ held
+  // The free dispatch of every path (free.cpp): true when b went back without events (a host
+  // free fenced at its reuse, reuse_fence:all_streams, or a same-stream free); false when it
+  // needs events, then recorded by free_with_events_locked (false: a stream this thread does
+  // not know and no device lock; b stays active) or deferred (defer_fence_locked).
+  bool free_without_events_locked(stream_state& st, block* b, const stream_handle* stream)
+      STREAMSAFE_REQUIRES(st.mu);
+  bool free_with_events_locked(stream_state& st, block* b, const stream_handle* stream,
+                               bool device_locked) STREAMSAFE_REQUIRES(st.mu);
   // b's owner stream lock held (and mu_ when device_locked); see caching_allocator.cpp.
   bool record_use_events_locked(block* b, const stream_handle* stream, bool device_locked);
   void commit_free_locked(stream_state& st, block* b, const stream_handle* stream)
@@ -543,6 +581,15 @@ struct caching_allocator::impl {
   // rule refuses to a request of `rounded` bytes (before a growth that would raise the peak).
   std::size_t release_refused_segments(device_lock& lk, stream_state& st, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_);
+  // Before a cuda_malloc growth (K12): once st's idle fence has completed, the whole free
+  // segments it labelled are proven idle; the whole free segments not labelled yet get a new
+  // fence (one event per fence stream, polled at a later growth, never waited on). A segment
+  // refused at a later growth past the peak then goes back without a fence recorded behind the
+  // stream's newest work. Opportunistic: a failed backend call leaves the labels as they were.
+  void prove_idle_segments_locked(stream_state& st, pool& p) STREAMSAFE_REQUIRES(mu_, st.mu);
+  void drop_idle_fence_locked(stream_state& st)
+      STREAMSAFE_REQUIRES(mu_);  // its events back to the pool
+  std::uint32_t next_idle_fence_id_ STREAMSAFE_GUARDED_BY(mu_) = 2;
   // After the driver call for b (released or not): its bookkeeping, under b's owner lock.
   std::size_t account_release_locked(block* b, bool released) STREAMSAFE_REQUIRES(mu_);
   void retire_all_pending_locked(device_lock& lk)

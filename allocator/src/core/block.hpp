@@ -37,6 +37,8 @@ struct pending_event {
   stream_handle stream = 0;
 };
 
+inline constexpr std::uint32_t k_idle_proven = 1;  // block::idle_fence: its uses are done
+
 // The stream of a pending_event that is a destroyed stream's tombstone (not pooled).
 inline constexpr stream_handle k_tombstone_stream = ~stream_handle{0};
 
@@ -52,6 +54,10 @@ struct alignas(64) block {
   block* next = nullptr;
   block_state state = block_state::free;
   bool mapped = true;
+  // A whole free cudaMalloc segment's idle proof (release.cpp, prove_idle_segments_locked):
+  // 0 none, k_idle_proven every use it had has completed (it may go back to the driver without a
+  // new fence), else the id of its stream's idle fence still pending. Cleared when allocated.
+  std::uint32_t idle_fence = 0;
   std::vector<stream_handle> uses;    // recorded streams other than the segment's stream
   std::vector<pending_event> events;  // must complete before the block is reused
   // Links of the stream's pending list while pending_free (pending_list.hpp).

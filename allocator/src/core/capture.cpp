@@ -126,7 +126,7 @@ void caching_allocator::impl::detect_captures_locked(device_lock& lk) {
   std::vector<stream_handle> began, ended;
   for (auto& [key, st] : streams_) {
     if (st->graph != 0 || st->handle == 0 || !st->alive.load(std::memory_order_acquire)) continue;
-    const bool now = backend_.stream_is_capturing(st->handle);
+    const bool now = stream_capturing(st->handle);
     const capture_record* c = capture_of_locked(st->handle);
     if (now && !c) began.push_back(st->handle);
     if (!now && c && c->detected) ended.push_back(st->handle);
@@ -315,7 +315,7 @@ void caching_allocator::impl::release_released_pools_locked(device_lock& lk, str
   // exactly those fence events, with no lock held; defer: what is safe now, the rest queued).
   // Nothing happens while another capture is underway or once the stream is capturing
   // (notify_capture_begin called after cudaStreamBeginCapture): no event may be recorded then.
-  if (capturing() || backend_.stream_is_capturing(stream)) return;
+  if (capturing() || stream_capturing(stream)) return;
   bool any = false;
   for (auto& [key, st] : streams_) any = any || (st->graph != 0 && st->graph_released);
   if (!any) return;
@@ -372,6 +372,7 @@ std::uint64_t caching_allocator::notify_capture_begin(stream_handle stream,
                                                       std::uint64_t share_pool_of_graph) {
   impl& m = *impl_;
   if (m.inherited()) m.throw_inherited("notify_capture_begin");
+  stream = m.key_of(stream);  // cudaStreamPerThread: this thread's per-thread stream
   device_lock lk(m.mu_);
   m.release_released_pools_locked(lk, stream);
   const std::uint64_t graph = m.begin_capture_locked(stream, false, share_pool_of_graph);
@@ -384,6 +385,7 @@ std::uint64_t caching_allocator::notify_capture_begin(stream_handle stream,
 
 std::uint64_t caching_allocator::notify_capture_end(stream_handle stream) {
   if (impl_->inherited()) impl_->throw_inherited("notify_capture_end");
+  stream = impl_->key_of(stream);
   device_lock lk(impl_->mu_);
   return impl_->end_capture_locked(lk, stream);
 }

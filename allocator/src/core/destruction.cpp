@@ -39,6 +39,8 @@ void caching_allocator::impl::destroy_events_locked() {
     detail::lock_guard<stream_lock> slk(st->mu);
     cached_events.insert(cached_events.end(), st->event_cache.begin(), st->event_cache.end());
     st->event_cache.clear();
+    for (const auto& e : st->idle_fence) cached_events.push_back(e.event);  // release.cpp
+    st->idle_fence.clear();
   }
   for (event_handle e : cached_events) backend_.destroy_event(e);
   {

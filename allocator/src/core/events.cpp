@@ -49,8 +49,8 @@ void caching_allocator::impl::order_after_locked(stream_handle waiter, stream_ha
   // waiter waits, on the device, for the work enqueued on `on` so far (one pooled event).
   event_handle e = get_event();
   try {
-    backend_.record_event(e, on);
-    backend_.stream_wait_event(waiter, e);
+    record_event_on(e, on);
+    stream_wait_on(waiter, e);
   } catch (...) {
     put_event(e);
     throw;
@@ -98,8 +98,9 @@ void caching_allocator::impl::process_events_locked(stream_state& st) {
   // recorded under st's lock in the same critical section that appended its block, so the
   // events on one stream s lie in the list in the order they were recorded, and they complete
   // in that order: when the newest of them has completed, all of them have. Tombstones (shared
-  // by every pool) and per-thread stream handles (a different stream in each thread) prove
-  // nothing and are queried one by one.
+  // by every pool) prove nothing and are queried one by one. A per-thread stream handle never
+  // appears here: each thread's per-thread stream has a key of its own (key_of), and an event
+  // recorded for it from another thread lies under stream 0, where it was recorded.
   constexpr int k_streams = 8;
   stream_handle asked[k_streams];
   bool done[k_streams];
@@ -117,8 +118,7 @@ void caching_allocator::impl::process_events_locked(stream_state& st) {
        x = x->pending_prev, ++walked) {
     for (const auto& e : x->events) {
       if (n == k_streams) break;
-      if (e.stream == detail::k_tombstone_stream || backend_.stream_is_per_thread(e.stream) ||
-          slot(e.stream) >= 0)
+      if (e.stream == detail::k_tombstone_stream || slot(e.stream) >= 0)
         continue;
       asked[n] = e.stream;
       done[n++] = backend_.query_event(e.event);
@@ -150,7 +150,7 @@ block* caching_allocator::impl::take_pending_locked(stream_state& st, pool& p,
   }
   if (!best) return nullptr;
   for (auto& e : best->events) {
-    backend_.stream_wait_event(p.stream, e.event);
+    stream_wait_on(p.stream, e.event);
     ++st.stats.stream_waits;
   }
   retire_pending_locked(st, best);

@@ -13,6 +13,7 @@
 // tombstones, then the owner's stream lock.
 #include "allocator_state.hpp"
 #include "logging.hpp"
+#include "per_thread_stream.hpp"
 #include "stream_cache.hpp"
 
 #include <algorithm>
@@ -87,7 +88,7 @@ void caching_allocator::impl::fence_host_frees_locked(stream_state& st) {
     order_after_locked(st.handle, handle);
   }
   for (const auto& t : tombstones_) {
-    backend_.stream_wait_event(st.handle, t.event);
+    stream_wait_on(st.handle, t.event);
     ++stats_.stream_waits;
   }
   // Every later use on st comes after the fence; other streams get these blocks only through
@@ -115,13 +116,14 @@ void caching_allocator::impl::fence_dead_stream_frees_locked(stream_state& st) {
       for (auto& [handle, other] : streams_) {
         if (other->graph != 0 || !other->alive.load(std::memory_order_acquire)) continue;
         const event_handle e = get_event(st);
+        stream_handle on = handle;
         try {
-          backend_.record_event(e, handle);
+          on = record_event_on(e, handle);
         } catch (...) {
           put_event(st, e);
           throw;
         }
-        b->events.push_back({e, handle});
+        b->events.push_back({e, on});
       }
     } catch (...) {
       for (auto& e : b->events) put_event(st, e.event);
@@ -135,25 +137,44 @@ void caching_allocator::impl::fence_dead_stream_frees_locked(stream_state& st) {
   }
 }
 
-void caching_allocator::impl::free_found_locked(stream_state& st, block* b,
-                                                const stream_handle* stream) {
-  segment* seg = b->seg;
+bool caching_allocator::impl::free_without_events_locked(stream_state& st, block* b,
+                                                         const stream_handle* stream) {
+  // The one dispatch of a free, for the fast path, the device-locked path and held frees: a
+  // host free under reuse_fence:all_streams is fenced at its reuse (no event now); a free with
+  // no use on another stream goes straight back; anything else needs events.
   if (!stream && opts_.reuse_fence == reuse_fence_scope::all_streams && st.graph == 0) {
     free_unfenced_locked(st, b);
-    return;
+    return true;
   }
-  if (b->uses.empty() && (!stream || *stream == seg->stream)) {
+  if (b->uses.empty() && (!stream || *stream == b->seg->stream)) {
     free_same_stream_locked(st, b);
-    return;
+    return true;
   }
+  return false;
+}
+
+bool caching_allocator::impl::free_with_events_locked(stream_state& st, block* b,
+                                                      const stream_handle* stream,
+                                                      bool device_locked) {
   st.active.erase(b->addr);
+  bool recorded = false;
   try {
-    record_use_events_locked(b, stream, true);
+    recorded = record_use_events_locked(b, stream, device_locked);
   } catch (...) {
     st.active.insert(b);
     throw;
   }
+  if (!recorded) {
+    st.active.insert(b);  // a stream this thread does not know (never with the device lock)
+    return false;
+  }
   commit_free_locked(st, b, stream);
+  return true;
+}
+
+void caching_allocator::impl::free_found_locked(stream_state& st, block* b,
+                                                const stream_handle* stream) {
+  if (!free_without_events_locked(st, b, stream)) free_with_events_locked(st, b, stream, true);
 }
 
 bool caching_allocator::impl::record_use_events_locked(block* b, const stream_handle* stream,
@@ -192,13 +213,14 @@ bool caching_allocator::impl::record_use_events_locked(block* b, const stream_ha
       return false;
     }
     event_handle e = get_event(owner);
+    stream_handle on = s;
     try {
-      backend_.record_event(e, s);
+      on = record_event_on(e, s);  // s, or 0 for another thread's per-thread stream
     } catch (...) {
       put_event(owner, e);
       throw;
     }
-    events.push_back({e, s});
+    events.push_back({e, on});
     return true;
   };
   try {
@@ -294,7 +316,12 @@ bool caching_allocator::impl::thread_allocated_here() const noexcept {
 void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* stream) {
   if (inherited()) return;  // a forked child: the parent's block is not the child's (fork.cpp)
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-  if (stream) state_for(*stream);  // a stream-ordered free makes the stream known (for fences)
+  stream_handle key = 0;  // the stream-ordered free's stream, as a key (per-thread handles)
+  if (stream) {
+    key = key_of(*stream);
+    stream = &key;
+    state_for(key);  // a stream-ordered free makes the stream known (for fences)
+  }
   // Fast path: a free of a block of the stream this thread allocated from last, under that
   // stream's lock alone. A same-stream free records nothing; a free with uses on other streams
   // records their events here too when this thread knows each of those streams to be alive
@@ -304,31 +331,12 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   if (const stream_cache_entry& last = t_cache.last_used; last.owner == id_ && !capturing()) {
     auto& st = *static_cast<stream_state*>(last.state);
     detail::lock_guard<stream_lock> slk(st.mu);
-    if (block* b = st.active.find_active(addr)) {
-      if (!stream && opts_.reuse_fence == reuse_fence_scope::all_streams && !b->free_held &&
-          st.graph == 0) {
-        free_unfenced_locked(st, b);  // a host free, fenced against every stream at its reuse
-        return;
-      }
-      if (b->uses.empty() && (!stream || *stream == b->seg->stream) && !b->free_held) {
-        free_same_stream_locked(st, b);
-        return;
-      }
-      st.active.erase(addr);
-      bool recorded = false;
-      try {
-        // In a stream callback no backend call: the slow path below defers the events.
-        recorded = !b->free_held && !callback_scope::active() &&
-                   record_use_events_locked(b, stream, false);
-      } catch (...) {
-        st.active.insert(b);
-        throw;
-      }
-      if (recorded) {
-        commit_free_locked(st, b, stream);
-        return;
-      }
-      st.active.insert(b);  // a stream this thread does not know: the slow path below
+    // A free held by a capture goes to the slow path (which rejects it); in a stream callback
+    // no backend call: the slow path below defers the events; so does a stream this thread
+    // does not know.
+    if (block* b = st.active.find_active(addr); b && !b->free_held) {
+      if (free_without_events_locked(st, b, stream)) return;
+      if (!callback_scope::active() && free_with_events_locked(st, b, stream, false)) return;
     }
   }
   detail::lock_guard<detail::mutex> dlk(mu_);
@@ -341,21 +349,21 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   if (capturing() && free_during_capture_locked(*owner, b, stream)) return;
   // On a thread that never allocated here (it may be a stream callback, K16) or inside a
   // callback_scope, no backend call: uses on other streams get their events from the next
-  // ordinary call that reaches the driver. A per-thread stream handle (cudaStreamPerThread) names
-  // this thread's stream only here: its event is recorded now, on this thread (in a stream callback
-  // the backend call then fails).
-  const auto per_thread = [&](stream_handle s) { return backend_.stream_is_per_thread(s); };
-  if (!stream && opts_.reuse_fence == reuse_fence_scope::all_streams && owner->graph == 0) {
-    free_unfenced_locked(*owner, b);  // as on the fast path: a host free waits for the reuse fence
-  } else if (b->uses.empty() && (!stream || *stream == b->seg->stream)) {
-    free_same_stream_locked(*owner, b);
-  } else if ((stream && per_thread(*stream)) ||
-             std::any_of(b->uses.begin(), b->uses.end(), per_thread) ||
-             (!callback_scope::active() && thread_allocated_here())) {
+  // ordinary call that reaches the driver. A use on this thread's own per-thread stream
+  // (cudaStreamPerThread) is recorded now, on this thread, the one thread that can name that
+  // stream: later, from another thread, only the legacy stream could stand in for it
+  // (record_event_on), which orders every blocking stream.
+  const auto own_per_thread = [](stream_handle s) {
+    return detail::is_per_thread_key(s) && detail::own_per_thread_key(s);
+  };
+  if (free_without_events_locked(*owner, b, stream)) return;  // as on the fast path
+  if (!callback_scope::active() &&
+      (thread_allocated_here() || (stream && own_per_thread(*stream)) ||
+       std::any_of(b->uses.begin(), b->uses.end(), own_per_thread))) {
     // A thread that has allocated from this allocator is an ordinary thread (a CUDA host
     // function thread that never allocated here is the case deferred below): its events are
     // recorded now, as on the fast path, so the block is retired by the next event query.
-    free_found_locked(*owner, b, stream);
+    free_with_events_locked(*owner, b, stream, true);
   } else {
     defer_fence_locked(*owner, b, stream);
   }
@@ -370,6 +378,7 @@ void caching_allocator::deallocate(void* ptr, stream_handle stream) {
 void caching_allocator::record_stream(void* ptr, stream_handle stream) {
   impl& m = *impl_;
   if (m.inherited()) return;  // a forked child (fork.cpp)
+  stream = m.key_of(stream);  // cudaStreamPerThread: this thread's per-thread stream
   m.state_for(stream);        // the stream becomes known (for fences)
   // Fast path: a block of the stream this thread allocated from last, under that stream's lock
   // (which guards the block and its segment's used streams).
@@ -394,6 +403,7 @@ void caching_allocator::record_stream(void* ptr, stream_handle stream) {
 void caching_allocator::notify_stream_destroyed(stream_handle stream) {
   impl& m = *impl_;
   if (m.inherited()) return;  // a forked child (fork.cpp)
+  stream = m.key_of(stream);  // cudaStreamPerThread: this thread's per-thread stream
   detail::lock_guard<detail::mutex> lk(m.mu_);
   auto it = m.streams_.find(stream);
   if (it == m.streams_.end() || !it->second->alive.load()) return;
@@ -405,10 +415,10 @@ void caching_allocator::notify_stream_destroyed(stream_handle stream) {
   event_handle e = m.get_event();
   try {
     if (!m.tombstones_.empty()) {
-      m.backend_.stream_wait_event(stream, m.tombstones_.front().event);
+      m.stream_wait_on(stream, m.tombstones_.front().event);
       ++m.stats_.stream_waits;
     }
-    m.backend_.record_event(e, stream);
+    m.record_event_on(e, stream);
   } catch (...) {
     m.put_event(e);
     throw;

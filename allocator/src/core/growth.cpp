@@ -219,10 +219,11 @@ block* caching_allocator::impl::move_segment_locked(segment* best, pool& p) {
     order_after_locked(p.stream, s);
   }
   for (auto& t : tombstones_) {
-    backend_.stream_wait_event(p.stream, t.event);
+    stream_wait_on(p.stream, t.event);
     ++stats_.stream_waits;
   }
   best->owner->mapped.erase(best->first);
+  best->first->idle_fence = 0;  // its idle proof is its old pool's
   --state_of(*best->owner).segments;
   ++state_of(p).segments;
   best->owner = &p;

@@ -195,7 +195,7 @@ void caching_allocator::impl::record_fence_locked(release_batch& batch) {
     for (stream_handle s : batch.streams) {
       event_handle e = get_event();
       batch.fence.push_back({e, s});
-      backend_.record_event(e, s);
+      record_event_on(e, s);
       ++stats_.events_recorded;
     }
   } catch (...) {
@@ -352,7 +352,7 @@ bool caching_allocator::impl::free_segment_would_block_locked() {
   for (auto& [s, st] : streams_) {
     // Graph pools (st->graph != 0) are keyed by a graph id, not a stream: their streams are known
     // too.
-    if (st->graph == 0 && st->alive.load(std::memory_order_acquire) && !backend_.query_stream(s))
+    if (st->graph == 0 && st->alive.load(std::memory_order_acquire) && !query_stream_of(s))
       return true;
   }
   return false;
@@ -468,28 +468,92 @@ std::size_t caching_allocator::impl::release_safe_now(device_lock& lk, release_b
   return release_batch_memory(lk, now);
 }
 
+void caching_allocator::impl::drop_idle_fence_locked(stream_state& st) {
+  for (const auto& e : st.idle_fence) put_event(e.event);
+  st.idle_fence.clear();
+}
+
+void caching_allocator::impl::prove_idle_segments_locked(stream_state& st, pool& p) {
+  // A fence recorded when a segment is refused comes after the stream's newest work, which a
+  // loop whose requests grow a little each step (K12) has always just launched: it is still
+  // pending then, and the segment would wait in the queue while the pool grows. A fence
+  // recorded one growth earlier, over the segments idle then, has completed by the next one.
+  if (capturing() || opts_.release_fence == fence_scope::device) return;
+  try {
+    if (!st.idle_fence.empty()) {
+      for (const auto& e : st.idle_fence) {
+        if (!backend_.query_event(e.event)) return;  // one fence at a time
+      }
+      for (const auto& t : tombstones_) {  // destroyed streams' last work
+        if (!backend_.query_event(t.event)) return;
+      }
+      p.mapped.for_each([&](block* b) {
+        if (b->idle_fence == st.idle_fence_id) b->idle_fence = detail::k_idle_proven;
+      });
+      drop_idle_fence_locked(st);
+    }
+    std::vector<stream_handle> streams;
+    bool any = false;
+    p.mapped.for_each([&](block* b) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+      if (b->prev || b->next || b->idle_fence != 0) return;
+      any = true;
+      for (stream_handle s : fence_streams_locked(b->seg)) {
+        if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
+      }
+    });
+    if (!any) return;
+    for (stream_handle s : streams) {
+      const event_handle e = get_event();
+      st.idle_fence.push_back({e, s});
+      record_event_on(e, s);
+      ++stats_.events_recorded;
+    }
+  } catch (const std::exception& e) {
+    drop_idle_fence_locked(st);
+    detail::log().debug("device {}: an idle fence failed: {}", backend_.device(), e.what());
+    return;
+  }
+  if (++next_idle_fence_id_ < 2) next_idle_fence_id_ = 2;
+  st.idle_fence_id = next_idle_fence_id_;
+  p.mapped.for_each([&](block* b) {
+    if (!b->prev && !b->next && b->idle_fence == 0) b->idle_fence = st.idle_fence_id;
+  });
+}
+
 std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, stream_state& st,
                                                               std::size_t rounded) {
   if (opts_.backend == backend_kind::expandable)
     return release_idle_chunks_before_growth(lk, st, rounded);
-  release_batch batch;
+  release_batch batch;   // behind a fence recorded now
+  release_batch proven;  // proven idle (prove_idle_segments_locked): no fence needed
   {
     detail::lock_guard<stream_lock> slk(st.mu);
     pool& p = st.large_pool;
     flush_quick_locked(p);
+    // Proofs come from allocate_slow's prove_idle_segments_locked, one growth earlier.
+    // cudaFree waits for the whole device: proven or not, only while every stream is idle. The
+    // release worker, when on, makes every release (release_collected hands it over).
+    const bool direct = !worker_releases_locked(empty_cache_mode::defer) &&
+                        !free_segment_would_block_locked();
     std::vector<segment*> refused;
     p.mapped.for_each([&](block* b) {
       if (idle_at_growth(b, rounded)) refused.push_back(b->seg);
     });
-    for (segment* seg : refused) detach_whole_segment_locked(batch, seg);
+    for (segment* seg : refused) {
+      const bool is_proven = direct && seg->first->idle_fence == detail::k_idle_proven;
+      detach_whole_segment_locked(is_proven ? proven : batch, seg);
+    }
   }
-  if (batch.blocks.empty()) return 0;
+  if (batch.blocks.empty() && proven.blocks.empty()) return 0;
   detail::log().debug(
       "device {}: releasing {} bytes of whole free segments refused to a {}-byte request before "
-      "growing",
-      backend_.device(), batch.bytes, rounded);
+      "growing ({} bytes proven idle)",
+      backend_.device(), batch.bytes + proven.bytes, rounded, proven.bytes);
+  std::size_t released = 0;
+  if (!proven.blocks.empty()) released += release_batch_memory(lk, proven);
   // Opportunistic: never waits, in either mode; what is busy is queued behind its fence.
-  return release_collected(lk, batch, empty_cache_mode::defer);
+  if (!batch.blocks.empty()) released += release_collected(lk, batch, empty_cache_mode::defer);
+  return released;
 }
 
 std::size_t caching_allocator::impl::release_collected(device_lock& lk, release_batch& batch,

@@ -9,9 +9,12 @@
 // segment split for a long-lived activation stays split, and the next logits-sized request then
 // needs a new segment (docs/observability.md, "Memory efficiency on the GPT-2 trace").
 // Before a growth that would raise peak reserved, the whole free segments the rule refuses to
-// the request, and those too small for it, go back to the driver behind their fence (growth.cpp,
-// release.cpp) when together they are at least a quarter of the new segment: they would
-// otherwise sit idle at the new peak. The rule gives way when a new segment would exceed
+// the request, and those too small for it, go back to the driver (growth.cpp, release.cpp) when
+// together they are at least a quarter of the new segment: they would otherwise sit idle at the
+// new peak. A fence recorded then comes after the stream's newest work; the idle fence recorded
+// one growth earlier (prove_idle_segments_locked) usually has completed by then, so requests
+// that grow a little each step (K12) do not strand them. The rule gives way when a new segment
+// would exceed
 // the memory limit.
 #pragma once
 

@@ -366,7 +366,7 @@ void caching_allocator::impl::record_pause_fences_locked(std::vector<paused_segm
       for (stream_handle s : ps.fence_streams) {
         const event_handle e = get_event();
         ps.fence.push_back({e, s});
-        backend_.record_event(e, s);
+        record_event_on(e, s);  // s is a key (per-thread streams: streams.cpp)
         ++stats_.events_recorded;
       }
     }

@@ -11,10 +11,14 @@
 // Locks: new_state_locked, get_or_create_stream_locked and owner_locked need the device lock
 // (mu_); state_for takes it on a miss of the thread's cache; sample_peaks takes no lock (atomics).
 #include "allocator_state.hpp"
+#include "format.hpp"
+#include "per_thread_stream.hpp"
 #include "stream_cache.hpp"
 
 #include <algorithm>
 #include <atomic>
+#include <stdexcept>
+#include <string>
 
 namespace streamsafe {
 
@@ -23,9 +27,66 @@ using detail::thread_cache;
 
 thread_local detail::thread_cache detail::t_cache __attribute__((tls_model("initial-exec")));
 
+std::uint64_t detail::this_thread_number() noexcept {
+  static std::atomic<std::uint64_t> next{1};
+  thread_local const std::uint64_t me = next.fetch_add(1, std::memory_order_relaxed);
+  return me;
+}
+
+stream_handle caching_allocator::impl::key_of(stream_handle stream) const {
+  if (!backend_.stream_is_per_thread(stream)) return stream;
+  if (stream > detail::k_per_thread_max_handle) {
+    throw std::invalid_argument("streamsafe: device " + std::to_string(backend_.device()) +
+                                ": the backend marks stream " + detail::hex(stream) +
+                                " as per-thread; per-thread handles above " +
+                                detail::hex(detail::k_per_thread_max_handle) +
+                                " are not supported");
+  }
+  return detail::per_thread_key(stream);
+}
+
+stream_handle caching_allocator::impl::record_event_on(event_handle e, stream_handle key) {
+  if (!detail::is_per_thread_key(key)) {
+    backend_.record_event(e, key);
+    return key;
+  }
+  if (detail::own_per_thread_key(key)) {
+    backend_.record_event(e, detail::per_thread_handle_of(key));
+    return key;
+  }
+  backend_.record_event(e, 0);  // after every blocking stream's work so far (see the header)
+  return 0;
+}
+
+void caching_allocator::impl::stream_wait_on(stream_handle key, event_handle e) {
+  if (!detail::is_per_thread_key(key)) backend_.stream_wait_event(key, e);
+  else if (detail::own_per_thread_key(key))
+    backend_.stream_wait_event(detail::per_thread_handle_of(key), e);
+  else backend_.stream_wait_event(0, e);  // the per-thread stream's later work waits behind 0
+}
+
+bool caching_allocator::impl::query_stream_of(stream_handle key) {
+  if (!detail::is_per_thread_key(key)) return backend_.query_stream(key);
+  if (detail::own_per_thread_key(key))
+    return backend_.query_stream(detail::per_thread_handle_of(key));
+  // An event recorded on the legacy stream: idle once every blocking stream's work so far is.
+  return backend_.device_backend::query_stream(0);
+}
+
+bool caching_allocator::impl::stream_capturing(stream_handle key) noexcept {
+  if (!detail::is_per_thread_key(key)) return backend_.stream_is_capturing(key);
+  // Another thread's per-thread stream cannot be asked about; its capture is seen when that
+  // thread announces it or allocates.
+  return detail::own_per_thread_key(key) &&
+         backend_.stream_is_capturing(detail::per_thread_handle_of(key));
+}
+
 caching_allocator::impl::stream_state& caching_allocator::impl::new_state_locked(
-    stream_handle key, stream_handle handle) {
-  if (!spare_states_.empty()) {
+    stream_handle key, stream_handle handle, stream_handle cache_key) {
+  if (cache_key == 0) cache_key = key;
+  // A per-thread stream's state (cache_key, its handle, differs from its key) is always new: a
+  // recycled one may still sit in its old thread's stream cache under the same handle.
+  if (!spare_states_.empty() && cache_key == key) {
     // A retired state (retire_dead_streams_locked): empty, its counters folded into stats_.
     std::unique_ptr<stream_state> state = std::move(spare_states_.back());
     spare_states_.pop_back();
@@ -39,14 +100,14 @@ caching_allocator::impl::stream_state& caching_allocator::impl::new_state_locked
       st.graph = 0;
       st.graph_released = false;
       st.alive.store(true, std::memory_order_release);
-      st.cache_key.store(key, std::memory_order_release);
+      st.cache_key.store(cache_key, std::memory_order_release);
     }
     return *streams_.emplace(key, std::move(state)).first->second;
   }
   auto state = std::make_unique<stream_state>();
   state->event_cache.reserve(k_event_cache);
   state->handle = handle;
-  state->cache_key.store(key, std::memory_order_relaxed);
+  state->cache_key.store(cache_key, std::memory_order_relaxed);
   state->small_pool.stream = state->large_pool.stream = handle;
   state->small_pool.small = true;
   state->small_pool.state = state->large_pool.state = state.get();
@@ -102,6 +163,7 @@ void caching_allocator::impl::retire_dead_streams_locked() {
         for (event_handle e : st->event_cache)
           put_event(e);  // only streams_' caches are destroyed at the end
         st->event_cache.clear();
+        drop_idle_fence_locked(*st);
       }
     }
     if (!empty) {
@@ -119,7 +181,10 @@ caching_allocator::impl::stream_state& caching_allocator::impl::get_or_create_st
     stream_handle stream) {
   auto it = streams_.find(stream);
   if (it == streams_.end()) {
-    return new_state_locked(stream, stream);
+    return new_state_locked(stream, stream,
+                            detail::is_per_thread_key(stream)
+                                ? detail::per_thread_handle_of(stream)
+                                : stream);
   } else if (!it->second->alive.load(std::memory_order_acquire)) {
     // A handle value recycled by the driver before the destroyed stream's state went: the new
     // stream inherits the old one's cached blocks, so it waits, on the device, for the old
@@ -128,7 +193,7 @@ caching_allocator::impl::stream_state& caching_allocator::impl::get_or_create_st
     // were legal without a record, FSDP2-style).
     const bool every_stream = opts_.release_fence != fence_scope::allocation_stream;
     for (auto& t : tombstones_) {
-      backend_.stream_wait_event(stream, t.event);
+      stream_wait_on(stream, t.event);
       ++stats_.stream_waits;
     }
     if (every_stream) {
@@ -145,19 +210,27 @@ caching_allocator::impl::stream_state& caching_allocator::impl::get_or_create_st
 }
 
 caching_allocator::impl::stream_state& caching_allocator::impl::state_for(stream_handle stream) {
+  // Looked up by handle in this thread's cache: a per-thread handle's entry is this thread's
+  // per-thread stream (its state's cache_key is the handle). This thread's own per-thread key
+  // is looked up by its handle too.
+  stream_handle lookup = stream;
+  if (detail::is_per_thread_key(stream) && detail::own_per_thread_key(stream))
+    lookup = detail::per_thread_handle_of(stream);
   thread_cache& tc = t_cache;
   for (auto& e : tc.streams) {
-    if (e.owner == id_ && e.stream == stream) {
+    if (e.owner == id_ && e.stream == lookup) {
       auto* st = static_cast<stream_state*>(e.state);
       if (st->alive.load(std::memory_order_acquire) &&
-          st->cache_key.load(std::memory_order_acquire) == stream)
+          st->cache_key.load(std::memory_order_acquire) == lookup)
         return *st;
       break;
     }
   }
+  const stream_handle key = key_of(stream);  // a key stays itself
   detail::lock_guard<detail::mutex> dlk(mu_);
-  stream_state& st = get_or_create_stream_locked(stream);
-  tc.streams[tc.next++ % thread_cache::k_streams] = {id_, stream, &st};
+  stream_state& st = get_or_create_stream_locked(key);
+  if (st.cache_key.load(std::memory_order_relaxed) == lookup)
+    tc.streams[tc.next++ % thread_cache::k_streams] = {id_, lookup, &st};
   return st;
 }
 
@@ -193,6 +266,10 @@ void caching_allocator::impl::sample_peaks() {
 
 caching_allocator::impl::stream_state* caching_allocator::impl::cached_live_state(
     stream_handle stream) const {
+  if (detail::is_per_thread_key(stream)) {  // cached under its handle, by its own thread only
+    if (!detail::own_per_thread_key(stream)) return nullptr;
+    stream = detail::per_thread_handle_of(stream);
+  }
   for (const auto& e : t_cache.streams) {
     if (e.owner == id_ && e.stream == stream) {
       auto* st = static_cast<stream_state*>(e.state);

@@ -22,6 +22,7 @@ pause_status caching_allocator::resume(std::string_view tag) {
 }
 
 pause_status caching_allocator::resume(std::string_view tag, stream_handle also_order) {
+  also_order = impl_->key_of(also_order);  // cudaStreamPerThread: this thread's
   return resume_impl(tag, &also_order);
 }
 
@@ -91,7 +92,7 @@ void caching_allocator::impl::order_after_restore_locked(resume_work& w,
     if (s == w.copy_stream ||
         (it != streams_.end() && !it->second->alive.load(std::memory_order_acquire)))
       continue;  // a destroyed stream orders nothing (the caller's may be one not seen yet)
-    backend_.stream_wait_event(s, ready);
+    stream_wait_on(s, ready);  // s is a key (per-thread streams: streams.cpp)
     ++stats_.stream_waits;
   }
   put_event(ready);  // the waits are enqueued: recording it again later changes none of them
@@ -207,6 +208,7 @@ pause_status caching_allocator::resume_async(std::string_view tag) {
 }
 
 pause_status caching_allocator::resume_async(std::string_view tag, stream_handle also_order) {
+  also_order = impl_->key_of(also_order);  // cudaStreamPerThread: this thread's
   return resume_async_impl(tag, &also_order);
 }
 

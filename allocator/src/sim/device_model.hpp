@@ -227,6 +227,8 @@ struct simulated_device::impl {
   std::map<std::uintptr_t, std::size_t> freed_ranges_;  // base -> bytes (reuse_freed_addresses)
   std::map<std::uintptr_t, std::size_t> reservations_;  // base -> size
   std::set<std::uintptr_t> mapped_chunks_;
+  std::map<std::uintptr_t, std::vector<int>> chunk_access_;  // mapped chunk -> its access set
+  std::map<int, int> omitted_peer_maps_;  // device -> map calls still to leave it out (K13)
   std::size_t bytes_in_use_ = 0;
   std::map<std::uintptr_t, std::pair<std::uintptr_t, std::uint8_t>> contents_;  // b -> (e, v)
   // Pinned host memory (allocate_host): in segments_ too (so that work may touch it), not in

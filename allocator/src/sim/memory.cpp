@@ -166,8 +166,39 @@ bool simulated_device::map(void* addr_ptr, std::size_t size_bytes) {
       d.fail("map", "chunk " + hex(chunk) + " is already mapped");
   }
   if (size_bytes > d.config_.total_bytes - d.bytes_in_use_) return false;
+  // The access set: this device and every peer that can access it (K13), less the injected
+  // omissions.
+  std::vector<int> access{d.config_.device};
+  for (const auto& peer : d.config_.peers) {
+    if (!peer.can_access) continue;
+    auto omit = d.omitted_peer_maps_.find(peer.device);
+    if (omit != d.omitted_peer_maps_.end() && omit->second > 0) {
+      if (--omit->second == 0) d.omitted_peer_maps_.erase(omit);
+      continue;
+    }
+    access.push_back(peer.device);
+  }
+  std::sort(access.begin(), access.end());
+  // The debug check: every chunk of a reserved range carries the same access set.
+  const std::uintptr_t range_base = std::prev(res)->first;
+  const std::uintptr_t range_end = range_base + std::prev(res)->second;
+  for (auto it = d.chunk_access_.lower_bound(range_base);
+       it != d.chunk_access_.end() && it->first < range_end; ++it) {
+    if (it->second == access) continue;
+    auto names = [](const std::vector<int>& set) {
+      std::string text = "{";
+      for (int dev : set) text += (text.size() > 1 ? ", " : "") + std::to_string(dev);
+      return text + "}";
+    };
+    d.record_fault(fault_kind::access_mismatch,
+                   "map " + describe_range(addr, size_bytes) + " grants access to devices " +
+                       names(access) + ", chunk " + hex(it->first) + " of the same range to " +
+                       names(it->second));
+    break;
+  }
   for (std::uintptr_t chunk = addr; chunk < addr + size_bytes; chunk += gran) {
     d.mapped_chunks_.insert(chunk);
+    d.chunk_access_[chunk] = access;
   }
   d.bytes_in_use_ += size_bytes;
   ++d.counters_.maps;
@@ -195,11 +226,25 @@ void simulated_device::unmap(void* addr_ptr, std::size_t size_bytes) {
   d.check_release("unmap", addr, size_bytes);
   for (std::uintptr_t chunk = addr; chunk < addr + size_bytes; chunk += gran) {
     d.mapped_chunks_.erase(chunk);
+    d.chunk_access_.erase(chunk);
   }
   d.bytes_in_use_ -= size_bytes;
   d.assign_contents(addr, addr + size_bytes, std::nullopt);
   ++d.counters_.unmaps;
   d.counters_.bytes_unmapped += size_bytes;
+}
+
+std::vector<int> simulated_device::access_devices(std::uintptr_t addr) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  const impl& d = *impl_;
+  const std::size_t gran = d.config_.granularity_bytes;
+  auto it = d.chunk_access_.find(addr / gran * gran);
+  return it == d.chunk_access_.end() ? std::vector<int>{} : it->second;
+}
+
+void simulated_device::omit_peer_on_next_maps(int device, int maps) {
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  if (maps > 0) impl_->omitted_peer_maps_[device] = maps;
 }
 
 }  // namespace streamsafe::sim

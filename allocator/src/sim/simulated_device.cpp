@@ -19,6 +19,7 @@ const char* to_string(fault_kind kind) noexcept {
     case fault_kind::cross_stream_race: return "cross_stream_race";
     case fault_kind::access_unmapped: return "access_unmapped";
     case fault_kind::capture_violation: return "capture_violation";
+    case fault_kind::access_mismatch: return "access_mismatch";
   }
   return "unknown_fault";
 }

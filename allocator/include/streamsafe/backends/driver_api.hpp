@@ -23,8 +23,8 @@ void load();
 // True when the entry points are available (fetches them on the first call). Never throws.
 bool available() noexcept;
 
-// cuMemCreate, cuMemRelease, cuMemMap, cuMemUnmap, cuMemSetAccess, cuMemAddressReserve,
-// cuMemAddressFree, cuMemGetAllocationGranularity. Each returns CUDA_ERROR_NOT_INITIALIZED
+// cuMemCreate, cuMemRelease, cuMemMap, cuMemUnmap, cuMemSetAccess, cuMemGetAccess,
+// cuMemAddressReserve, cuMemAddressFree, cuMemGetAllocationGranularity. Each returns CUDA_ERROR_NOT_INITIALIZED
 // when the entry points could not be loaded.
 CUresult mem_create(CUmemGenericAllocationHandle* handle, std::size_t size,
                     const CUmemAllocationProp* prop, unsigned long long flags) noexcept;
@@ -34,6 +34,8 @@ CUresult mem_map(CUdeviceptr ptr, std::size_t size, std::size_t offset,
 CUresult mem_unmap(CUdeviceptr ptr, std::size_t size) noexcept;
 CUresult mem_set_access(CUdeviceptr ptr, std::size_t size, const CUmemAccessDesc* desc,
                         std::size_t count) noexcept;
+CUresult mem_get_access(unsigned long long* flags, const CUmemLocation* location,
+                        CUdeviceptr ptr) noexcept;
 CUresult mem_address_reserve(CUdeviceptr* ptr, std::size_t size, std::size_t alignment,
                              CUdeviceptr addr, unsigned long long flags) noexcept;
 CUresult mem_address_free(CUdeviceptr ptr, std::size_t size) noexcept;

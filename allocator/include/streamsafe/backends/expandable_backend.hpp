@@ -9,7 +9,10 @@
 //    then cuMemSetAccess read/write for the device AND for every peer device that can access
 //    it (cudaDeviceCanAccessPeer, asked once at construction; peer_devices()). So kernels on a
 //    peer device may read and write any block of an expandable segment, including chunks
-//    mapped later; VMM memory needs no cudaDeviceEnablePeerAccess. Out of memory: nothing stays
+//    mapped later, first mapping or remapping (K13); a device without peer capability is left
+//    out and the map goes on. Debug builds (NDEBUG off) check each mapping with cuMemGetAccess
+//    and fail the map when the device or a peer lacks read/write access. VMM memory needs no
+//    cudaDeviceEnablePeerAccess. Out of memory: nothing stays
 //    mapped and map returns false. The caching allocator maps one chunk per call
 //    (expandable_chunk_mb).
 //  * unmap(addr, size): cuMemUnmap + cuMemRelease of each mapped range inside; the range must

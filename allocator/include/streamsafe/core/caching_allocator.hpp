@@ -25,6 +25,9 @@
 // none is ever held across a host-blocking driver call (synchronize_event, synchronize_device,
 // a free_segment that synchronises).
 // Errors: see core/errors.hpp. Every throw leaves state and statistics unchanged.
+// cudaStreamPerThread (a handle the backend marks with stream_is_per_thread), passed to any call
+// below, names the calling thread's own per-thread stream: a stream of its own to the allocator,
+// fenced from other threads through the legacy default stream (docs/design.md, Stream handles).
 #pragma once
 
 #include <streamsafe/backends/device_backend.hpp>
@@ -89,8 +92,8 @@ class caching_allocator {
   // Throws invalid_pointer for a pointer this allocator did not hand out, a double free or an
   // interior pointer. Never blocks the host. Safe from a stream callback (case K16): a free
   // from a thread other than the one that last allocated on the block's stream, or inside a
-  // callback_scope, makes no backend call (except to record a use on a per-thread stream
-  // handle, which only the freeing thread can name); a block with uses on other streams waits,
+  // callback_scope, makes no backend call (except, outside a callback_scope, to record a use on
+  // the freeing thread's own per-thread stream, which only it can name); a block with uses on other streams waits,
   // unusable, until the next ordinary call that reaches the driver anyway (an allocation that
   // misses the cache, empty_cache, reclaim) records its events.
   void deallocate(void* ptr);

@@ -22,10 +22,9 @@
 //  * cudaStreamPerThread is a different stream in every thread. An allocation on it is served
 //    from the legacy default stream's pool (the per-thread default stream is a blocking stream:
 //    it is ordered after legacy-stream work, including the event waits the allocator issues
-//    there) and the block is recorded as used on cudaStreamPerThread, so that its host free
-//    records an event on the FREEING thread's per-thread stream. Free such a block on the thread
-//    whose per-thread stream used it last, or pass that use explicitly (record_stream / a
-//    stream-ordered free on a real stream handle).
+//    there) and the block is recorded as used on the allocating thread's per-thread stream
+//    (the core gives each thread's per-thread stream an identity of its own), so that its host
+//    free, on any thread, fences that stream (from another thread through the legacy stream).
 //  * Passed to record_stream or deallocate(p, stream), cudaStreamPerThread means the calling
 //    thread's per-thread stream, as everywhere in CUDA.
 //

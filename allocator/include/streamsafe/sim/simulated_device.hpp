@@ -5,7 +5,7 @@
 // caller advances runs the queues. Nothing is computed: the device tracks which work is
 // pending, the happens-before order between streams (vector clocks carried by events), the
 // bytes written (so a test can read back which write landed last), and which address ranges
-// are backed by memory. It records three faults:
+// are backed by memory. It records these faults:
 //   release_under_pending_work  free_segment / unmap of memory that pending work touches
 //                               (on a GPU: the illegal memory access of the unmap race);
 //   cross_stream_race           a new use of memory on one stream while a use on another
@@ -20,6 +20,9 @@
 //                               capture waiting on a captured event; a query or synchronisation
 //                               of an event last recorded in a capture. As on a GPU the call
 //                               fails (backend_error) and the capture is invalidated.
+//   access_mismatch             map() of a chunk whose access set (the device and its peers,
+//                               device_config::peers) differs from the other mapped chunks of
+//                               its reserved range (K13; access_devices() answers per chunk).
 // Graph capture: begin_capture(s) .. end_capture(s) record the kernels launched on s into a
 // graph instead of running them (event records on s become captured events); launch_graph
 // enqueues the recorded kernels on a stream, checked like launches. allocate_segment and map
@@ -52,7 +55,10 @@ enum class fault_kind {
   release_under_pending_work,
   cross_stream_race,
   access_unmapped,
-  capture_violation
+  capture_violation,
+  // K13: map() gave a chunk an access set (the devices that may read and write it) other than
+  // the one of the chunks already mapped in the same reserved range.
+  access_mismatch
 };
 
 struct fault {
@@ -102,6 +108,14 @@ struct device_config {
   // takes the lowest freed range that fits (first fit, the rest stays free) before fresh
   // addresses. Off: addresses are never handed out twice.
   bool reuse_freed_addresses = false;
+  // Peer access (K13): the other devices of the machine. map() grants read/write access to this
+  // device and to every peer with can_access (as the CUDA expandable backend does for each peer
+  // cudaDeviceCanAccessPeer allows); a peer without it is left out and the map still succeeds.
+  struct peer_device {
+    int device = 0;
+    bool can_access = true;
+  };
+  std::vector<peer_device> peers;
 };
 
 class simulated_device final : public device_backend {
@@ -146,6 +160,14 @@ class simulated_device final : public device_backend {
   void advance(std::uint64_t duration_us);
   // Advances until every queue is empty; throws std::logic_error if an unopened hold blocks.
   void run_until_idle();
+
+  // ---- peer access (K13) --------------------------------------------------------------------
+  // The devices that may access the mapped chunk holding addr, ascending (empty when unmapped).
+  std::vector<int> access_devices(std::uintptr_t addr) const;
+  // Fault model of a backend that sets access on some mappings only: the next `maps` map calls
+  // leave `device` out of the access set. A chunk whose access set differs from the other mapped
+  // chunks of its reserved range is reported at map() as fault_kind::access_mismatch.
+  void omit_peer_on_next_maps(int device, int maps = 1);
 
   // ---- memory contents --------------------------------------------------------------------
   // The value of the last completed write covering addr (nullopt when none).

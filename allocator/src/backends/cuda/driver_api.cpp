@@ -26,6 +26,7 @@ struct entry_points {
   PFN_cuMemMap_v10020 mem_map = nullptr;
   PFN_cuMemUnmap_v10020 mem_unmap = nullptr;
   PFN_cuMemSetAccess_v10020 mem_set_access = nullptr;
+  PFN_cuMemGetAccess_v10020 mem_get_access = nullptr;
   PFN_cuMemAddressReserve_v10020 mem_address_reserve = nullptr;
   PFN_cuMemAddressFree_v10020 mem_address_free = nullptr;
   PFN_cuMemGetAllocationGranularity_v10020 mem_get_allocation_granularity = nullptr;
@@ -79,6 +80,7 @@ entry_points load_entry_points() noexcept {
     fetch("cuMemMap", table.mem_map, table.error);
     fetch("cuMemUnmap", table.mem_unmap, table.error);
     fetch("cuMemSetAccess", table.mem_set_access, table.error);
+    fetch("cuMemGetAccess", table.mem_get_access, table.error);
     fetch("cuMemAddressReserve", table.mem_address_reserve, table.error);
     fetch("cuMemAddressFree", table.mem_address_free, table.error);
     fetch("cuMemGetAllocationGranularity", table.mem_get_allocation_granularity, table.error);
@@ -160,6 +162,12 @@ CUresult mem_set_access(CUdeviceptr ptr, std::size_t size, const CUmemAccessDesc
                         std::size_t count) noexcept {
   const entry_points* t = usable();
   return t ? t->mem_set_access(ptr, size, desc, count) : CUDA_ERROR_NOT_INITIALIZED;
+}
+
+CUresult mem_get_access(unsigned long long* flags, const CUmemLocation* location,
+                        CUdeviceptr ptr) noexcept {
+  const entry_points* t = usable();
+  return t ? t->mem_get_access(flags, location, ptr) : CUDA_ERROR_NOT_INITIALIZED;
 }
 
 CUresult mem_address_reserve(CUdeviceptr* ptr, std::size_t size, std::size_t alignment,

@@ -220,6 +220,21 @@ bool expandable_backend::map(void* addr, std::size_t size_bytes) {
       const mapping m{handle, size_bytes};
       unmap_and_release(base, &m, 1);
     }
+#ifndef NDEBUG
+    // The debug check of K13: the driver reports read/write access for the device and each
+    // capable peer on this mapping, as on every other mapping of the range (the same access_).
+    for (std::size_t i = 0; failure == CUDA_SUCCESS && i < access_.size(); ++i) {
+      unsigned long long flags = 0;
+      failure = driver::mem_get_access(&flags, &access_[i].location, base);
+      if (failure == CUDA_SUCCESS && flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        failure = CUDA_ERROR_INVALID_VALUE;
+      if (failure != CUDA_SUCCESS) {
+        failed_call = "cuMemGetAccess(&flags, location (device or peer), base): not read/write";
+        const mapping m{handle, size_bytes};
+        unmap_and_release(base, &m, 1);
+      }
+    }
+#endif
   }
   if (failure != CUDA_SUCCESS) {
     if (failure == CUDA_ERROR_OUT_OF_MEMORY) return false;
