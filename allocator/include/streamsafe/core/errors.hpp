@@ -8,7 +8,11 @@
 //  invalid_size      (std::invalid_argument) a request of 0 bytes.
 //  config_error      (std::invalid_argument) a bad STREAMSAFE_ALLOC_CONF key or value.
 //  backend_error     (std::runtime_error)  a driver call failed for a reason other than
-//                                         running out of memory.
+//                                         running out of memory (also: a backend without
+//                                         the call, such as IPC on a backend that lacks it).
+//  ipc_error         (std::logic_error)   an interprocess handle or release message that is
+//                                         malformed, unknown, released twice, imported twice,
+//                                         or used during a CUDA graph capture (core/ipc.hpp).
 // Every error leaves the allocator's state and statistics as they were before the call.
 #pragma once
 
@@ -45,6 +49,11 @@ class config_error : public std::invalid_argument {
 class backend_error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
+};
+
+class ipc_error : public std::logic_error {
+ public:
+  using std::logic_error::logic_error;
 };
 
 }  // namespace streamsafe
