@@ -369,7 +369,23 @@ ipc_release caching_allocator::release_import(void* ptr, stream_handle stream) {
   rec.released = true;
   m.ipc_.imports.erase(it);
   m.ipc_.closing.push_back(rec);
-  return detail::make_ipc_release(rec.producer, rec.export_id);
+  return detail::make_ipc_release(rec.producer, rec.export_id, rec.producer_device);
+}
+
+bool caching_allocator::is_import(const void* ptr) const {
+  detail::lock_guard<detail::mutex> lk(impl_->mu_);
+  const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
+  if (impl_->ipc_.imports.count(addr) != 0) return true;
+  return std::any_of(impl_->ipc_.closing.begin(), impl_->ipc_.closing.end(),
+                     [&](const detail::ipc_import_record& rec) { return rec.addr == addr; });
+}
+
+int ipc_handle_device(const ipc_handle& handle) {
+  return detail::parse_ipc_handle(handle, "ipc_handle_device").header.device;
+}
+
+int ipc_release_device(const ipc_release& release) {
+  return detail::parse_ipc_release(release, "ipc_release_device").device;
 }
 
 caching_allocator::ipc_counts caching_allocator::ipc_status() const {

@@ -43,6 +43,8 @@ struct ipc_release_header {
   std::uint16_t reserved = 0;
   std::uint64_t producer = 0;
   std::uint64_t export_id = 0;
+  std::int32_t device = 0;  // the producer's device index
+  std::uint32_t padding = 0;
 };
 
 // A handle split into its parts; parse_ipc_handle checks every length.
@@ -102,10 +104,12 @@ inline ipc_handle_parts parse_ipc_handle(const ipc_handle& h, const char* what) 
   return p;
 }
 
-inline ipc_release make_ipc_release(std::uint64_t producer, std::uint64_t export_id) {
+inline ipc_release make_ipc_release(std::uint64_t producer, std::uint64_t export_id,
+                                    int device) {
   ipc_release_header r;
   r.producer = producer;
   r.export_id = export_id;
+  r.device = device;
   ipc_release out;
   out.bytes.resize(sizeof r);
   std::memcpy(out.bytes.data(), &r, sizeof r);

@@ -37,6 +37,11 @@ class cuda_event_ops : public device_backend {
   bool stream_is_capturing(stream_handle stream) noexcept final;
   // cudaStreamPerThread (handle 2): a different stream in every thread.
   bool stream_is_per_thread(stream_handle stream) const noexcept final { return stream == 2; }
+  // IPC events: cudaEventCreateWithFlags(cudaEventDisableTiming | cudaEventInterprocess),
+  // cudaIpcGetEventHandle (64 bytes), cudaIpcOpenEventHandle, cudaEventDestroy.
+  event_handle create_ipc_event() final;
+  std::vector<std::uint8_t> export_event(event_handle event) final;
+  event_handle open_ipc_event(const std::vector<std::uint8_t>& bytes) final;
 
  protected:
   // Throws backend_error when `device` is not a valid device index here (no GPU: always).

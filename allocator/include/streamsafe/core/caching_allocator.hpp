@@ -246,6 +246,8 @@ class caching_allocator {
     std::size_t closing = 0;     // consumer: released imports whose event has not completed
   };
   ipc_counts ipc_status() const;
+  // True when ptr is an import of this allocator, open or released and not yet closed.
+  bool is_import(const void* ptr) const;
 
   statistics stats() const;
   void reset_peak_stats();

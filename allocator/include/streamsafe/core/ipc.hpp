@@ -49,6 +49,11 @@ struct imported_block {
   std::uint64_t export_id = 0;  // the producer's id of this export (for messages)
 };
 
+// The producer's device index named by a handle / a release message (front ends route by it).
+// Throws ipc_error for malformed bytes.
+int ipc_handle_device(const ipc_handle& handle);
+int ipc_release_device(const ipc_release& release);
+
 // Sends `handle` over the connected Unix-domain socket `socket_fd`: its bytes and, as SCM_RIGHTS
 // ancillary data, the file descriptors it names (duplicated into the receiver by the kernel).
 // Throws ipc_error for a malformed handle, backend_error when sendmsg fails.
