@@ -244,6 +244,9 @@ TEST_CASE("IPC misuse is a clear error", "[ipc]") {
     CHECK_THROWS_AS(P.notify_import_released(ipc_release{{1, 2, 3}}), ipc_error);
     const imported_block imp = C.import_block(h);
     CHECK_THROWS_WITH(C.import_block(h), Catch::Contains("imported here already"));
+    CHECK_THROWS_WITH(C.import_block(P.export_block(a)),
+                      Catch::Contains("another export of the same block"));
+    CHECK(env.dev.open_import_count() == 1);  // the refused import's view was closed
     const ipc_release r = C.release_import(imp.ptr, env.cs);
     caching_allocator other(env.dev, make_options(backend_kind::expandable));
     void* o = other.allocate(MiB, env.ps);
@@ -256,6 +259,7 @@ TEST_CASE("IPC misuse is a clear error", "[ipc]") {
     env.dev.run_until_idle();
     P.reclaim();
     CHECK_THROWS_WITH(P.notify_import_released(r), Catch::Contains("already ended"));
+    CHECK(P.revoke_exports(a) == 1);  // the export whose import was refused
   }
   SECTION("release of an unknown import, and a double release") {
     CHECK_THROWS_WITH(C.release_import(a, env.cs), Catch::Contains("not an open import"));

@@ -322,6 +322,13 @@ imported_block caching_allocator::import_block(const ipc_handle& handle) {
                 ? parts.fds
                 : detail::fetch_ipc_fds(parts.header.producer_pid, parts.fds);
   const std::uintptr_t addr = m.backend_.import_memory(mem);  // closes mem.fds
+  if (m.ipc_.imports.count(addr) != 0) {  // another export of the same block, open here
+    m.backend_.close_imported_memory(addr);
+    throw ipc_error("streamsafe: import_block" + dev_text(m.backend_) + ": export " +
+                    std::to_string(parts.header.export_id) + " maps at " + detail::hex(addr) +
+                    ", where another export of the same block is imported here already (release "
+                    "it first, or import in another allocator)");
+  }
   event_handle e = 0;
   try {
     e = m.backend_.open_ipc_event(parts.event);

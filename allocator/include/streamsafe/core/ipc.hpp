@@ -21,6 +21,9 @@
 // leaves p held: revoke_exports(p) drops its exports (the caller asserts no consumer still
 // touches p, as after the consumer process has exited).
 //
+// streamsafe orders the producer's reuse after the consumer's use, not the consumer's first use
+// after the producer's writes: synchronize the producer's stream (or share an event) before the
+// handle is sent.
 // Handles are bytes, valid while the producer's allocator lives. Units: bytes. Thread safety:
 // the types are values; the helpers may be called from any thread.
 #pragma once
