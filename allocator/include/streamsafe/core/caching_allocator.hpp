@@ -217,7 +217,8 @@ class caching_allocator {
   // release and the consumer's event (recorded on the consumer's stream) has been seen complete:
   // polled, never waited on, by notify_import_released, reclaim, empty_cache and the allocation
   // slow path's releases; empty_cache in wait mode waits (no lock held) on the consumer events of
-  // released exports of freed blocks. allocate and deallocate never wait on them. Throws ipc_error
+  // released exports of freed blocks. allocate and deallocate never wait on them (but for the
+  // out-of-memory retry with empty_cache == wait, as for every fence). Throws ipc_error
   // during a CUDA graph capture, backend_error when the backend cannot export (the simulated
   // device and both CUDA backends can). Makes backend calls: not from a stream callback.
   ipc_handle export_block(void* ptr);
