@@ -237,3 +237,43 @@ TEST_CASE(
   CHECK(streamsafe_notify_graph_released(graph, 0) == STREAMSAFE_ERROR_INVALID_ARGUMENT);
   CHECK(streamsafe_notify_capture_begin(nullptr, &graph) == STREAMSAFE_ERROR_INVALID_ARGUMENT);
 }
+
+TEST_CASE("A block exported through the C API stays allocated until its release", "[capi][ipc]") {
+  use_simulated();
+  void* s = nullptr;
+  REQUIRE(streamsafe_sim_create_stream(0, &s) == STREAMSAFE_SUCCESS);
+  const std::int64_t before = stats_of(0).allocated_bytes.current;
+  void* p = nullptr;
+  REQUIRE(streamsafe_malloc(&p, MiB, s) == STREAMSAFE_SUCCESS);
+  void* h = nullptr;
+  size_t n = 0;
+  REQUIRE(streamsafe_export_block(p, &h, &n) == STREAMSAFE_SUCCESS);
+  REQUIRE(n > 0);
+  // One process plays both ends: the simulated device's import is a view at the same address.
+  void* q = nullptr;
+  size_t q_bytes = 0;
+  REQUIRE(streamsafe_import_block(h, n, -1, &q, &q_bytes) == STREAMSAFE_SUCCESS);
+  CHECK(q == p);
+  CHECK(q_bytes >= MiB);
+  void* again = nullptr;
+  CHECK(streamsafe_import_block(h, n, -1, &again, nullptr) == STREAMSAFE_ERROR_IPC);
+  unsigned char r[STREAMSAFE_IPC_RELEASE_BYTES];
+  REQUIRE(streamsafe_release_import(q, s, r) == STREAMSAFE_SUCCESS);
+  CHECK(streamsafe_release_import(q, s, r) == STREAMSAFE_ERROR_IPC);
+  REQUIRE(streamsafe_free(p) == STREAMSAFE_SUCCESS);
+  CHECK(stats_of(0).allocated_bytes.current > before);  // held: still allocated
+  CHECK(streamsafe_free(p) == STREAMSAFE_ERROR_INVALID_POINTER);
+  REQUIRE(streamsafe_notify_import_released(r, sizeof r) == STREAMSAFE_SUCCESS);
+  CHECK(streamsafe_notify_import_released(r, sizeof r) == STREAMSAFE_ERROR_IPC);
+  REQUIRE(streamsafe_sim_synchronize() == STREAMSAFE_SUCCESS);
+  REQUIRE(streamsafe_reclaim(nullptr) == STREAMSAFE_SUCCESS);
+  CHECK(stats_of(0).allocated_bytes.current == before);
+  void* h2 = nullptr;
+  size_t n2 = 0;
+  CHECK(streamsafe_export_block(p, &h2, &n2) == STREAMSAFE_ERROR_INVALID_POINTER);
+  const char junk[] = "not a handle";
+  CHECK(streamsafe_import_block(junk, sizeof junk, -1, &q, nullptr) == STREAMSAFE_ERROR_IPC);
+  CHECK(std::string(streamsafe_last_error()).find("not an IPC handle") != std::string::npos);
+  CHECK(std::string(streamsafe_status_string(STREAMSAFE_ERROR_IPC)) == "STREAMSAFE_ERROR_IPC");
+  streamsafe_ipc_free(h);
+}

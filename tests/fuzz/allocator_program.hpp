@@ -10,8 +10,9 @@
 // call), stream-ordered free, uses on other streams recorded with record_stream or left unrecorded
 // and ordered by the program as FSDP2 does, holds and their opening, clock advances, empty_cache in
 // both modes, reclaim, stream destruction announced with notify_stream_destroyed (handles may be
-// recycled; one at a time or in bursts of short-lived streams), bad pointers, and backend failures
-// injected into the next allocator call.
+// recycled; one at a time or in bursts of short-lived streams), bad pointers, backend failures
+// injected into the next allocator call, and IPC (a live block exported to a consumer allocator on
+// the same device, read there, freed by the producer before or after the release: op_ipc).
 //
 // Checked after every step (or every `check_every` steps), any breach throws `violation`:
 //  * check_invariants() passes; allocated / requested bytes and the allocation count equal what
@@ -216,6 +217,7 @@ class program {
     // On an escaping violation the allocator may hold segments under unopened holds: open them
     // so that its destructor can release, and keep quiet.
     for (std::uint64_t h : holds_) dev_.open(h);
+    ipc_consumer_.reset();
     alloc_.reset();
   }
 
@@ -268,6 +270,7 @@ class program {
     require(s.active_bytes.current == 0, "active bytes left after draining");
     require(alloc_->pending_release_bytes() == 0, "deferred releases left after empty_cache(wait)");
     require(dev_.bytes_in_use() == 0, "device memory still in use after draining");
+    ipc_consumer_.reset();
     alloc_.reset();
     for (auto& [uid, e] : final_events_) dev_.destroy_event(e);
     final_events_.clear();
@@ -534,7 +537,8 @@ class program {
     const std::uint8_t raw = src.byte();
     const std::uint8_t op = raw % 32;
     if (raw == 255) return op_graphs(src);
-    if (raw == 254 || raw == 253) return op_sleep(src);
+    if (raw == 253 || raw == 252) return op_sleep(src);
+    if (raw == 254) return op_ipc(src);
     if (op < 8) return op_allocate(src);
     if (op < 12) return op_use(src);
     if (op < 14) return op_free(src);
@@ -1210,6 +1214,64 @@ class program {
     require(alloc_->held_free_count() == 0, "held frees left after every graph was released");
   }
 
+  // IPC (issue 14 item 7): a live block exported to a consumer allocator on this device and read
+  // on the consumer's stream; the producer frees it before or after the consumer's release, then
+  // reallocates its size (allocate_on checks the new block overlaps no live block: the held one
+  // stays in live_) and calls empty_cache(defer). The free stays held until the consumer's read
+  // has completed; afterwards no export and no held free remain.
+  template <class Source>
+  void op_ipc(Source& src) {
+    const std::uint8_t b = src.byte();
+    if (live_.empty() || armed_ || !holds_.empty()) return;
+    const std::size_t i = pick(src, live_.size());
+    const live_block blk = live_[i];
+    const std::uint64_t read_us = 1 + (b >> 2);
+    const bool free_first = (b & 1) != 0;
+    if (!ipc_consumer_) {
+      ipc_consumer_.emplace(dev_, options{});
+      ipc_stream_ = dev_.create_stream();
+    }
+    note("ipc export of block " + std::to_string(i) + (free_first ? ", free first" : ""));
+    ipc_handle h;
+    expect_ok("export_block", [&] { h = alloc_->export_block(blk.ptr); });
+    imported_block imp;
+    expect_ok("import_block", [&] { imp = ipc_consumer_->import_block(h); });
+    require(imp.ptr == blk.ptr, "an import is not a view of the exported block");
+    // The consumer is ordered after the producer's uses of the block (the caller's part of the
+    // protocol: the handle is sent once the producer's writes are done or ordered).
+    order_after(ipc_stream_, blk.stream_uid);
+    for (std::uint64_t u : blk.users) order_after(ipc_stream_, u);
+    const std::uint64_t read = dev_.launch(ipc_stream_, read_us,
+                {{reinterpret_cast<std::uintptr_t>(blk.ptr), blk.size, sim::access::read,
+                  std::nullopt}},
+                "ipc consumer read");
+    ipc_release r;
+    expect_ok("release_import", [&] { r = ipc_consumer_->release_import(imp.ptr, ipc_stream_); });
+    if (!free_first) expect_ok("notify_import_released", [&] { alloc_->notify_import_released(r); });
+    expect_ok("deallocate (exported)", [&] { alloc_->deallocate(blk.ptr); });
+    require(alloc_->ipc_status().held_frees == 1, "a free of an exported block was not held");
+    if (free_first) expect_ok("notify_import_released", [&] { alloc_->notify_import_released(r); });
+    // A reuse of the size (only in defer mode: a wait-mode out-of-memory retry may wait on the
+    // consumer's event, completing the free inside the allocation).
+    const std::size_t slot = pick(src, streams_.size());
+    if (config_.mode == empty_cache_mode::defer) {
+      if (auto j = allocate_on(slot, blk.size, 1)) free_block(*j, std::nullopt);
+    }
+    expect_ok("empty_cache(defer)", [&] { alloc_->empty_cache(empty_cache_mode::defer); });
+    for (int n = 0; n < 100000 && !dev_.completed(read); ++n) dev_.advance(read_us + 1);
+    require(dev_.completed(read), "the consumer's read never completed");
+    expect_ok("reclaim", [&] { alloc_->reclaim(); });
+    const auto st = alloc_->ipc_status();
+    require(st.held_frees == 0 && st.exports == 0,
+            "an export or its held free outlived the consumer's completed read");
+    const auto at = std::find_if(live_.begin(), live_.end(),
+                                 [&](const live_block& l) { return l.ptr == blk.ptr; });
+    ++stats_.frees;
+    live_.erase(at);
+    remember_freed(blk.ptr);
+    expect_ok("consumer reclaim", [&] { ipc_consumer_->reclaim(); });
+  }
+
   // Allocate, use, free at once (the hot path), with whatever failure is armed.
   template <class Source>
   void op_churn(Source& src) {
@@ -1232,6 +1294,8 @@ class program {
   std::map<std::uint64_t, event_handle> final_events_;  // dead stream uid -> its last event
   std::optional<armed_failure> armed_;
   std::optional<stream_handle> graph_stream_;  // op_graphs' capturing stream (no other op uses it)
+  std::optional<caching_allocator> ipc_consumer_;  // op_ipc's consumer (same device)
+  stream_handle ipc_stream_ = 0;                   // its stream (no other op uses it)
   std::uint64_t since_check_ = 0;
   program_stats stats_;
   bool keep_trace_ = false;

@@ -61,6 +61,8 @@ typedef enum streamsafe_status {
   STREAMSAFE_ERROR_UNKNOWN = 8,
   STREAMSAFE_ERROR_TAG_PAUSED = 9,       /* an allocation under a paused tag; a pause or resume
                                             refused in the current state (capture, callback) */
+  STREAMSAFE_ERROR_IPC = 10 /* an IPC handle or release malformed, unknown, used twice, or during
+                              a CUDA graph capture */
 } streamsafe_status;
 
 /* One statistic: current value, peak since start (or the last reset), totals added/removed. */
@@ -175,6 +177,43 @@ STREAMSAFE_C_API streamsafe_status streamsafe_get_stats(int device, streamsafe_s
 STREAMSAFE_C_API streamsafe_status streamsafe_reset_peak_stats(int device);
 /* The device whose allocator handed out ptr, or -1 in *device when none did. */
 STREAMSAFE_C_API streamsafe_status streamsafe_owner_device(const void* ptr, int* device);
+
+/* ---- interprocess sharing (IPC) ---------------------------------------------------------------
+ * Producer: streamsafe_export_block(p, &h, &n) returns in *h (n bytes, freed with
+ * streamsafe_ipc_free) a handle that another process opens with streamsafe_import_block. Ship
+ * the bytes over any channel; for the expandable backend the handle names file descriptors:
+ * send it with streamsafe_send_ipc_handle over a Unix-domain socket (SCM_RIGHTS), or ship the
+ * bytes alone and the importer fetches them with pidfd_getfd (needs ptrace rights over the
+ * producer). A free of an exported block is held (it stays allocated, neither reused nor released
+ * by empty_cache) until every export of it has ended: the consumer called
+ * streamsafe_release_import, its message reached streamsafe_notify_import_released, and the
+ * consumer's event recorded then has completed (polled, never waited on by malloc or free).
+ * streamsafe_revoke_exports ends the exports of p whose consumer died without releasing.
+ * Consumer: streamsafe_import_block maps the block on `device` (-1: the current device) at *ptr
+ * (*size_bytes may be NULL); streamsafe_release_import(ptr, stream, release) records the event on
+ * `stream` after the consumer's last use there and writes STREAMSAFE_IPC_RELEASE_BYTES bytes to
+ * `release` for the producer; the mapping closes once that event has completed.
+ * Errors: STREAMSAFE_ERROR_INVALID_POINTER (export of a freed or unknown pointer),
+ * STREAMSAFE_ERROR_IPC (malformed or unknown handle or release, imported or released twice,
+ * during a capture), STREAMSAFE_ERROR_BACKEND (the driver refused, e.g. the producer is gone). */
+#define STREAMSAFE_IPC_RELEASE_BYTES 32
+STREAMSAFE_C_API streamsafe_status streamsafe_export_block(void* ptr, void** handle,
+                                                           size_t* handle_bytes);
+STREAMSAFE_C_API void streamsafe_ipc_free(void* buffer);
+STREAMSAFE_C_API streamsafe_status streamsafe_notify_import_released(const void* release,
+                                                                     size_t release_bytes);
+STREAMSAFE_C_API streamsafe_status streamsafe_revoke_exports(void* ptr, size_t* revoked);
+STREAMSAFE_C_API streamsafe_status streamsafe_import_block(const void* handle, size_t handle_bytes,
+                                                           int device, void** ptr,
+                                                           size_t* size_bytes);
+STREAMSAFE_C_API streamsafe_status streamsafe_release_import(void* ptr, void* stream,
+                                                             void* release);
+/* One handle over a connected Unix-domain socket, descriptors as SCM_RIGHTS; the received
+ * handle (*handle, freed with streamsafe_ipc_free) names the receiver's own descriptors. */
+STREAMSAFE_C_API streamsafe_status streamsafe_send_ipc_handle(int socket_fd, const void* handle,
+                                                              size_t handle_bytes);
+STREAMSAFE_C_API streamsafe_status streamsafe_receive_ipc_handle(int socket_fd, void** handle,
+                                                                 size_t* handle_bytes);
 
 /* Sets the configuration ("key:value,key:value", the keys of STREAMSAFE_ALLOC_CONF, which it
  * replaces). Only before the first allocation: afterwards STREAMSAFE_ERROR_STATE. */

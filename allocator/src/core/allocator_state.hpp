@@ -28,6 +28,7 @@
 
 #include "active_map.hpp"
 #include "block.hpp"
+#include "ipc_registry.hpp"
 #include "pending_list.hpp"
 #include "pool.hpp"
 #include "stream_lock.hpp"
@@ -527,6 +528,24 @@ struct caching_allocator::impl {
   void* allocate_during_capture_locked(device_lock& dlk, std::size_t size, std::size_t rounded,
                                        bool small, stream_handle stream) STREAMSAFE_REQUIRES(mu_);
   std::string capture_note_locked() const STREAMSAFE_REQUIRES(mu_);  // for out-of-memory messages
+
+  // ---- ipc.cpp (interprocess export and import, core/ipc.hpp) --------------------------------
+  detail::ipc_registry ipc_ STREAMSAFE_GUARDED_BY(mu_);
+  // A producer free of an exported block (b->ipc_exports != 0): held, b stays active and
+  // allocated, until its last export ends (owner's lock held).
+  void hold_exported_free_locked(stream_state& owner, block* b, const stream_handle* stream)
+      STREAMSAFE_REQUIRES(mu_, owner.mu);
+  // Polls (never waits on) the released exports' and closing imports' events; ends the exports
+  // whose consumer event completed and completes the held frees whose last export ended; closes
+  // consumer mappings whose event completed. Nothing while a capture is underway.
+  void poll_ipc_locked() STREAMSAFE_REQUIRES(mu_);
+  // empty_cache wait mode: waits (mu_ dropped) on the consumer events of released exports of
+  // held blocks, then polls.
+  void wait_ipc_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
+  void end_export_locked(std::map<std::uint64_t, detail::ipc_export_record>::iterator it)
+      STREAMSAFE_REQUIRES(mu_);
+  void destroy_ipc_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // destruction.cpp
+  void check_ipc_locked() const STREAMSAFE_REQUIRES(mu_);  // invariants.cpp
 
   // ---- release.cpp -------------------------------------------------------------------------
   // mu_ and the segment owner's stream lock held.

@@ -69,6 +69,10 @@ struct alignas(64) block {
   block* free_next = nullptr;
   std::int16_t free_class = -1;
   bool free_held = false;  // active, but freed during a graph capture (capture.cpp: held_frees_)
+  // IPC (ipc.cpp): exports of this block not finished (open, or released with the consumer's
+  // event not yet seen complete); while non-zero a free is held (ipc_held).
+  std::uint32_t ipc_exports = 0;
+  bool ipc_held = false;  // active, but freed by the producer while exported (ipc.cpp)
 };
 
 struct segment {

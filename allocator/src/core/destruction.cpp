@@ -101,6 +101,7 @@ void caching_allocator::impl::destroy_all() {
           "device {}: allocator destroyed with {} live block(s); their device memory is kept",
           backend_.device(), live);
     }
+    destroy_ipc_locked(lk);  // imports closed behind their events; export events destroyed
     for (auto& [base, seg] : segments_) {
       if (seg->expandable && seg->mapped_bytes == 0) {
         backend_.release_address_range(reinterpret_cast<void*>(seg->base), seg->size);

@@ -133,6 +133,10 @@ void caching_allocator::impl::throw_invalid_pointer_locked(const void* ptr,
              << " bytes) was already freed during a CUDA graph capture (the free completes after "
                 "the capture, "
                 "or when its graph is released)";
+        } else if (b->addr == addr && b->ipc_held) {
+          os << "double free: the block at this address (" << b->size
+             << " bytes) was already freed while exported to another process (the free "
+                "completes when every export of it has ended)";
         } else if (b->addr == addr) {
           os << "double free: the block at this address (" << b->size << " bytes) is "
              << state_name(b->state);

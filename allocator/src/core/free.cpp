@@ -331,10 +331,11 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   if (const stream_cache_entry& last = t_cache.last_used; last.owner == id_ && !capturing()) {
     auto& st = *static_cast<stream_state*>(last.state);
     detail::lock_guard<stream_lock> slk(st.mu);
-    // A free held by a capture goes to the slow path (which rejects it); in a stream callback
-    // no backend call: the slow path below defers the events; so does a stream this thread
-    // does not know.
-    if (block* b = st.active.find_active(addr); b && !b->free_held) {
+    // A free held by a capture goes to the slow path (which rejects it), and so does an
+    // exported block's (held until its exports end, ipc.cpp); in a stream callback no backend
+    // call: the slow path below defers the events; so does a stream this thread does not know.
+    if (block* b = st.active.find_active(addr);
+        b && !b->free_held && b->ipc_exports == 0 && !b->ipc_held) {
       if (free_without_events_locked(st, b, stream)) return;
       if (!callback_scope::active() && free_with_events_locked(st, b, stream, false)) return;
     }
@@ -345,7 +346,11 @@ void caching_allocator::impl::deallocate_impl(void* ptr, const stream_handle* st
   if (!owner) throw_invalid_pointer_locked(ptr, what);
   detail::lock_guard<stream_lock> slk(owner->mu);
   block* b = owner->active.find_active(addr);
-  if (!b || b->free_held) throw_invalid_pointer_locked(ptr, what);
+  if (!b || b->free_held || b->ipc_held) throw_invalid_pointer_locked(ptr, what);
+  if (b->ipc_exports != 0) {  // exported to another process: held until its exports end (ipc.cpp)
+    hold_exported_free_locked(*owner, b, stream);
+    return;
+  }
   if (capturing() && free_during_capture_locked(*owner, b, stream)) return;
   // On a thread that never allocated here (it may be a stream callback, K16) or inside a
   // callback_scope, no backend call: uses on other streams get their events from the next
@@ -386,7 +391,7 @@ void caching_allocator::record_stream(void* ptr, stream_handle stream) {
     auto& st = *static_cast<impl::stream_state*>(last.state);
     detail::lock_guard<stream_lock> slk(st.mu);
     if (block* b = st.active.find_active(reinterpret_cast<std::uintptr_t>(ptr));
-        b && !b->free_held) {
+        b && !b->free_held && !b->ipc_held) {
       m.add_use_locked(b, stream);
       return;
     }
@@ -396,7 +401,7 @@ void caching_allocator::record_stream(void* ptr, stream_handle stream) {
   if (!owner) m.throw_invalid_pointer_locked(ptr, "record_stream");
   detail::lock_guard<stream_lock> slk(owner->mu);
   block* b = owner->active.find_active(reinterpret_cast<std::uintptr_t>(ptr));
-  if (!b || b->free_held) m.throw_invalid_pointer_locked(ptr, "record_stream");
+  if (!b || b->free_held || b->ipc_held) m.throw_invalid_pointer_locked(ptr, "record_stream");
   m.add_use_locked(b, stream);
 }
 

@@ -179,6 +179,7 @@ void caching_allocator::check_invariants() const {
   }
   m.check_releasing_segments_locked(c);
   m.check_held_frees_locked(c);
+  m.check_ipc_locked();
   m.check_census_locked(c);
   m.check_dead_streams_locked();
 }

@@ -412,6 +412,8 @@ std::size_t caching_allocator::impl::release_cached(device_lock& lk, empty_cache
         backend_.device());
     return 0;
   }
+  // Wait mode also waits on the consumer events of freed exported blocks (ipc.cpp).
+  if (mode == empty_cache_mode::wait) wait_ipc_locked(lk);
   prepare_release_locked();
   release_batch batch = collect_releasable_locked();
   std::size_t released = release_collected(lk, batch, mode);
@@ -426,6 +428,7 @@ std::size_t caching_allocator::impl::release_cached(device_lock& lk, empty_cache
 
 void caching_allocator::impl::prepare_release_locked() {
   empty_cache_requested_ = false;
+  poll_ipc_locked();  // exported blocks whose exports ended become free (ipc.cpp)
   fence_unfenced_locked();
   for (auto& [s, st] : streams_) {
     detail::lock_guard<stream_lock> slk(st->mu);
@@ -644,6 +647,7 @@ std::size_t caching_allocator::reclaim() {
   if (impl_->capturing()) return 0;  // no query while a graph is captured: after the capture
   if (impl_->empty_cache_requested_) return impl_->trim_cached(lk);  // asked for from a callback
   impl_->fence_unfenced_locked();
+  impl_->poll_ipc_locked();  // ended exports: their held frees complete (ipc.cpp)
   for (auto& [s, st] : impl_->streams_) {
     detail::lock_guard<stream_lock> slk(st->mu);
     if (!st->pending.empty()) impl_->process_events_locked(*st);

@@ -221,6 +221,39 @@ struct simulated_device::impl {
   std::map<event_handle, event_state> events_;
   event_handle next_event_handle_ = 1;
 
+  // IPC (ipc.cpp). An opened interprocess event is an alias of the exported event (one state,
+  // as the driver's two handles name one event); the exported event outlives its destruction by
+  // the exporter while aliases are open. Imports are views of the exported range at the same
+  // address (producer and consumer share this device).
+  std::map<event_handle, event_handle> ipc_aliases_;  // alias -> exported event
+  std::map<event_handle, int> ipc_alias_count_;       // exported event -> aliases open
+  std::set<event_handle> ipc_orphans_;                // destroyed by the exporter, aliases open
+  std::multimap<std::uintptr_t, std::size_t> ipc_imports_;  // open views: address -> bytes
+  std::set<event_handle> ipc_events_;                       // created by create_ipc_event
+
+  // True when `event` was an IPC alias or an exported event with aliases (handled here).
+  bool destroy_ipc_event(event_handle event) {
+    if (auto a = ipc_aliases_.find(event); a != ipc_aliases_.end()) {
+      const event_handle target = a->second;
+      ipc_aliases_.erase(a);
+      if (--ipc_alias_count_[target] == 0) {
+        ipc_alias_count_.erase(target);
+        if (ipc_orphans_.erase(target) != 0) {
+          events_.erase(target);
+          ipc_events_.erase(target);
+        }
+      }
+      return true;
+    }
+    if (ipc_alias_count_.count(event) != 0) {
+      ipc_orphans_.insert(event);
+      ++counters_.events_destroyed;
+      return true;
+    }
+    ipc_events_.erase(event);
+    return false;
+  }
+
   // Memory.
   std::uintptr_t next_address_ = 0;
   std::map<std::uintptr_t, std::size_t> segments_;      // base -> size
@@ -289,6 +322,7 @@ struct simulated_device::impl {
   }
 
   event_state& live_event(event_handle event, const char* what) {
+    if (auto a = ipc_aliases_.find(event); a != ipc_aliases_.end()) event = a->second;
     auto it = events_.find(event);
     if (it == events_.end()) fail(what, "unknown or destroyed event " + std::to_string(event));
     return it->second;

@@ -54,6 +54,7 @@ event_handle simulated_device::create_event() {
 void simulated_device::destroy_event(event_handle event) noexcept {
   std::lock_guard<std::mutex> lock(impl_->mutex_);
   // Pending waits keep the marker id, so destroying a recorded event is safe (as in CUDA).
+  if (impl_->destroy_ipc_event(event)) return;  // an interprocess event (ipc.cpp)
   if (impl_->events_.erase(event) != 0) ++impl_->counters_.events_destroyed;
 }
 

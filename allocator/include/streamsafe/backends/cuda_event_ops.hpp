@@ -44,6 +44,11 @@ class cuda_event_ops : public device_backend {
   void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) final;
   // Pinned host memory of this device (pinned_host_backend); nullptr if it cannot be made.
   device_backend* host_backend() noexcept override;
+  // IPC events: cudaEventCreateWithFlags(cudaEventDisableTiming | cudaEventInterprocess),
+  // cudaIpcGetEventHandle (64 bytes), cudaIpcOpenEventHandle, cudaEventDestroy.
+  event_handle create_ipc_event() final;
+  std::vector<std::uint8_t> export_event(event_handle event) final;
+  event_handle open_ipc_event(const std::vector<std::uint8_t>& bytes) final;
 
  protected:
   // Throws backend_error when `device` is not a valid device index here (no GPU: always).

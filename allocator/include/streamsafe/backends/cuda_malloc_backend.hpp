@@ -8,13 +8,19 @@
 // synchronises the device implicitly (free_segment_synchronizes() is true): the allocator fences
 // before it anyway, and in empty_cache defer mode frees only while every stream it knows is idle.
 //
-// Thread safety: stateless apart from the device index; every call may come from any thread
-// and runs under a device_guard for the backend's device.
+// IPC: export_memory is cudaIpcGetMemHandle of the segment (64 bytes) and the block's offset in
+// it; import_memory is cudaIpcOpenMemHandle (cudaIpcMemLazyEnablePeerAccess) plus that offset,
+// close_imported_memory cudaIpcCloseMemHandle. No file descriptors.
+//
+// Thread safety: the table of imports is guarded by a mutex (never held across a driver call);
+// every call may come from any thread and runs under a device_guard for the backend's device.
 #pragma once
 
 #include <streamsafe/backends/cuda_event_ops.hpp>
 
 #include <cstddef>
+#include <map>
+#include <mutex>
 
 namespace streamsafe::cuda {
 
@@ -36,6 +42,15 @@ class cuda_malloc_backend final : public cuda_event_ops {
   void release_address_range(void* base, std::size_t size_bytes) override;
   bool map(void* addr, std::size_t size_bytes) override;
   void unmap(void* addr, std::size_t size_bytes) override;
+
+  ipc_memory export_memory(std::uintptr_t segment_base, std::size_t segment_bytes,
+                           std::uintptr_t addr, std::size_t size_bytes) override;
+  std::uintptr_t import_memory(const ipc_memory& memory) override;
+  void close_imported_memory(std::uintptr_t addr) override;
+
+ private:
+  std::mutex mutex_;
+  std::multimap<std::uintptr_t, void*> imports_;  // imported address -> opened segment base
 };
 
 }  // namespace streamsafe::cuda

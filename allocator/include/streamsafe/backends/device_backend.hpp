@@ -30,8 +30,14 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace streamsafe {
+
+class device_backend;
+// Throws backend_error: `call` is not supported by `backend` (the IPC defaults below).
+[[noreturn]] void throw_unsupported(const device_backend& backend, const char* call);
 
 using stream_handle = std::uintptr_t;  // cudaStream_t value; 0 = legacy default stream
 using event_handle = std::uintptr_t;   // cudaEvent_t value; 0 = none
@@ -115,6 +121,49 @@ class device_backend {
   // is a stream-ordered pinned host allocator (case K18). Owned by this backend; nullptr when
   // there is none. It supports no expandable segments and no host_backend of its own.
   virtual device_backend* host_backend() noexcept { return nullptr; }
+  // ---- interprocess sharing (IPC, core/ipc.hpp) -------------------------------------------
+  // Memory of this device described for another process: opaque bytes (cudaIpcMemHandle_t and
+  // the offset for cudaMalloc segments; the mapped ranges for expandable segments) and file
+  // descriptors of shareable physical memory (POSIX_FILE_DESCRIPTOR handles), owned by the
+  // caller once returned (the core closes them when the export ends).
+  struct ipc_memory {
+    std::vector<std::uint8_t> bytes;
+    std::vector<int> fds;
+  };
+  // The defaults throw backend_error (unsupported), so that a backend without IPC still builds.
+  // Producer: [addr, addr+size_bytes), a live block, lies in the segment [segment_base,
+  // segment_base+segment_bytes) (allocate_segment's, or a reserved range mapped there).
+  virtual ipc_memory export_memory(std::uintptr_t segment_base, std::size_t segment_bytes,
+                                   std::uintptr_t addr, std::size_t size_bytes) {
+    (void)segment_base, (void)segment_bytes, (void)addr, (void)size_bytes;
+    throw_unsupported(*this, "export_memory");
+  }
+  // Consumer: maps memory exported by another process on this device; `memory.fds` are this
+  // process's descriptors (closed by the backend, whether or not the call succeeds). Returns the
+  // address of the exported range's first byte.
+  virtual std::uintptr_t import_memory(const ipc_memory& memory) {
+    (void)memory;
+    throw_unsupported(*this, "import_memory");
+  }
+  // Unmaps what import_memory mapped at `addr`. Does not wait for pending work (the allocator
+  // closes behind the consumer's event).
+  virtual void close_imported_memory(std::uintptr_t addr) {
+    (void)addr;
+    throw_unsupported(*this, "close_imported_memory");
+  }
+  // An interprocess event (cudaEventInterprocess | cudaEventDisableTiming), its handle's bytes
+  // (cudaIpcGetEventHandle), the event another process's bytes name (cudaIpcOpenEventHandle;
+  // record, query and synchronize it as any event) and its closing (cudaEventDestroy).
+  virtual event_handle create_ipc_event() { throw_unsupported(*this, "create_ipc_event"); }
+  virtual std::vector<std::uint8_t> export_event(event_handle event) {
+    (void)event;
+    throw_unsupported(*this, "export_event");
+  }
+  virtual event_handle open_ipc_event(const std::vector<std::uint8_t>& bytes) {
+    (void)bytes;
+    throw_unsupported(*this, "open_ipc_event");
+  }
+  virtual void close_ipc_event(event_handle event) noexcept { destroy_event(event); }
 };
 
 }  // namespace streamsafe

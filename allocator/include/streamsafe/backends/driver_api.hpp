@@ -41,6 +41,12 @@ CUresult mem_address_reserve(CUdeviceptr* ptr, std::size_t size, std::size_t ali
 CUresult mem_address_free(CUdeviceptr ptr, std::size_t size) noexcept;
 CUresult mem_get_allocation_granularity(std::size_t* granularity, const CUmemAllocationProp* prop,
                                         CUmemAllocationGranularity_flags option) noexcept;
+// cuMemExportToShareableHandle, cuMemImportFromShareableHandle (IPC of expandable segments).
+CUresult mem_export_to_shareable_handle(void* shareable_handle, CUmemGenericAllocationHandle handle,
+                                        CUmemAllocationHandleType type,
+                                        unsigned long long flags) noexcept;
+CUresult mem_import_from_shareable_handle(CUmemGenericAllocationHandle* handle, void* os_handle,
+                                          CUmemAllocationHandleType type) noexcept;
 
 // cuEventRecord, cuEventQuery, cuStreamWaitEvent: the event calls of the allocator's
 // cross-stream path, through the driver because the runtime's wrappers cost more (on the H200,

@@ -24,6 +24,15 @@
 // device_guard for the backend's device. Failures other than out-of-memory throw
 // streamsafe::backend_error.
 //
+// IPC: physical memory is created shareable (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) where
+// the device supports it (else map falls back to no handle type and export_memory throws).
+// export_memory(block): one descriptor per mapped range under the block
+// (cuMemExportToShareableHandle), with the ranges' sizes and the block's offset; import_memory
+// reserves one address range, imports each descriptor (cuMemImportFromShareableHandle), maps
+// it there, grants read/write to the device and its peers, and closes the descriptors;
+// close_imported_memory unmaps and frees that range (no synchronisation). The imported physical
+// memory stays alive while mapped, whatever the producer does with its own mapping.
+//
 // Destruction: chunks still mapped are reported (log), then released after a device
 // synchronisation (the one place this backend waits: nothing else could release them).
 //
@@ -36,6 +45,7 @@
 
 #include <cuda.h>
 
+#include <atomic>
 #include <cstddef>
 #include <map>
 #include <mutex>
@@ -62,6 +72,13 @@ class expandable_backend final : public cuda_event_ops {
   bool map(void* addr, std::size_t size_bytes) override;
   void unmap(void* addr, std::size_t size_bytes) override;
 
+  ipc_memory export_memory(std::uintptr_t segment_base, std::size_t segment_bytes,
+                           std::uintptr_t addr, std::size_t size_bytes) override;
+  std::uintptr_t import_memory(const ipc_memory& memory) override;
+  void close_imported_memory(std::uintptr_t addr) override;
+  // True when map() creates shareable (POSIX file descriptor) physical memory.
+  bool shareable() const noexcept { return shareable_.load(std::memory_order_relaxed); }
+
   // Ranges mapped now, one per map() call (statistics, tests).
   std::size_t mapped_chunk_count() const;
   // The other devices that map() grants read/write access to (those that can access this
@@ -80,7 +97,15 @@ class expandable_backend final : public cuda_event_ops {
   CUdeviceptr checked_range(void* addr, std::size_t size_bytes, const char* call) const;
   void unmap_and_release(CUdeviceptr base, const mapping* maps, std::size_t count) const noexcept;
 
+  struct import_record {
+    CUdeviceptr base;                 // the reserved range
+    std::size_t bytes;                // its size
+    std::vector<std::size_t> pieces;  // mapped sizes, in address order
+  };
+
   CUmemAllocationProp prop_{};
+  std::atomic<bool> shareable_{true};  // cleared when the device refuses POSIX_FD handles
+  std::multimap<std::uintptr_t, import_record> imports_;  // guarded by mutex_
   std::vector<int> peers_;
   std::vector<CUmemAccessDesc> access_;  // read/write for the device, then each peer
   std::size_t granularity_ = 0;

@@ -32,6 +32,7 @@
 
 #include <streamsafe/backends/device_backend.hpp>
 #include <streamsafe/core/errors.hpp>
+#include <streamsafe/core/ipc.hpp>
 #include <streamsafe/core/options.hpp>
 #include <streamsafe/core/sleep.hpp>
 #include <streamsafe/core/snapshot.hpp>
@@ -262,6 +263,48 @@ class caching_allocator {
   std::size_t trim(std::size_t bytes_to_keep);
   // Empties the pinned host cache that offload keeps for the next pause (waits on its fences).
   std::size_t release_host_cache();
+  // ---- interprocess sharing (IPC; core/ipc.hpp has the protocol, docs/reliability.md) -------
+  // Producer. export_block(p): a handle another process opens with import_block; p must be a
+  // live block's start (invalid_pointer otherwise: freed, interior, unknown). Each call is one
+  // export (one consumer) and raises p's export count; the block's memory is shared, not copied.
+  // While p has an export not yet ended, deallocate(p) is held: p stays allocated, is neither
+  // reused nor released (empty_cache, the out-of-memory path), and the free completes once every
+  // export has ended. An export ends when notify_import_released has delivered its consumer's
+  // release and the consumer's event (recorded on the consumer's stream) has been seen complete:
+  // polled, never waited on, by notify_import_released, reclaim, empty_cache and the allocation
+  // slow path's releases; empty_cache in wait mode waits (no lock held) on the consumer events of
+  // released exports of freed blocks. allocate and deallocate never wait on them (but for the
+  // out-of-memory retry with empty_cache == wait, as for every fence). Throws ipc_error
+  // during a CUDA graph capture, backend_error when the backend cannot export (the simulated
+  // device and both CUDA backends can). Makes backend calls: not from a stream callback.
+  ipc_handle export_block(void* ptr);
+  // The consumer's release message of one of this allocator's exports. Throws ipc_error for a
+  // message of another allocator or process, an unknown export, or one already released/ended.
+  void notify_import_released(const ipc_release& release);
+  // Ends every export of p at once, released or not (a consumer that died without releasing; the
+  // caller asserts no consumer still touches p). Returns how many ended; a held free of p then
+  // completes. Throws invalid_pointer when p is not a live (or held) block.
+  std::size_t revoke_exports(void* ptr);
+  // Consumer. import_block(h): maps the exported block in this process (on this allocator's
+  // device); the descriptors a received handle names are closed by it. Throws ipc_error for a
+  // malformed handle or one imported here already, during a capture; backend_error when the
+  // driver refuses (e.g. the handle's process is gone).
+  imported_block import_block(const ipc_handle& handle);
+  // Records the export's interprocess event on `stream` (call after enqueueing the last use of
+  // the import there) and returns the message for the producer's notify_import_released. The
+  // mapping is closed by this allocator once that event has completed (polled by reclaim,
+  // empty_cache, import_block, and waited for by the destructor). Throws ipc_error for a pointer
+  // that is not an open import (unknown, or released already), during a capture.
+  ipc_release release_import(void* ptr, stream_handle stream);
+  struct ipc_counts {
+    std::size_t exports = 0;     // producer: exports not yet ended
+    std::size_t held_frees = 0;  // producer: frees of exported blocks waiting for their exports
+    std::size_t imports = 0;     // consumer: imports open (not released)
+    std::size_t closing = 0;     // consumer: released imports whose event has not completed
+  };
+  ipc_counts ipc_status() const;
+  // True when ptr is an import of this allocator, open or released and not yet closed.
+  bool is_import(const void* ptr) const;
 
   statistics stats() const;
   void reset_peak_stats();

@@ -8,9 +8,13 @@
 //  invalid_size      (std::invalid_argument) a request of 0 bytes.
 //  config_error      (std::invalid_argument) a bad STREAMSAFE_ALLOC_CONF key or value.
 //  backend_error     (std::runtime_error)  a driver call failed for a reason other than
-//                                         running out of memory.
+//                                         running out of memory (also: a backend without
+//                                         the call, such as IPC on a backend that lacks it).
 //  tag_paused        (std::logic_error)   an allocation under a tag that is paused (or being
 //                                         paused or resumed): resume it first.
+//  ipc_error         (std::logic_error)   an interprocess handle or release message that is
+//                                         malformed, unknown, released twice, imported twice,
+//                                         or used during a CUDA graph capture (core/ipc.hpp).
 // Every error leaves the allocator's state and statistics as they were before the call.
 #pragma once
 
@@ -50,6 +54,11 @@ class backend_error : public std::runtime_error {
 };
 
 class tag_paused : public std::logic_error {
+ public:
+  using std::logic_error::logic_error;
+};
+
+class ipc_error : public std::logic_error {
  public:
   using std::logic_error::logic_error;
 };

@@ -147,6 +147,19 @@ class allocator {
   std::uint64_t notify_capture_end(cudaStream_t stream);
   void notify_graph_released(std::uint64_t graph, int device);
 
+  // Interprocess sharing (caching_allocator's contract; core/ipc.hpp has the protocol).
+  // export_block / revoke_exports route to the device owning ptr; notify_import_released to the
+  // device named in the message (the producer's). import_block maps the block on `device` (the
+  // calling thread's current device by default: the consumer's numbering of devices may differ
+  // from the producer's, as with CUDA_VISIBLE_DEVICES); release_import finds the device holding
+  // the import. Errors as caching_allocator's, ipc_error for an import no device holds.
+  ipc_handle export_block(void* ptr);
+  void notify_import_released(const ipc_release& release);
+  std::size_t revoke_exports(void* ptr);
+  imported_block import_block(const ipc_handle& handle);
+  imported_block import_block(const ipc_handle& handle, int device);
+  ipc_release release_import(void* ptr, cudaStream_t stream);
+
   int device_count() const noexcept { return device_count_; }
   int current_device() const { return platform_.current_device(); }
   // Devices whose allocator has been created.

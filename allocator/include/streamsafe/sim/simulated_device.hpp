@@ -93,6 +93,7 @@ struct counters {
   std::uint64_t launches = 0;
   std::uint64_t capture_queries = 0, graph_launches = 0;
   std::uint64_t segment_allocs_during_capture = 0, maps_during_capture = 0;
+  std::uint64_t ipc_exports = 0, ipc_imports = 0, ipc_closes = 0;
 };
 
 struct device_config {
@@ -220,6 +221,20 @@ class simulated_device final : public device_backend {
   void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override;
   // Pinned host memory of this device (allocate_host), sharing its streams and events.
   device_backend* host_backend() noexcept override;
+  // IPC, modelled in one process (both ends on this device): export_memory describes a mapped
+  // range; import_memory returns a view at the same address (work launched on it by a consumer
+  // stream is checked like any work; close_imported_memory under pending work that touches the
+  // range is a release_under_pending_work fault); an opened IPC event is an alias of the
+  // exported event (records through either are one event's).
+  ipc_memory export_memory(std::uintptr_t segment_base, std::size_t segment_bytes,
+                           std::uintptr_t addr, std::size_t size_bytes) override;
+  std::uintptr_t import_memory(const ipc_memory& memory) override;
+  void close_imported_memory(std::uintptr_t addr) override;
+  event_handle create_ipc_event() override;
+  std::vector<std::uint8_t> export_event(event_handle event) override;
+  event_handle open_ipc_event(const std::vector<std::uint8_t>& bytes) override;
+  void close_ipc_event(event_handle event) noexcept override;
+  std::size_t open_import_count() const;  // views not closed
 
  private:
   class host_view;

@@ -93,6 +93,26 @@ class simulated_platform {
       device_backend::copy_async(dst, src, bytes, stream);  // refuses by name
     }
     device_backend* host_backend() noexcept override { return nullptr; }
+    // IPC: addresses shifted both ways; events as the device's.
+    ipc_memory export_memory(std::uintptr_t segment_base, std::size_t segment_bytes,
+                             std::uintptr_t addr, std::size_t size_bytes) override {
+      return dev_.export_memory(segment_base - offset_, segment_bytes, addr - offset_,
+                                size_bytes);
+    }
+    std::uintptr_t import_memory(const ipc_memory& memory) override {
+      return dev_.import_memory(memory) + offset_;
+    }
+    void close_imported_memory(std::uintptr_t addr) override {
+      dev_.close_imported_memory(addr - offset_);
+    }
+    event_handle create_ipc_event() override { return dev_.create_ipc_event(); }
+    std::vector<std::uint8_t> export_event(event_handle event) override {
+      return dev_.export_event(event);
+    }
+    event_handle open_ipc_event(const std::vector<std::uint8_t>& bytes) override {
+      return dev_.open_ipc_event(bytes);
+    }
+    void close_ipc_event(event_handle event) noexcept override { dev_.close_ipc_event(event); }
 
    private:
     void* out(void* p) const noexcept {

@@ -10,7 +10,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstring>
 #include <string>
+#include <vector>
 
 namespace streamsafe::cuda {
 namespace {
@@ -64,6 +66,36 @@ event_handle cuda_event_ops::create_event() {
   device_guard guard(device_);
   cudaEvent_t event = nullptr;
   STREAMSAFE_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  return reinterpret_cast<event_handle>(event);
+}
+
+event_handle cuda_event_ops::create_ipc_event() {
+  device_guard guard(device_);
+  cudaEvent_t event = nullptr;
+  STREAMSAFE_CUDA_CHECK(
+      cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventInterprocess));
+  return reinterpret_cast<event_handle>(event);
+}
+
+std::vector<std::uint8_t> cuda_event_ops::export_event(event_handle event) {
+  device_guard guard(device_);
+  cudaIpcEventHandle_t handle{};
+  STREAMSAFE_CUDA_CHECK(cudaIpcGetEventHandle(&handle, to_event(event)));
+  const auto* p = reinterpret_cast<const std::uint8_t*>(&handle);
+  return std::vector<std::uint8_t>(p, p + sizeof handle);
+}
+
+event_handle cuda_event_ops::open_ipc_event(const std::vector<std::uint8_t>& bytes) {
+  cudaIpcEventHandle_t handle{};
+  if (bytes.size() != sizeof handle) {
+    throw backend_error("streamsafe: open_ipc_event on device " + std::to_string(device_) +
+                        ": " + std::to_string(bytes.size()) +
+                        " bytes are not a cudaIpcEventHandle_t");
+  }
+  std::memcpy(&handle, bytes.data(), sizeof handle);
+  device_guard guard(device_);
+  cudaEvent_t event = nullptr;
+  STREAMSAFE_CUDA_CHECK(cudaIpcOpenEventHandle(&event, handle));
   return reinterpret_cast<event_handle>(event);
 }
 

@@ -30,6 +30,8 @@ struct entry_points {
   PFN_cuMemAddressReserve_v10020 mem_address_reserve = nullptr;
   PFN_cuMemAddressFree_v10020 mem_address_free = nullptr;
   PFN_cuMemGetAllocationGranularity_v10020 mem_get_allocation_granularity = nullptr;
+  PFN_cuMemExportToShareableHandle_v10020 mem_export_to_shareable_handle = nullptr;
+  PFN_cuMemImportFromShareableHandle_v10020 mem_import_from_shareable_handle = nullptr;
   PFN_cuGetErrorName_v6000 get_error_name = nullptr;
   PFN_cuGetErrorString_v6000 get_error_string = nullptr;
   PFN_cuEventRecord_v2000 event_record = nullptr;
@@ -84,6 +86,8 @@ entry_points load_entry_points() noexcept {
     fetch("cuMemAddressReserve", table.mem_address_reserve, table.error);
     fetch("cuMemAddressFree", table.mem_address_free, table.error);
     fetch("cuMemGetAllocationGranularity", table.mem_get_allocation_granularity, table.error);
+    fetch("cuMemExportToShareableHandle", table.mem_export_to_shareable_handle, table.error);
+    fetch("cuMemImportFromShareableHandle", table.mem_import_from_shareable_handle, table.error);
     fetch("cuGetErrorName", table.get_error_name, table.error);
     fetch("cuGetErrorString", table.get_error_string, table.error);
     fetch("cuEventRecord", table.event_record, table.error);
@@ -185,6 +189,21 @@ CUresult mem_get_allocation_granularity(std::size_t* granularity, const CUmemAll
                                         CUmemAllocationGranularity_flags option) noexcept {
   const entry_points* t = usable();
   return t ? t->mem_get_allocation_granularity(granularity, prop, option)
+           : CUDA_ERROR_NOT_INITIALIZED;
+}
+
+CUresult mem_export_to_shareable_handle(void* shareable_handle, CUmemGenericAllocationHandle handle,
+                                        CUmemAllocationHandleType type,
+                                        unsigned long long flags) noexcept {
+  const entry_points* t = usable();
+  return t ? t->mem_export_to_shareable_handle(shareable_handle, handle, type, flags)
+           : CUDA_ERROR_NOT_INITIALIZED;
+}
+
+CUresult mem_import_from_shareable_handle(CUmemGenericAllocationHandle* handle, void* os_handle,
+                                          CUmemAllocationHandleType type) noexcept {
+  const entry_points* t = usable();
+  return t ? t->mem_import_from_shareable_handle(handle, os_handle, type)
            : CUDA_ERROR_NOT_INITIALIZED;
 }
 

@@ -11,8 +11,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
@@ -202,7 +205,15 @@ bool expandable_backend::map(void* addr, std::size_t size_bytes) {
   device_guard guard(device());
   relaxed_capture_mode relaxed;  // growth is legal during a graph capture (not captured)
   CUmemGenericAllocationHandle handle{};
-  CUresult failure = driver::mem_create(&handle, size_bytes, &prop_, 0);
+  // Shareable physical memory (IPC, export_memory) unless the device refuses the handle type.
+  CUmemAllocationProp prop = prop_;
+  const bool shareable = shareable_.load(std::memory_order_relaxed);
+  if (shareable) prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  CUresult failure = driver::mem_create(&handle, size_bytes, &prop, 0);
+  if (shareable && (failure == CUDA_ERROR_NOT_SUPPORTED || failure == CUDA_ERROR_INVALID_VALUE)) {
+    shareable_.store(false, std::memory_order_relaxed);
+    failure = driver::mem_create(&handle, size_bytes, &prop_, 0);
+  }
   if (failure == CUDA_ERROR_OUT_OF_MEMORY) return false;
   if (failure != CUDA_SUCCESS) {
     detail::throw_cu_error(failure, "cuMemCreate(&handle, size, &prop, 0)", __FILE__, __LINE__);
@@ -278,6 +289,157 @@ void expandable_backend::unmap(void* addr, std::size_t size_bytes) {
     }
     at += m.size_bytes;
   }
+}
+
+namespace {
+
+struct ipc_header {
+  std::uint64_t offset;  // of the block's first byte from the first range's start
+  std::uint64_t size;    // the block's bytes
+  std::uint64_t ranges;  // how many ranges (and descriptors) follow
+};
+
+}  // namespace
+
+device_backend::ipc_memory expandable_backend::export_memory(std::uintptr_t /*segment_base*/,
+                                                             std::size_t /*segment_bytes*/,
+                                                             std::uintptr_t addr,
+                                                             std::size_t size_bytes) {
+  const auto lo = static_cast<CUdeviceptr>(addr);
+  const CUdeviceptr hi = lo + size_bytes;
+  std::vector<std::pair<CUdeviceptr, mapping>> ranges;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = chunks_.upper_bound(lo);
+    if (it == chunks_.begin()) invalid_range("export_memory", lo, size_bytes, "not mapped");
+    --it;
+    CUdeviceptr at = it->first;
+    for (; it != chunks_.end() && it->first < hi; ++it) {
+      if (it->first != at) invalid_range("export_memory", lo, size_bytes, "a hole in the range");
+      ranges.emplace_back(it->first, it->second);
+      at += it->second.size_bytes;
+    }
+    if (ranges.empty() || at < hi) invalid_range("export_memory", lo, size_bytes, "not mapped");
+  }
+  ipc_memory out;
+  ipc_header h{lo - ranges.front().first, size_bytes, ranges.size()};
+  out.bytes.resize(sizeof h + ranges.size() * sizeof(std::uint64_t));
+  std::memcpy(out.bytes.data(), &h, sizeof h);
+  device_guard guard(device());
+  for (std::size_t i = 0; i < ranges.size(); ++i) {
+    const std::uint64_t bytes = ranges[i].second.size_bytes;
+    std::memcpy(out.bytes.data() + sizeof h + i * sizeof bytes, &bytes, sizeof bytes);
+    int fd = -1;
+    const CUresult r = driver::mem_export_to_shareable_handle(
+        &fd, ranges[i].second.handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    if (r != CUDA_SUCCESS) {
+      for (int f : out.fds) ::close(f);
+      if (!shareable()) {
+        throw backend_error("streamsafe: expandable backend export_memory on device " +
+                            std::to_string(device()) +
+                            ": the device does not support shareable (POSIX file descriptor) "
+                            "physical memory");
+      }
+      detail::throw_cu_error(r, "cuMemExportToShareableHandle(&fd, handle, POSIX_FD, 0)",
+                             __FILE__, __LINE__);
+    }
+    out.fds.push_back(fd);
+  }
+  return out;
+}
+
+std::uintptr_t expandable_backend::import_memory(const ipc_memory& memory) {
+  const auto close_all = [&] {
+    for (int f : memory.fds) ::close(f);
+  };
+  ipc_header h{};
+  if (memory.bytes.size() < sizeof h) {
+    close_all();
+    throw backend_error("streamsafe: expandable backend import_memory: not an expandable export");
+  }
+  std::memcpy(&h, memory.bytes.data(), sizeof h);
+  if (h.ranges == 0 || memory.bytes.size() != sizeof h + h.ranges * sizeof(std::uint64_t) ||
+      memory.fds.size() != h.ranges) {
+    close_all();
+    throw backend_error(
+        "streamsafe: expandable backend import_memory: the export's ranges and descriptors "
+        "disagree (exported by the other backend kind?)");
+  }
+  import_record rec{0, 0, {}};
+  for (std::size_t i = 0; i < h.ranges; ++i) {
+    std::uint64_t bytes = 0;
+    std::memcpy(&bytes, memory.bytes.data() + sizeof h + i * sizeof bytes, sizeof bytes);
+    rec.pieces.push_back(static_cast<std::size_t>(bytes));
+    rec.bytes += static_cast<std::size_t>(bytes);
+  }
+  device_guard guard(device());
+  CUresult r = driver::mem_address_reserve(&rec.base, rec.bytes, granularity_, 0, 0);
+  if (r != CUDA_SUCCESS) {
+    close_all();
+    detail::throw_cu_error(r, "cuMemAddressReserve(import)", __FILE__, __LINE__);
+  }
+  std::size_t mapped = 0;
+  CUdeviceptr at = rec.base;
+  const char* failed = nullptr;
+  for (std::size_t i = 0; i < h.ranges && !failed; ++i) {
+    CUmemGenericAllocationHandle handle{};
+    r = driver::mem_import_from_shareable_handle(
+        &handle, reinterpret_cast<void*>(static_cast<std::uintptr_t>(memory.fds[i])),
+        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    if (r != CUDA_SUCCESS) {
+      failed = "cuMemImportFromShareableHandle(&handle, fd, POSIX_FD)";
+      break;
+    }
+    r = driver::mem_map(at, rec.pieces[i], 0, handle, 0);
+    STREAMSAFE_CU_CHECK_NOTHROW(driver::mem_release(handle));  // the mapping keeps it alive
+    if (r != CUDA_SUCCESS) {
+      failed = "cuMemMap(import)";
+      break;
+    }
+    ++mapped;
+    // Read/write for the device and its peers, per mapped range as map() does.
+    r = driver::mem_set_access(at, rec.pieces[i], access_.data(), access_.size());
+    if (r != CUDA_SUCCESS) {
+      failed = "cuMemSetAccess(import)";
+      break;
+    }
+    at += rec.pieces[i];
+  }
+  close_all();
+  if (failed) {
+    at = rec.base;
+    for (std::size_t i = 0; i < mapped; ++i) {
+      STREAMSAFE_CU_CHECK_NOTHROW(driver::mem_unmap(at, rec.pieces[i]));
+      at += rec.pieces[i];
+    }
+    STREAMSAFE_CU_CHECK_NOTHROW(driver::mem_address_free(rec.base, rec.bytes));
+    detail::throw_cu_error(r, failed, __FILE__, __LINE__);
+  }
+  const std::uintptr_t addr = static_cast<std::uintptr_t>(rec.base) + h.offset;
+  std::lock_guard<std::mutex> lock(mutex_);
+  imports_.emplace(addr, std::move(rec));
+  return addr;
+}
+
+void expandable_backend::close_imported_memory(std::uintptr_t addr) {
+  import_record rec{0, 0, {}};
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = imports_.find(addr);
+    if (it == imports_.end()) {
+      throw backend_error("streamsafe: expandable backend close_imported_memory on device " +
+                          std::to_string(device()) + ": nothing imported at " + hex(addr));
+    }
+    rec = std::move(it->second);
+    imports_.erase(it);
+  }
+  device_guard guard(device());
+  CUdeviceptr at = rec.base;
+  for (std::size_t bytes : rec.pieces) {
+    STREAMSAFE_CU_CHECK(driver::mem_unmap(at, bytes));
+    at += bytes;
+  }
+  STREAMSAFE_CU_CHECK(driver::mem_address_free(rec.base, rec.bytes));
 }
 
 std::size_t expandable_backend::mapped_chunk_count() const {

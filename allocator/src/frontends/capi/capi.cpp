@@ -9,6 +9,7 @@
 // replacement of the allocator; the allocator itself is published through an atomic pointer
 // and used without this lock. Replaced allocators (and simulated platforms) are retired, never
 // destroyed, so that a thread still holding one cannot see it freed.
+#include "core/ipc_wire.hpp"
 #include "core/logging.hpp"
 
 #include <streamsafe/streamsafe.h>
@@ -19,6 +20,9 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -83,6 +87,8 @@ streamsafe_status guarded(F&& f) noexcept {
     return fail(STREAMSAFE_ERROR_BACKEND, e.what());
   } catch (const streamsafe::tag_paused& e) {
     return fail(STREAMSAFE_ERROR_TAG_PAUSED, e.what());
+  } catch (const streamsafe::ipc_error& e) {
+    return fail(STREAMSAFE_ERROR_IPC, e.what());
   } catch (const std::out_of_range& e) {
     return fail(STREAMSAFE_ERROR_INVALID_ARGUMENT, e.what());
   } catch (const std::invalid_argument& e) {  // after invalid_size and config_error
@@ -173,6 +179,108 @@ streamsafe_status streamsafe_free_on_stream(void* ptr, void* stream) {
 
 streamsafe_status streamsafe_record_stream(void* ptr, void* stream) {
   return guarded([&] { target().record_stream(ptr, to_stream(stream)); });
+}
+
+// ---- IPC ----------------------------------------------------------------------------------------
+
+namespace {
+
+static_assert(sizeof(streamsafe::detail::ipc_release_header) == STREAMSAFE_IPC_RELEASE_BYTES,
+              "the C API's release buffer size is the release message's");
+
+// A malloc'ed copy of `bytes` (released with streamsafe_ipc_free).
+void* c_copy(const std::vector<std::uint8_t>& bytes) {
+  void* out = std::malloc(bytes.empty() ? 1 : bytes.size());
+  if (!out) throw std::bad_alloc();
+  if (!bytes.empty()) std::memcpy(out, bytes.data(), bytes.size());
+  return out;
+}
+
+void require(bool ok, const char* what) {
+  if (!ok) throw status_error{STREAMSAFE_ERROR_INVALID_ARGUMENT, std::string("streamsafe: ") + what};
+}
+
+}  // namespace
+
+streamsafe_status streamsafe_export_block(void* ptr, void** handle, size_t* handle_bytes) {
+  return guarded([&] {
+    require(handle && handle_bytes, "streamsafe_export_block: NULL output pointer");
+    *handle = nullptr;
+    *handle_bytes = 0;
+    const streamsafe::ipc_handle h = target().export_block(ptr);
+    void* out = nullptr;
+    try {
+      out = c_copy(h.bytes);
+    } catch (...) {
+      target().revoke_exports(ptr);  // host memory exhausted: nobody can use this export
+      throw;
+    }
+    *handle = out;
+    *handle_bytes = h.bytes.size();
+  });
+}
+
+void streamsafe_ipc_free(void* buffer) { std::free(buffer); }
+
+streamsafe_status streamsafe_notify_import_released(const void* release, size_t release_bytes) {
+  return guarded([&] {
+    require(release != nullptr, "streamsafe_notify_import_released: NULL release");
+    const auto* p = static_cast<const std::uint8_t*>(release);
+    target().notify_import_released(streamsafe::ipc_release{{p, p + release_bytes}});
+  });
+}
+
+streamsafe_status streamsafe_revoke_exports(void* ptr, size_t* revoked) {
+  return guarded([&] {
+    const std::size_t n = target().revoke_exports(ptr);
+    if (revoked) *revoked = n;
+  });
+}
+
+streamsafe_status streamsafe_import_block(const void* handle, size_t handle_bytes, int device,
+                                          void** ptr, size_t* size_bytes) {
+  return guarded([&] {
+    require(handle && ptr, "streamsafe_import_block: NULL handle or output pointer");
+    *ptr = nullptr;
+    const auto* p = static_cast<const std::uint8_t*>(handle);
+    const streamsafe::ipc_handle h{{p, p + handle_bytes}};
+    const streamsafe::imported_block b =
+        device < 0 ? target().import_block(h) : target().import_block(h, device);
+    *ptr = b.ptr;
+    if (size_bytes) *size_bytes = b.size_bytes;
+  });
+}
+
+streamsafe_status streamsafe_release_import(void* ptr, void* stream, void* release) {
+  return guarded([&] {
+    require(release != nullptr, "streamsafe_release_import: NULL release buffer");
+    const streamsafe::ipc_release r = target().release_import(ptr, to_stream(stream));
+    if (r.bytes.size() != STREAMSAFE_IPC_RELEASE_BYTES) {
+      throw std::logic_error("streamsafe_release_import: release message of unexpected size");
+    }
+    std::memcpy(release, r.bytes.data(), r.bytes.size());
+  });
+}
+
+streamsafe_status streamsafe_send_ipc_handle(int socket_fd, const void* handle,
+                                             size_t handle_bytes) {
+  return guarded([&] {
+    require(handle != nullptr, "streamsafe_send_ipc_handle: NULL handle");
+    const auto* p = static_cast<const std::uint8_t*>(handle);
+    streamsafe::send_ipc_handle(socket_fd, streamsafe::ipc_handle{{p, p + handle_bytes}});
+  });
+}
+
+streamsafe_status streamsafe_receive_ipc_handle(int socket_fd, void** handle,
+                                                size_t* handle_bytes) {
+  return guarded([&] {
+    require(handle && handle_bytes, "streamsafe_receive_ipc_handle: NULL output pointer");
+    *handle = nullptr;
+    *handle_bytes = 0;
+    const streamsafe::ipc_handle h = streamsafe::receive_ipc_handle(socket_fd);
+    *handle = c_copy(h.bytes);
+    *handle_bytes = h.bytes.size();
+  });
 }
 
 streamsafe_status streamsafe_notify_stream_destroyed(void* stream) {
@@ -368,6 +476,7 @@ const char* streamsafe_status_string(streamsafe_status status) {
     case STREAMSAFE_ERROR_STATE: return "STREAMSAFE_ERROR_STATE";
     case STREAMSAFE_ERROR_UNKNOWN: return "STREAMSAFE_ERROR_UNKNOWN";
     case STREAMSAFE_ERROR_TAG_PAUSED: return "STREAMSAFE_ERROR_TAG_PAUSED";
+    case STREAMSAFE_ERROR_IPC: return "STREAMSAFE_ERROR_IPC";
   }
   return "STREAMSAFE_ERROR_UNKNOWN";
 }

@@ -246,6 +246,47 @@ void allocator::record_stream(void* ptr, cudaStream_t stream) {
   route(ptr, "record_stream", [&](caching_allocator& a) { a.record_stream(ptr, s); });
 }
 
+ipc_handle allocator::export_block(void* ptr) {
+  ipc_handle h;
+  route(ptr, "export_block", [&](caching_allocator& a) { h = a.export_block(ptr); });
+  return h;
+}
+
+std::size_t allocator::revoke_exports(void* ptr) {
+  std::size_t n = 0;
+  route(ptr, "revoke_exports", [&](caching_allocator& a) { n = a.revoke_exports(ptr); });
+  return n;
+}
+
+void allocator::notify_import_released(const ipc_release& release) {
+  const int device = ipc_release_device(release);
+  check_device(device);
+  caching_allocator* a = existing(device);
+  if (!a) {
+    throw ipc_error("streamsafe: notify_import_released: device " + std::to_string(device) +
+                    " has no allocator here, so it exported nothing (unknown handle)");
+  }
+  a->notify_import_released(release);
+}
+
+imported_block allocator::import_block(const ipc_handle& handle) {
+  return import_block(handle, platform_.current_device());
+}
+
+imported_block allocator::import_block(const ipc_handle& handle, int device) {
+  check_device(device);
+  return get_or_create(device).import_block(handle);
+}
+
+ipc_release allocator::release_import(void* ptr, cudaStream_t stream) {
+  const stream_handle s = to_stream_handle(stream);
+  for (int d = 0; d < device_count_; ++d) {
+    if (caching_allocator* a = existing(d); a && a->is_import(ptr)) return a->release_import(ptr, s);
+  }
+  throw ipc_error("streamsafe: release_import(" + hex(ptr) +
+                  "): not an import of any device's allocator (unknown pointer)");
+}
+
 int allocator::owner_device(const void* ptr) const noexcept {
   for (int d = 0; d < device_count_; ++d) {
     if (caching_allocator* a = existing(d); a && a->find_block(ptr).address != 0) return d;
