@@ -2,7 +2,7 @@
 //
 // The base of backends that change a few calls of a real one and keep the rest: derive, override
 // what differs, and everything else (segments, expandable ranges, events, streams, copies, the
-// host backend) reaches `inner`, which must outlive it. Thread safety: that of `inner`.
+// host backend, IPC) reaches `inner`, which must outlive it. Thread safety: that of `inner`.
 #pragma once
 
 #include <streamsafe/backends/device_backend.hpp>
@@ -65,6 +65,22 @@ class forwarding_backend : public device_backend {
     inner_.copy_async(dst, src, bytes, stream);
   }
   device_backend* host_backend() noexcept override { return inner_.host_backend(); }
+  ipc_memory export_memory(std::uintptr_t segment_base, std::size_t segment_bytes,
+                           std::uintptr_t addr, std::size_t size_bytes) override {
+    return inner_.export_memory(segment_base, segment_bytes, addr, size_bytes);
+  }
+  std::uintptr_t import_memory(const ipc_memory& memory) override {
+    return inner_.import_memory(memory);
+  }
+  void close_imported_memory(std::uintptr_t addr) override { inner_.close_imported_memory(addr); }
+  event_handle create_ipc_event() override { return inner_.create_ipc_event(); }
+  std::vector<std::uint8_t> export_event(event_handle event) override {
+    return inner_.export_event(event);
+  }
+  event_handle open_ipc_event(const std::vector<std::uint8_t>& bytes) override {
+    return inner_.open_ipc_event(bytes);
+  }
+  void close_ipc_event(event_handle event) noexcept override { inner_.close_ipc_event(event); }
 
  private:
   device_backend& inner_;
