@@ -3,7 +3,7 @@
 # PyTorch steps, python3 with torch 2.11 and pytest): builds the gpu preset with the PyTorch
 # extension, then, each step under its own time limit so that the whole run ends within
 # STREAMSAFE_GPU_ALL_DEADLINE_S (default 560 s):
-#   1. the [gpu] Catch2 suite                               -> gpu_tests.log
+#   1. the [gpu] Catch2 suite and the two-process IPC test  -> gpu_tests.log
 #   2. the PyTorch pytest suite (tests/python)              -> pytest.log
 #   3. examples/pytorch/seed_race.py, signsgd rows, and examples/race_repro (2 steps)
 #                                                          -> races.log
@@ -56,6 +56,7 @@ step "configure (gpu preset, PyTorch extension)" 60 "$OUT/build.log" \
 step "build" 150 "$OUT/build.log" cmake --build "$build" -j "$(nproc)"
 
 step "[gpu] suite" 90 "$OUT/gpu_tests.log" "$build/tests/streamsafe_tests" "[gpu]"
+step "IPC, two processes" 60 "$OUT/gpu_tests.log" "$build/tests/streamsafe_ipc_gpu_test"
 
 ext=$(find "$build" -name 'libstreamsafe_torch_ext.so' | head -1)
 plug=$(find "$build" -name 'libstreamsafe_torch.so' | head -1)
