@@ -279,7 +279,9 @@ TEST_CASE(
     env.dev.launch(mine, 10, {writes(q, 32 * MiB, 0xB0)}, "B writes q");
   });
   b.join();
-  CHECK(q != p);
+  // p's segment is A's: B gets it only as a whole segment moved behind an event wait (a growth
+  // past the peak takes another stream's free segment first), never straight from A's pool.
+  CHECK((q != p || env.alloc.stats().segments_moved > 0));
   check_no_fault_around(env.dev, hold);
   env.alloc.deallocate(q);
   env.alloc.check_invariants();
