@@ -478,8 +478,9 @@ TEST_CASE(
 // allocate_host here), which shares the device's streams and events: a stream-ordered free or a
 // recorded use keeps a host block from reuse, and empty_cache from cudaFreeHost, until its
 // events complete.
-TEST_CASE("K18: pinned host memory freed under a pending copy is not handed out again before the copy",
-          "[cases][K18]") {
+TEST_CASE(
+    "K18: pinned host memory freed under a pending copy is not handed out again before the copy",
+    "[cases][K18]") {
   const bool record = GENERATE(false, true);
   CAPTURE(record);
   sim::simulated_device dev(sim_config());

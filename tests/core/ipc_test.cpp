@@ -81,7 +81,7 @@ TEST_CASE("a producer free of an exported block is held until the consumer is do
   CHECK(dev.is_mapped(addr(a), k_bytes));
   env.producer.check_invariants();
 
-  dev.advance(2 * k_read_us);  // the consumer's read completes
+  dev.advance(2 * k_read_us);         // the consumer's read completes
   CHECK(dev.value_at(addr(a)) == 7);  // what it read was never overwritten
   env.producer.reclaim();
   CHECK(env.producer.ipc_status().exports == 0);
@@ -142,7 +142,8 @@ TEST_CASE("allocate and deallocate never wait on a consumer event", "[ipc]") {
   auto& dev = env.dev;
   void* a = env.producer.allocate(k_bytes, env.ps);
   const imported_block imp = env.consumer.import_block(env.producer.export_block(a));
-  const std::uint64_t stall = dev.hold(env.cs, "consumer stalls");  // the consumer's event would never complete
+  const std::uint64_t stall = dev.hold(
+      env.cs, "consumer stalls");  // the consumer's event would never complete
   dev.launch(env.cs, k_read_us, {reads(imp.ptr, k_bytes)}, "consumer read");
   env.producer.notify_import_released(env.consumer.release_import(imp.ptr, env.cs));
   const auto before = dev.counters();

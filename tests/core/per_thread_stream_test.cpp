@@ -293,9 +293,8 @@ TEST_CASE(
     "[per-thread-stream]") {
   sim::simulated_device dev{sim_config()};
   per_thread_device backend{dev};
-  caching_allocator alloc{backend,
-                          make_options(backend_kind::cuda_malloc, fence_scope::all_streams,
-                                       empty_cache_mode::defer)};
+  caching_allocator alloc{backend, make_options(backend_kind::cuda_malloc, fence_scope::all_streams,
+                                                empty_cache_mode::defer)};
   std::uint64_t hold = 0;
   std::thread a([&] {
     const auto mine = backend.own_stream();
@@ -306,7 +305,7 @@ TEST_CASE(
   });
   a.join();
   const auto legacy_before = backend.legacy_actions();
-  CHECK(alloc.empty_cache() == 0);  // A's write is pending: nothing goes back yet
+  CHECK(alloc.empty_cache() == 0);                  // A's write is pending: nothing goes back yet
   CHECK(backend.legacy_actions() > legacy_before);  // fenced through the legacy stream
   INFO(fault_text(dev));
   CHECK(dev.fault_count() == 0);

@@ -30,14 +30,13 @@ TEST_CASE("cuda::allocator exports on the owning device and learns the consumer'
   CHECK(streamsafe::ipc_handle_device(h) == 1);
   const streamsafe::imported_block imp = consumer.import_block(h, 1);
   CHECK(imp.ptr == p);
-  dev1.launch(cs, 500,
-              {{simulated_platform::device_address(imp.ptr, 1), 4 * MiB, sim::access::read,
-                std::nullopt}},
-              "consumer read");
-  const streamsafe::ipc_release r =
-      consumer.release_import(imp.ptr, reinterpret_cast<cudaStream_t>(cs));
-  CHECK_THROWS_AS(consumer.release_import(imp.ptr, reinterpret_cast<cudaStream_t>(cs)),
-                  ipc_error);
+  dev1.launch(
+      cs, 500,
+      {{simulated_platform::device_address(imp.ptr, 1), 4 * MiB, sim::access::read, std::nullopt}},
+      "consumer read");
+  const streamsafe::ipc_release r = consumer.release_import(imp.ptr,
+                                                            reinterpret_cast<cudaStream_t>(cs));
+  CHECK_THROWS_AS(consumer.release_import(imp.ptr, reinterpret_cast<cudaStream_t>(cs)), ipc_error);
   producer.deallocate(p);
   producer.notify_import_released(r);  // routed to device 1 by the message
   CHECK(producer.device_allocator(1).ipc_status().held_frees == 1);

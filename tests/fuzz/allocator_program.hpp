@@ -494,8 +494,9 @@ class program {
       require(false, e.what());
     }
     // tag_status first: it moves a deferred pause along (unmaps), which stats() must include.
-    const std::int64_t paused_bytes =
-        tag_paused_ ? static_cast<std::int64_t>(alloc_->tag_status(k_tag).released_bytes) : 0;
+    const std::int64_t paused_bytes = tag_paused_ ? static_cast<std::int64_t>(
+                                                        alloc_->tag_status(k_tag).released_bytes)
+                                                  : 0;
     const statistics s = alloc_->stats();
     std::int64_t allocated = 0, requested = 0;
     for (const std::vector<live_block>* list : {&live_, &paused_}) {
@@ -1241,13 +1242,14 @@ class program {
     // protocol: the handle is sent once the producer's writes are done or ordered).
     order_after(ipc_stream_, blk.stream_uid);
     for (std::uint64_t u : blk.users) order_after(ipc_stream_, u);
-    const std::uint64_t read = dev_.launch(ipc_stream_, read_us,
-                {{reinterpret_cast<std::uintptr_t>(blk.ptr), blk.size, sim::access::read,
-                  std::nullopt}},
-                "ipc consumer read");
+    const std::uint64_t read = dev_.launch(
+        ipc_stream_, read_us,
+        {{reinterpret_cast<std::uintptr_t>(blk.ptr), blk.size, sim::access::read, std::nullopt}},
+        "ipc consumer read");
     ipc_release r;
     expect_ok("release_import", [&] { r = ipc_consumer_->release_import(imp.ptr, ipc_stream_); });
-    if (!free_first) expect_ok("notify_import_released", [&] { alloc_->notify_import_released(r); });
+    if (!free_first)
+      expect_ok("notify_import_released", [&] { alloc_->notify_import_released(r); });
     expect_ok("deallocate (exported)", [&] { alloc_->deallocate(blk.ptr); });
     require(alloc_->ipc_status().held_frees == 1, "a free of an exported block was not held");
     if (free_first) expect_ok("notify_import_released", [&] { alloc_->notify_import_released(r); });

@@ -55,15 +55,14 @@ struct round_header {
 };
 
 struct consumer_result {
-  std::int32_t cuda_error = 0;  // cudaStreamSynchronize's result on the consumer stream
+  std::int32_t cuda_error = 0;    // cudaStreamSynchronize's result on the consumer stream
   std::int32_t import_error = 0;  // 1: import_block threw (message in the consumer's stderr)
   std::uint64_t sum = 0;
   std::uint64_t closing_after = 0;  // consumer imports still open after its reclaim
 };
 
 void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
 void write_all(int fd, const void* p, std::size_t n) {
@@ -148,8 +147,8 @@ int consumer_main(int sock) {
     const cudaError_t e = cudaStreamSynchronize(cs);
     res.cuda_error = static_cast<std::int32_t>(e);
     unsigned long long host_sum = 0;
-    if (e == cudaSuccess) check(cudaMemcpy(&host_sum, sum, sizeof host_sum, cudaMemcpyDeviceToHost),
-                                "cudaMemcpy(sum)");
+    if (e == cudaSuccess)
+      check(cudaMemcpy(&host_sum, sum, sizeof host_sum, cudaMemcpyDeviceToHost), "cudaMemcpy(sum)");
     res.sum = host_sum;
     alloc.reclaim();  // the import's event has completed: its mapping closes
     res.closing_after = alloc.ipc_status().closing + alloc.ipc_status().imports;

@@ -14,8 +14,8 @@
 // notes have their own).
 #pragma once
 
-#include <streamsafe/core/errors.hpp>
 #include <streamsafe/backends/forwarding_backend.hpp>
+#include <streamsafe/core/errors.hpp>
 #include <streamsafe/sim/simulated_device.hpp>
 
 #include <atomic>

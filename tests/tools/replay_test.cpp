@@ -525,7 +525,8 @@ TEST_CASE("The HTML segment map names each segment's tag and what a pause gave b
   const std::string html = os.str();
   CHECK(html.find("tag kv_cache") != std::string::npos);
   CHECK(html.find(", paused ") != std::string::npos);
-  CHECK(html.find("(paused: its memory is back with the driver until resume)") != std::string::npos);
+  CHECK(html.find("(paused: its memory is back with the driver until resume)") !=
+        std::string::npos);
   alloc.resume("kv_cache");
   alloc.deallocate(p);
 }

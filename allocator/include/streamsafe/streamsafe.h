@@ -59,8 +59,8 @@ typedef enum streamsafe_status {
   STREAMSAFE_ERROR_BACKEND = 6,          /* a CUDA call failed (also: no GPU present) */
   STREAMSAFE_ERROR_STATE = 7,            /* configure after the first allocation */
   STREAMSAFE_ERROR_UNKNOWN = 8,
-  STREAMSAFE_ERROR_TAG_PAUSED = 9,       /* an allocation under a paused tag; a pause or resume
-                                            refused in the current state (capture, callback) */
+  STREAMSAFE_ERROR_TAG_PAUSED = 9, /* an allocation under a paused tag; a pause or resume
+                                      refused in the current state (capture, callback) */
   STREAMSAFE_ERROR_IPC = 10 /* an IPC handle or release malformed, unknown, used twice, or during
                               a CUDA graph capture */
 } streamsafe_status;
@@ -148,7 +148,7 @@ typedef enum streamsafe_pause_mode {
 } streamsafe_pause_mode;
 
 typedef struct streamsafe_pause_status {
-  int phase; /* 0 active, 1 pausing (some chunks behind their fence), 2 paused */
+  int phase;                   /* 0 active, 1 pausing (some chunks behind their fence), 2 paused */
   size_t released_bytes;       /* given back to the driver */
   size_t pending_bytes;        /* still mapped, waiting for a fence or an offload copy */
   size_t offloaded_host_bytes; /* pinned host bytes holding offloaded contents */

@@ -327,8 +327,7 @@ struct caching_allocator::impl {
       STREAMSAFE_REQUIRES(mu_);  // mu_ held
   // cache_key: the handle the threads' stream caches look the state up by (0: `key`).
   stream_state& new_state_locked(stream_handle key, stream_handle handle,
-                                 stream_handle cache_key = 0)
-      STREAMSAFE_REQUIRES(mu_);  // mu_ held
+                                 stream_handle cache_key = 0) STREAMSAFE_REQUIRES(mu_);  // mu_ held
 
   // ---- per-thread stream handles (cudaStreamPerThread; per_thread_stream.hpp, streams.cpp) ---
   // Every stream the core keeps state for, uses, fences and events is named by a key: the
@@ -545,7 +544,7 @@ struct caching_allocator::impl {
   void end_export_locked(std::map<std::uint64_t, detail::ipc_export_record>::iterator it)
       STREAMSAFE_REQUIRES(mu_);
   void destroy_ipc_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // destruction.cpp
-  void check_ipc_locked() const STREAMSAFE_REQUIRES(mu_);  // invariants.cpp
+  void check_ipc_locked() const STREAMSAFE_REQUIRES(mu_);             // invariants.cpp
 
   // ---- release.cpp -------------------------------------------------------------------------
   // mu_ and the segment owner's stream lock held.
@@ -710,7 +709,7 @@ struct caching_allocator::impl {
   void resume_tag_locked(device_lock& lk, tag_state& t, const stream_handle* also,
                          const std::string& where) STREAMSAFE_REQUIRES(mu_);
   std::size_t advance_resumes_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // the worker
-  std::size_t advance_pauses_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // every tag
+  std::size_t advance_pauses_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);   // every tag
   void cancel_paused_segment_locked(tag_state& t, paused_segment& ps) STREAMSAFE_REQUIRES(mu_);
   pause_status tag_status_locked(const tag_state& t) STREAMSAFE_REQUIRES(mu_);
   void wait_tag_idle_locked(device_lock& lk, const tag_state& t) STREAMSAFE_REQUIRES(mu_);

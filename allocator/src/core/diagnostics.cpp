@@ -8,8 +8,8 @@
 #include "logging.hpp"
 
 #include <algorithm>
-#include <utility>
 #include <sstream>
+#include <utility>
 #include <vector>
 
 namespace streamsafe {

@@ -118,8 +118,7 @@ void caching_allocator::impl::process_events_locked(stream_state& st) {
        x = x->pending_prev, ++walked) {
     for (const auto& e : x->events) {
       if (n == k_streams) break;
-      if (e.stream == detail::k_tombstone_stream || slot(e.stream) >= 0)
-        continue;
+      if (e.stream == detail::k_tombstone_stream || slot(e.stream) >= 0) continue;
       asked[n] = e.stream;
       done[n++] = backend_.query_event(e.event);
     }

@@ -27,7 +27,6 @@ namespace {
 
 std::string dev_text(const device_backend& b) { return " on device " + std::to_string(b.device()); }
 
-
 }  // namespace
 
 void caching_allocator::impl::hold_exported_free_locked(stream_state& owner, block* b,
@@ -268,9 +267,8 @@ std::size_t caching_allocator::revoke_exports(void* ptr) {
   if (m.inherited()) return 0;
   device_lock lk(m.mu_);
   // An empty_cache waiting on these events with the lock dropped finishes first.
-  m.driver_calls_done_.wait(lk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-    return m.ipc_.waits_in_flight == 0;
-  });
+  m.driver_calls_done_.wait(
+      lk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return m.ipc_.waits_in_flight == 0; });
   impl::stream_state* owner = m.owner_locked(ptr);
   if (!owner) m.throw_invalid_pointer_locked(ptr, "revoke_exports");
   block* b = nullptr;
@@ -361,18 +359,17 @@ ipc_release caching_allocator::release_import(void* ptr, stream_handle stream) {
   }
   auto it = m.ipc_.imports.find(addr);
   if (it == m.ipc_.imports.end()) {
-    const bool closing =
-        std::any_of(m.ipc_.closing.begin(), m.ipc_.closing.end(),
-                    [&](const detail::ipc_import_record& rec) { return rec.addr == addr; });
-    throw ipc_error("streamsafe: release_import(" + detail::hex(addr) + ")" +
-                    dev_text(m.backend_) +
+    const bool closing = std::any_of(
+        m.ipc_.closing.begin(), m.ipc_.closing.end(),
+        [&](const detail::ipc_import_record& rec) { return rec.addr == addr; });
+    throw ipc_error("streamsafe: release_import(" + detail::hex(addr) + ")" + dev_text(m.backend_) +
                     (closing ? ": released twice (the import is already released)"
                              : ": not an open import of this allocator (unknown pointer, or "
                                "released already)"));
   }
   detail::ipc_import_record rec = it->second;
-  m.ipc_.closing.reserve(m.ipc_.closing.size() + 1);   // throws before anything changes
-  m.backend_.record_event(rec.event, stream);          // throws: the import stays open
+  m.ipc_.closing.reserve(m.ipc_.closing.size() + 1);  // throws before anything changes
+  m.backend_.record_event(rec.event, stream);         // throws: the import stays open
   rec.released = true;
   m.ipc_.imports.erase(it);
   m.ipc_.closing.push_back(rec);

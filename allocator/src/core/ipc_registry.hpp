@@ -41,8 +41,8 @@ struct ipc_import_record {
 struct ipc_registry {
   std::uint64_t key = 0;  // this allocator, across processes: pid and allocator id
   std::uint64_t next_export_id = 1;
-  std::map<std::uint64_t, ipc_export_record> exports;  // by export id
-  std::vector<ipc_held_free> held;                     // producer frees waiting for exports
+  std::map<std::uint64_t, ipc_export_record> exports;   // by export id
+  std::vector<ipc_held_free> held;                      // producer frees waiting for exports
   std::map<std::uintptr_t, ipc_import_record> imports;  // open (not released), by address
   std::vector<ipc_import_record> closing;               // released, event not seen complete
   int waits_in_flight = 0;  // empty_cache(wait) waiting on export events with mu_ dropped

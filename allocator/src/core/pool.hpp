@@ -61,9 +61,9 @@ struct pool {
   stream_handle stream = 0;
   bool small = false;
   std::uint32_t tag = 0;  // the tag whose memory the pool holds (core/sleep.hpp; 0: untagged)
-  free_lists mapped;  // free blocks backed by memory
-  quick_cache quick;  // freed blocks parked for same-size reuse (state quick_cached)
-  free_set unmapped;  // free address space of expandable segments (slow path only)
+  free_lists mapped;      // free blocks backed by memory
+  quick_cache quick;      // freed blocks parked for same-size reuse (state quick_cached)
+  free_set unmapped;      // free address space of expandable segments (slow path only)
   segment* expandable =
       nullptr;            // this pool's first expandable segment (it may reserve more), if any
   void* state = nullptr;  // the stream_state owning this pool (allocator_state.hpp)

@@ -72,7 +72,8 @@ bool caching_allocator::impl::ensure_worker_locked() {
     worker_pid_ = current_pid();
     std::call_once(g_atfork_once, [] {
       ::pthread_atfork(&impl::fork_prepare, &impl::fork_parent, &impl::fork_child);
-      std::atexit(&impl::at_exit);  // after the CUDA runtime's own handler: runs before its teardown
+      std::atexit(
+          &impl::at_exit);  // after the CUDA runtime's own handler: runs before its teardown
     });
     std::lock_guard<std::mutex> rlk(registry().mu);
     registry().live.push_back(this);

@@ -31,8 +31,7 @@ using detail::hex;
 namespace {
 
 std::string tag_where(const std::string& call, std::string_view tag, int device) {
-  return "streamsafe: " + call + "('" + std::string(tag) + "') on device " +
-         std::to_string(device);
+  return "streamsafe: " + call + "('" + std::string(tag) + "') on device " + std::to_string(device);
 }
 
 }  // namespace
@@ -160,8 +159,8 @@ std::vector<caching_allocator::impl::paused_segment*> caching_allocator::impl::w
   return ready;
 }
 
-std::size_t caching_allocator::impl::unmap_paused_locked(device_lock& lk, tag_state& t,
-                                                         const std::vector<paused_segment*>& ready) {
+std::size_t caching_allocator::impl::unmap_paused_locked(
+    device_lock& lk, tag_state& t, const std::vector<paused_segment*>& ready) {
   std::vector<sleep_hook_event> hooks;
   std::vector<std::size_t> before;
   for (const paused_segment* ps : ready) {
@@ -350,8 +349,8 @@ std::vector<caching_allocator::impl::paused_segment> caching_allocator::impl::co
         throw std::logic_error(where + ": mapped run " + hex(run.first) + " of " +
                                std::to_string(run.second) + " bytes is not chunk-aligned");
     }
-    ps.fence_streams =
-        opts_.release_fence == fence_scope::device ? every : fence_streams_locked(seg);
+    ps.fence_streams = opts_.release_fence == fence_scope::device ? every
+                                                                  : fence_streams_locked(seg);
     // The copy stream too: a restore of an earlier resume may still write the blocks.
     if (has_copy_stream_) ps.fence_streams.push_back(copy_stream_);
     segs.push_back(std::move(ps));
@@ -376,8 +375,7 @@ void caching_allocator::impl::record_pause_fences_locked(std::vector<paused_segm
   }
 }
 
-pause_status caching_allocator::pause(std::string_view tag, pause_mode mode,
-                                      empty_cache_mode how) {
+pause_status caching_allocator::pause(std::string_view tag, pause_mode mode, empty_cache_mode how) {
   impl& m = *impl_;
   if (m.inherited()) m.throw_inherited("pause");
   const tag_id id = tag_of(tag);  // config_error for a bad name
@@ -386,9 +384,10 @@ pause_status caching_allocator::pause(std::string_view tag, pause_mode mode,
     throw std::logic_error(where + " inside a stream callback: a pause makes CUDA calls");
   device_lock lk(m.mu_);
   if (m.opts_.backend != backend_kind::expandable) {
-    throw config_error(where +
-                       ": pause needs the expandable backend (backend:expandable, "
-                       "expandable_segments:True); cudaMalloc segments cannot keep their addresses");
+    throw config_error(
+        where +
+        ": pause needs the expandable backend (backend:expandable, "
+        "expandable_segments:True); cudaMalloc segments cannot keep their addresses");
   }
   if (mode == pause_mode::offload && !m.backend_.host_backend())
     throw config_error(where + ": offload needs pinned host memory, which the " +

@@ -36,11 +36,10 @@ std::uint64_t detail::this_thread_number() noexcept {
 stream_handle caching_allocator::impl::key_of(stream_handle stream) const {
   if (!backend_.stream_is_per_thread(stream)) return stream;
   if (stream > detail::k_per_thread_max_handle) {
-    throw std::invalid_argument("streamsafe: device " + std::to_string(backend_.device()) +
-                                ": the backend marks stream " + detail::hex(stream) +
-                                " as per-thread; per-thread handles above " +
-                                detail::hex(detail::k_per_thread_max_handle) +
-                                " are not supported");
+    throw std::invalid_argument(
+        "streamsafe: device " + std::to_string(backend_.device()) + ": the backend marks stream " +
+        detail::hex(stream) + " as per-thread; per-thread handles above " +
+        detail::hex(detail::k_per_thread_max_handle) + " are not supported");
   }
   return detail::per_thread_key(stream);
 }
@@ -181,10 +180,9 @@ caching_allocator::impl::stream_state& caching_allocator::impl::get_or_create_st
     stream_handle stream) {
   auto it = streams_.find(stream);
   if (it == streams_.end()) {
-    return new_state_locked(stream, stream,
-                            detail::is_per_thread_key(stream)
-                                ? detail::per_thread_handle_of(stream)
-                                : stream);
+    return new_state_locked(
+        stream, stream,
+        detail::is_per_thread_key(stream) ? detail::per_thread_handle_of(stream) : stream);
   } else if (!it->second->alive.load(std::memory_order_acquire)) {
     // A handle value recycled by the driver before the destroyed stream's state went: the new
     // stream inherits the old one's cached blocks, so it waits, on the device, for the old

@@ -11,7 +11,7 @@ namespace streamsafe {
 
 std::size_t caching_allocator::empty_cache(std::string_view tag) {
   impl& m = *impl_;
-  const tag_id id = tag_of(tag);  // config_error for a bad name
+  const tag_id id = tag_of(tag);                            // config_error for a bad name
   if (m.inherited() || callback_scope::active()) return 0;  // as empty_cache()
   device_lock lk(m.mu_);
   m.detect_captures_locked(lk);
@@ -33,8 +33,8 @@ std::size_t caching_allocator::trim(std::size_t bytes_to_keep) {
     allocated += st->cur_allocated.load(std::memory_order_relaxed) +
                  st->cur_pending.load(std::memory_order_relaxed);
   }
-  const std::int64_t cached =
-      m.stats_.reserved_bytes.current - allocated - static_cast<std::int64_t>(m.deferred_bytes_);
+  const std::int64_t cached = m.stats_.reserved_bytes.current - allocated -
+                              static_cast<std::int64_t>(m.deferred_bytes_);
   if (cached <= static_cast<std::int64_t>(bytes_to_keep)) return 0;
   auto need = static_cast<std::size_t>(cached) - bytes_to_keep;
   impl::release_batch all = m.collect_releasable_locked();

@@ -17,9 +17,7 @@
 
 namespace streamsafe {
 
-pause_status caching_allocator::resume(std::string_view tag) {
-  return resume_impl(tag, nullptr);
-}
+pause_status caching_allocator::resume(std::string_view tag) { return resume_impl(tag, nullptr); }
 
 pause_status caching_allocator::resume(std::string_view tag, stream_handle also_order) {
   also_order = impl_->key_of(also_order);  // cudaStreamPerThread: this thread's
@@ -58,8 +56,7 @@ bool caching_allocator::impl::resume_segment_locked(tag_state& t, paused_segment
     const bool given = std::any_of(ps.runs.begin(), unmapped_end, [&](const auto& run) {
       return c.addr >= run.first && c.addr + c.bytes <= run.first + run.second;
     });
-    if (given)
-      backend_.copy_async(reinterpret_cast<void*>(c.addr), c.host, c.bytes, w.copy_stream);
+    if (given) backend_.copy_async(reinterpret_cast<void*>(c.addr), c.host, c.bytes, w.copy_stream);
     // Either way the copy stream reads or writes the block: its owner waits for it below.
     if (ps.copies_enqueued) w.restored = true;
     host_->deallocate(c.host);
@@ -108,9 +105,8 @@ void caching_allocator::impl::set_phase_after_resume_locked(tag_state& t,
   }
   tag_phase next = tag_phase::active;
   if (!t.segments.empty()) {
-    const bool all = std::all_of(t.segments.begin(), t.segments.end(), [](const auto& ps) {
-      return ps.runs_unmapped == ps.runs.size();
-    });
+    const bool all = std::all_of(t.segments.begin(), t.segments.end(),
+                                 [](const auto& ps) { return ps.runs_unmapped == ps.runs.size(); });
     next = all ? tag_phase::paused : tag_phase::pausing;
   }
   if (was_pausing && next != tag_phase::pausing) --pauses_pending_;
@@ -183,7 +179,8 @@ pause_status caching_allocator::resume_impl(std::string_view tag, const stream_h
   impl& m = *impl_;
   if (m.inherited()) m.throw_inherited("resume");
   const tag_id id = tag_of(tag);
-  const std::string where = "streamsafe: resume('" + std::string(tag) + "') on device " + std::to_string(m.backend_.device());
+  const std::string where = "streamsafe: resume('" + std::string(tag) + "') on device " +
+                            std::to_string(m.backend_.device());
   if (callback_scope::active())
     throw std::logic_error(where + " inside a stream callback: a resume makes CUDA calls");
   device_lock lk(m.mu_);
@@ -212,8 +209,7 @@ pause_status caching_allocator::resume_async(std::string_view tag, stream_handle
   return resume_async_impl(tag, &also_order);
 }
 
-pause_status caching_allocator::resume_async_impl(std::string_view tag,
-                                                  const stream_handle* also) {
+pause_status caching_allocator::resume_async_impl(std::string_view tag, const stream_handle* also) {
   impl& m = *impl_;
   {
     device_lock lk(m.mu_);

@@ -463,7 +463,8 @@ struct simulated_device::impl {
       if (b < e) parts.push_back({{b - src, e - src}, it->second.second});
     }
     assign_contents(dst, dst + bytes, std::nullopt);
-    for (const auto& [span, value] : parts) assign_contents(dst + span.first, dst + span.second, value);
+    for (const auto& [span, value] : parts)
+      assign_contents(dst + span.first, dst + span.second, value);
   }
 
   void complete(std::uint64_t id) {

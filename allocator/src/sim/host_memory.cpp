@@ -67,8 +67,8 @@ void simulated_device::copy_async(void* dst, const void* src, std::size_t bytes,
   const auto from = reinterpret_cast<std::uintptr_t>(src);
   std::vector<range> ranges{{from, bytes, access::read, std::nullopt},
                             {to, bytes, access::write, std::nullopt}};
-  const std::uint64_t id =
-      d.launch_locked(stream, 1 + (bytes >> 20), std::move(ranges), "copy_async");
+  const std::uint64_t id = d.launch_locked(stream, 1 + (bytes >> 20), std::move(ranges),
+                                           "copy_async");
   work_item& item = d.pending_.at(id);  // 1 us at least: still pending
   item.copy_src = from;
   item.copy_dst = to;

@@ -14,7 +14,9 @@ class simulated_device::host_view final : public forwarding_backend {
 
   const char* name() const noexcept override { return "simulated_host"; }
   void* allocate_segment(std::size_t size_bytes) override { return dev_.allocate_host(size_bytes); }
-  void free_segment(void* base, std::size_t size_bytes) override { dev_.free_host(base, size_bytes); }
+  void free_segment(void* base, std::size_t size_bytes) override {
+    dev_.free_host(base, size_bytes);
+  }
   bool free_segment_synchronizes() const noexcept override { return false; }
   bool supports_expandable() const noexcept override { return false; }
   std::size_t map_granularity_bytes() const noexcept override { return 0; }

@@ -101,8 +101,7 @@ event_handle simulated_device::open_ipc_event(const std::vector<std::uint8_t>& b
   if (bytes.size() != sizeof w) d.fail("open_ipc_event", "not a simulated event handle");
   std::memcpy(&w, bytes.data(), sizeof w);
   const auto target = static_cast<event_handle>(w.event);
-  if (w.tag != k_event_tag || d.ipc_events_.count(target) == 0 ||
-      d.ipc_orphans_.count(target) != 0)
+  if (w.tag != k_event_tag || d.ipc_events_.count(target) == 0 || d.ipc_orphans_.count(target) != 0)
     d.fail("open_ipc_event", "no such interprocess event");
   const event_handle alias = d.next_event_handle_++;
   d.ipc_aliases_.emplace(alias, target);

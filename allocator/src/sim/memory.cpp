@@ -190,10 +190,10 @@ bool simulated_device::map(void* addr_ptr, std::size_t size_bytes) {
       for (int dev : set) text += (text.size() > 1 ? ", " : "") + std::to_string(dev);
       return text + "}";
     };
-    d.record_fault(fault_kind::access_mismatch,
-                   "map " + describe_range(addr, size_bytes) + " grants access to devices " +
-                       names(access) + ", chunk " + hex(it->first) + " of the same range to " +
-                       names(it->second));
+    d.record_fault(fault_kind::access_mismatch, "map " + describe_range(addr, size_bytes) +
+                                                    " grants access to devices " + names(access) +
+                                                    ", chunk " + hex(it->first) +
+                                                    " of the same range to " + names(it->second));
     break;
   }
   for (std::uintptr_t chunk = addr; chunk < addr + size_bytes; chunk += gran) {

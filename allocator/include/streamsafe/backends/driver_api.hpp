@@ -24,8 +24,8 @@ void load();
 bool available() noexcept;
 
 // cuMemCreate, cuMemRelease, cuMemMap, cuMemUnmap, cuMemSetAccess, cuMemGetAccess,
-// cuMemAddressReserve, cuMemAddressFree, cuMemGetAllocationGranularity. Each returns CUDA_ERROR_NOT_INITIALIZED
-// when the entry points could not be loaded.
+// cuMemAddressReserve, cuMemAddressFree, cuMemGetAllocationGranularity. Each returns
+// CUDA_ERROR_NOT_INITIALIZED when the entry points could not be loaded.
 CUresult mem_create(CUmemGenericAllocationHandle* handle, std::size_t size,
                     const CUmemAllocationProp* prop, unsigned long long flags) noexcept;
 CUresult mem_release(CUmemGenericAllocationHandle handle) noexcept;

@@ -94,9 +94,9 @@ class caching_allocator {
   // interior pointer. Never blocks the host. Safe from a stream callback (case K16): a free
   // from a thread other than the one that last allocated on the block's stream, or inside a
   // callback_scope, makes no backend call (except, outside a callback_scope, to record a use on
-  // the freeing thread's own per-thread stream, which only it can name); a block with uses on other streams waits,
-  // unusable, until the next ordinary call that reaches the driver anyway (an allocation that
-  // misses the cache, empty_cache, reclaim) records its events.
+  // the freeing thread's own per-thread stream, which only it can name); a block with uses on other
+  // streams waits, unusable, until the next ordinary call that reaches the driver anyway (an
+  // allocation that misses the cache, empty_cache, reclaim) records its events.
   void deallocate(void* ptr);
   // Stream-ordered free: the last use of the block is on `stream`.
   void deallocate(void* ptr, stream_handle stream);

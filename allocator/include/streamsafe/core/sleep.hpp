@@ -64,10 +64,10 @@ enum class pause_mode {
 };
 
 enum class tag_phase {
-  active,   // mapped and usable
-  pausing,  // pause called; some chunks still mapped, behind their fence (or offload copy)
-  paused,   // every chunk of the tag is back with the driver
-  resuming, // resume_async: the release worker maps it again; allocation still refused
+  active,    // mapped and usable
+  pausing,   // pause called; some chunks still mapped, behind their fence (or offload copy)
+  paused,    // every chunk of the tag is back with the driver
+  resuming,  // resume_async: the release worker maps it again; allocation still refused
 };
 
 const char* to_string(tag_phase phase) noexcept;
@@ -76,8 +76,8 @@ const char* to_string(tag_phase phase) noexcept;
 struct pause_status {
   std::string tag;
   tag_phase phase = tag_phase::active;
-  std::size_t released_bytes = 0;  // given back to the driver by the tag's pause so far
-  std::size_t pending_bytes = 0;   // still mapped, waiting for a fence or an offload copy
+  std::size_t released_bytes = 0;        // given back to the driver by the tag's pause so far
+  std::size_t pending_bytes = 0;         // still mapped, waiting for a fence or an offload copy
   std::size_t offloaded_host_bytes = 0;  // pinned host bytes holding the tag's contents
   std::size_t allocated_bytes = 0;       // the tag's live blocks (valid pointers throughout)
   std::size_t reserved_bytes = 0;        // the tag's mapped bytes now

@@ -49,8 +49,8 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
-#include <string_view>
 #include <mutex>
+#include <string_view>
 
 namespace streamsafe::cuda {
 

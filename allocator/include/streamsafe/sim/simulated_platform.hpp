@@ -96,8 +96,7 @@ class simulated_platform {
     // IPC: addresses shifted both ways; events as the device's.
     ipc_memory export_memory(std::uintptr_t segment_base, std::size_t segment_bytes,
                              std::uintptr_t addr, std::size_t size_bytes) override {
-      return dev_.export_memory(segment_base - offset_, segment_bytes, addr - offset_,
-                                size_bytes);
+      return dev_.export_memory(segment_base - offset_, segment_bytes, addr - offset_, size_bytes);
     }
     std::uintptr_t import_memory(const ipc_memory& memory) override {
       return dev_.import_memory(memory) + offset_;

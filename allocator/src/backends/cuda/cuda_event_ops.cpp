@@ -88,9 +88,8 @@ std::vector<std::uint8_t> cuda_event_ops::export_event(event_handle event) {
 event_handle cuda_event_ops::open_ipc_event(const std::vector<std::uint8_t>& bytes) {
   cudaIpcEventHandle_t handle{};
   if (bytes.size() != sizeof handle) {
-    throw backend_error("streamsafe: open_ipc_event on device " + std::to_string(device_) +
-                        ": " + std::to_string(bytes.size()) +
-                        " bytes are not a cudaIpcEventHandle_t");
+    throw backend_error("streamsafe: open_ipc_event on device " + std::to_string(device_) + ": " +
+                        std::to_string(bytes.size()) + " bytes are not a cudaIpcEventHandle_t");
   }
   std::memcpy(&handle, bytes.data(), sizeof handle);
   device_guard guard(device_);

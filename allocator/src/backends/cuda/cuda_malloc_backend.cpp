@@ -75,8 +75,7 @@ device_backend::ipc_memory cuda_malloc_backend::export_memory(std::uintptr_t seg
   ipc_wire w{};
   {
     device_guard guard(device());
-    STREAMSAFE_CUDA_CHECK(
-        cudaIpcGetMemHandle(&w.handle, reinterpret_cast<void*>(segment_base)));
+    STREAMSAFE_CUDA_CHECK(cudaIpcGetMemHandle(&w.handle, reinterpret_cast<void*>(segment_base)));
   }
   w.offset = addr - segment_base;
   w.size = size_bytes;

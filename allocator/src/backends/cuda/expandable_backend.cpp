@@ -340,8 +340,8 @@ device_backend::ipc_memory expandable_backend::export_memory(std::uintptr_t /*se
                             ": the device does not support shareable (POSIX file descriptor) "
                             "physical memory");
       }
-      detail::throw_cu_error(r, "cuMemExportToShareableHandle(&fd, handle, POSIX_FD, 0)",
-                             __FILE__, __LINE__);
+      detail::throw_cu_error(r, "cuMemExportToShareableHandle(&fd, handle, POSIX_FD, 0)", __FILE__,
+                             __LINE__);
     }
     out.fds.push_back(fd);
   }

@@ -48,9 +48,7 @@ void pinned_host_backend::release_address_range(void* /*base*/, std::size_t /*si
   not_supported("release_address_range");
 }
 
-bool pinned_host_backend::map(void* /*addr*/, std::size_t /*size_bytes*/) {
-  not_supported("map");
-}
+bool pinned_host_backend::map(void* /*addr*/, std::size_t /*size_bytes*/) { not_supported("map"); }
 
 void pinned_host_backend::unmap(void* /*addr*/, std::size_t /*size_bytes*/) {
   not_supported("unmap");

@@ -197,7 +197,8 @@ void* c_copy(const std::vector<std::uint8_t>& bytes) {
 }
 
 void require(bool ok, const char* what) {
-  if (!ok) throw status_error{STREAMSAFE_ERROR_INVALID_ARGUMENT, std::string("streamsafe: ") + what};
+  if (!ok)
+    throw status_error{STREAMSAFE_ERROR_INVALID_ARGUMENT, std::string("streamsafe: ") + what};
 }
 
 }  // namespace
@@ -244,8 +245,8 @@ streamsafe_status streamsafe_import_block(const void* handle, size_t handle_byte
     *ptr = nullptr;
     const auto* p = static_cast<const std::uint8_t*>(handle);
     const streamsafe::ipc_handle h{{p, p + handle_bytes}};
-    const streamsafe::imported_block b =
-        device < 0 ? target().import_block(h) : target().import_block(h, device);
+    const streamsafe::imported_block b = device < 0 ? target().import_block(h)
+                                                    : target().import_block(h, device);
     *ptr = b.ptr;
     if (size_bytes) *size_bytes = b.size_bytes;
   });
@@ -408,15 +409,15 @@ const char* tag_or_throw(const char* tag) {
 }  // namespace
 
 streamsafe_status streamsafe_tag_push(const char* tag) {
-  return guarded([&] {
-    t_tag_stack.push_back(std::make_unique<streamsafe::tag_scope>(tag_or_throw(tag)));
-  });
+  return guarded(
+      [&] { t_tag_stack.push_back(std::make_unique<streamsafe::tag_scope>(tag_or_throw(tag))); });
 }
 
 streamsafe_status streamsafe_tag_pop(void) {
   return guarded([&] {
     if (t_tag_stack.empty())
-      throw status_error{STREAMSAFE_ERROR_STATE, "streamsafe_tag_pop: no tag pushed on this thread"};
+      throw status_error{STREAMSAFE_ERROR_STATE,
+                         "streamsafe_tag_pop: no tag pushed on this thread"};
     t_tag_stack.pop_back();
   });
 }
@@ -426,11 +427,12 @@ streamsafe_status streamsafe_pause(const char* tag, int device, streamsafe_pause
   return guarded([&] {
     if (mode != STREAMSAFE_PAUSE_DISCARD && mode != STREAMSAFE_PAUSE_OFFLOAD)
       throw std::invalid_argument("streamsafe_pause: mode must be DISCARD or OFFLOAD");
-    fill(status, target().device_allocator(device).pause(
-                     tag_or_throw(tag),
-                     mode == STREAMSAFE_PAUSE_OFFLOAD ? streamsafe::pause_mode::offload
-                                                      : streamsafe::pause_mode::discard,
-                     wait ? streamsafe::empty_cache_mode::wait : streamsafe::empty_cache_mode::defer));
+    fill(status,
+         target().device_allocator(device).pause(
+             tag_or_throw(tag),
+             mode == STREAMSAFE_PAUSE_OFFLOAD ? streamsafe::pause_mode::offload
+                                              : streamsafe::pause_mode::discard,
+             wait ? streamsafe::empty_cache_mode::wait : streamsafe::empty_cache_mode::defer));
   });
 }
 
@@ -445,7 +447,8 @@ streamsafe_status streamsafe_resume(const char* tag, int device, void* stream,
 
 streamsafe_status streamsafe_tag_status(const char* tag, int device,
                                         streamsafe_pause_status* status) {
-  return guarded([&] { fill(status, target().device_allocator(device).tag_status(tag_or_throw(tag))); });
+  return guarded(
+      [&] { fill(status, target().device_allocator(device).tag_status(tag_or_throw(tag))); });
 }
 
 streamsafe_status streamsafe_empty_cache_tag(const char* tag, size_t* released_bytes) {

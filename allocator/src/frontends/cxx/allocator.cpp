@@ -281,7 +281,8 @@ imported_block allocator::import_block(const ipc_handle& handle, int device) {
 ipc_release allocator::release_import(void* ptr, cudaStream_t stream) {
   const stream_handle s = to_stream_handle(stream);
   for (int d = 0; d < device_count_; ++d) {
-    if (caching_allocator* a = existing(d); a && a->is_import(ptr)) return a->release_import(ptr, s);
+    if (caching_allocator* a = existing(d); a && a->is_import(ptr))
+      return a->release_import(ptr, s);
   }
   throw ipc_error("streamsafe: release_import(" + hex(ptr) +
                   "): not an import of any device's allocator (unknown pointer)");

@@ -23,17 +23,15 @@ struct owned_backend {
   std::unique_ptr<device_backend> owned;
 };
 
-// Forwards every call to the device's real backend (forwarding_backend); refuses growth beyond a per-device cap on
-// reserved bytes (set_per_process_memory_fraction) as the device being out of memory, so that
-// streamsafe's out-of-memory path (release behind a fence, retry, out_of_memory) applies; and
-// reports segment events to the history.
+// Forwards every call to the device's real backend (forwarding_backend); refuses growth beyond a
+// per-device cap on reserved bytes (set_per_process_memory_fraction) as the device being out of
+// memory, so that streamsafe's out-of-memory path (release behind a fence, retry, out_of_memory)
+// applies; and reports segment events to the history.
 class limited_backend final : private owned_backend, public forwarding_backend {
  public:
   limited_backend(std::unique_ptr<device_backend> inner, std::atomic<std::size_t>* limit_bytes,
                   torch_allocator* owner)
-      : owned_backend{std::move(inner)},
-        forwarding_backend(*owned),
-        limit_bytes_(limit_bytes),
+      : owned_backend{std::move(inner)}, forwarding_backend(*owned), limit_bytes_(limit_bytes),
         owner_(owner) {}
 
   void* allocate_segment(std::size_t size_bytes) override {
@@ -78,6 +76,7 @@ class limited_backend final : private owned_backend, public forwarding_backend {
     backed_bytes_.fetch_sub(size_bytes);
     note(cda::TraceEntry::SEGMENT_UNMAP, addr, size_bytes);
   }
+
  private:
   bool take(std::size_t size_bytes) {
     const std::size_t limit = limit_bytes_->load(std::memory_order_relaxed);

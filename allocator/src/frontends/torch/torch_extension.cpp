@@ -193,12 +193,11 @@ int json_call(char* out, size_t len, F&& f) {
   } catch (const std::exception& e) {
     std::string msg = e.what();
     for (char& c : msg) c = c == '"' ? '\'' : c;
-    streamsafe::detail::copy_text("{\"error\": \"" + msg + "\", \"kind\": \"" +
-                                      (dynamic_cast<const streamsafe::out_of_memory*>(&e)
-                                           ? "out_of_memory"
-                                           : "error") +
-                                      "\"}",
-                                  out, len);
+    streamsafe::detail::copy_text(
+        "{\"error\": \"" + msg + "\", \"kind\": \"" +
+            (dynamic_cast<const streamsafe::out_of_memory*>(&e) ? "out_of_memory" : "error") +
+            "\"}",
+        out, len);
     return -1;
   }
 }
@@ -211,7 +210,7 @@ streamsafe::caching_allocator& device_allocator(int device) {
 }  // namespace
 
 STREAMSAFE_EXPORT int streamsafe_torch_ext_tag_push(const char* tag, int all_threads, char* out,
-                                                   size_t len) {
+                                                    size_t len) {
   return json_call(out, len, [&] {
     tag_frame f;
     f.thread = std::make_unique<streamsafe::tag_scope>(tag ? tag : "");
@@ -223,14 +222,15 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_tag_push(const char* tag, int all_thr
 
 STREAMSAFE_EXPORT int streamsafe_torch_ext_tag_pop(char* out, size_t len) {
   return json_call(out, len, [&] {
-    if (t_tags.empty()) throw std::logic_error("streamsafe: tag pop with no tag pushed on this thread");
+    if (t_tags.empty())
+      throw std::logic_error("streamsafe: tag pop with no tag pushed on this thread");
     t_tags.pop_back();
     return std::string("{}");
   });
 }
 
 STREAMSAFE_EXPORT int streamsafe_torch_ext_pause(const char* tag, int device, int offload, int wait,
-                                                char* out, size_t len) {
+                                                 char* out, size_t len) {
   return json_call(out, len, [&] {
     return status_json(device_allocator(device).pause(
         tag ? tag : "", offload ? streamsafe::pause_mode::offload : streamsafe::pause_mode::discard,
@@ -239,7 +239,7 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_pause(const char* tag, int device, in
 }
 
 STREAMSAFE_EXPORT int streamsafe_torch_ext_resume(const char* tag, int device, void* stream,
-                                                 int async, char* out, size_t len) {
+                                                  int async, char* out, size_t len) {
   return json_call(out, len, [&] {
     auto& a = device_allocator(device);
     const std::string name = tag ? tag : "";
@@ -250,8 +250,8 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_resume(const char* tag, int device, v
 }
 
 STREAMSAFE_EXPORT int streamsafe_torch_ext_wait_resumed(const char* tag, int device,
-                                                       long long timeout_ms, char* out,
-                                                       size_t len) {
+                                                        long long timeout_ms, char* out,
+                                                        size_t len) {
   return json_call(out, len, [&] {
     return status_json(device_allocator(device).wait_resumed(
         tag ? tag : "", std::chrono::milliseconds(timeout_ms)));
@@ -259,13 +259,15 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_wait_resumed(const char* tag, int dev
 }
 
 STREAMSAFE_EXPORT int streamsafe_torch_ext_tag_status(const char* tag, int device, char* out,
-                                                     size_t len) {
-  return json_call(out, len, [&] { return status_json(device_allocator(device).tag_status(tag ? tag : "")); });
+                                                      size_t len) {
+  return json_call(
+      out, len, [&] { return status_json(device_allocator(device).tag_status(tag ? tag : "")); });
 }
 
 STREAMSAFE_EXPORT int streamsafe_torch_ext_empty_cache_tag(const char* tag, char* out, size_t len) {
   return json_call(out, len, [&] {
-    return "{\"released_bytes\": " + std::to_string(g_allocator->core().empty_cache(tag ? tag : "")) + "}";
+    return "{\"released_bytes\": " +
+           std::to_string(g_allocator->core().empty_cache(tag ? tag : "")) + "}";
   });
 }
 
