@@ -373,7 +373,11 @@ ipc_release caching_allocator::release_import(void* ptr, stream_handle stream) {
   rec.released = true;
   m.ipc_.imports.erase(it);
   m.ipc_.closing.push_back(rec);
-  return detail::make_ipc_release(rec.producer, rec.export_id, rec.producer_device);
+  detail::ipc_release_header r;
+  r.producer = rec.producer;
+  r.export_id = rec.export_id;
+  r.device = rec.producer_device;
+  return detail::make_ipc_release(r);
 }
 
 bool caching_allocator::is_import(const void* ptr) const {

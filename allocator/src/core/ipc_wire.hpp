@@ -104,11 +104,7 @@ inline ipc_handle_parts parse_ipc_handle(const ipc_handle& h, const char* what) 
   return p;
 }
 
-inline ipc_release make_ipc_release(std::uint64_t producer, std::uint64_t export_id, int device) {
-  ipc_release_header r;
-  r.producer = producer;
-  r.export_id = export_id;
-  r.device = device;
+inline ipc_release make_ipc_release(const ipc_release_header& r) {
   ipc_release out;
   out.bytes.resize(sizeof r);
   std::memcpy(out.bytes.data(), &r, sizeof r);

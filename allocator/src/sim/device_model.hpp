@@ -185,7 +185,7 @@ inline const char* kind_name(item_kind kind) {
 using namespace detail;
 
 struct simulated_device::impl {
-  explicit impl(device_config config) : config_(config) {
+  explicit impl(device_config config) : config_(std::move(config)) {
     if (config_.granularity_bytes == 0 || config_.granularity_bytes % 512 != 0) {
       throw std::invalid_argument(
           "simulated_device: granularity_bytes must be a positive "

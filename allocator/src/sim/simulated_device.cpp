@@ -26,7 +26,8 @@ const char* to_string(fault_kind kind) noexcept {
 
 // ---- construction ---------------------------------------------------------------------
 
-simulated_device::simulated_device(device_config config) : impl_(std::make_unique<impl>(config)) {}
+simulated_device::simulated_device(device_config config)
+    : impl_(std::make_unique<impl>(std::move(config))) {}
 
 simulated_device::~simulated_device() = default;
 
