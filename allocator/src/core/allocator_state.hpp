@@ -712,6 +712,12 @@ struct caching_allocator::impl {
   std::size_t advance_pauses_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);   // every tag
   void cancel_paused_segment_locked(tag_state& t, paused_segment& ps) STREAMSAFE_REQUIRES(mu_);
   pause_status tag_status_locked(const tag_state& t) STREAMSAFE_REQUIRES(mu_);
+  // The status of a tag this allocator holds nothing of: active, no bytes.
+  static pause_status unknown_tag_status(std::string_view tag) {
+    pause_status s;
+    s.tag = std::string(tag);
+    return s;
+  }
   void wait_tag_idle_locked(device_lock& lk, const tag_state& t) STREAMSAFE_REQUIRES(mu_);
   void call_hooks_unlocked(const std::vector<sleep_hook_event>& events, const sleep_hook& hook);
   stream_handle copy_stream_locked() STREAMSAFE_REQUIRES(mu_);

@@ -437,11 +437,7 @@ pause_status caching_allocator::tag_status(std::string_view tag) {
   const tag_id id = tag_of(tag);
   device_lock lk(m.mu_);
   auto found = m.tags_.find(id);
-  if (found == m.tags_.end()) {
-    pause_status s;
-    s.tag = std::string(tag);
-    return s;
-  }
+  if (found == m.tags_.end()) return impl::unknown_tag_status(tag);
   impl::tag_state& t = *found->second;
   // Moves a deferred pause along on this thread when no worker does (never waits).
   if (t.phase == tag_phase::pausing && !m.worker_usable_locked() && !callback_scope::active() &&

@@ -185,11 +185,8 @@ pause_status caching_allocator::resume_impl(std::string_view tag, const stream_h
     throw std::logic_error(where + " inside a stream callback: a resume makes CUDA calls");
   device_lock lk(m.mu_);
   auto found = m.tags_.find(id);
-  if (found == m.tags_.end()) {  // nothing of the tag here: a no-op
-    pause_status s;
-    s.tag = std::string(tag);
-    return s;
-  }
+  if (found == m.tags_.end())
+    return impl::unknown_tag_status(tag);  // nothing of the tag here: a no-op
   impl::tag_state& t = *found->second;
   m.wait_tag_idle_locked(lk, t);
   if (t.phase == tag_phase::active) return m.tag_status_locked(t);  // resuming twice: a no-op
@@ -239,11 +236,7 @@ pause_status caching_allocator::wait_resumed(std::string_view tag,
   const tag_id id = tag_of(tag);
   device_lock lk(m.mu_);
   auto found = m.tags_.find(id);
-  if (found == m.tags_.end()) {
-    pause_status s;
-    s.tag = std::string(tag);
-    return s;
-  }
+  if (found == m.tags_.end()) return impl::unknown_tag_status(tag);
   impl::tag_state& t = *found->second;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (t.phase == tag_phase::resuming && std::chrono::steady_clock::now() < deadline) {
