@@ -6,6 +6,8 @@ PyTorch's own ratios (peak reserved / peak allocated) recorded when the trace wa
     python3 bench/corpus/report.py --check            (the ctest: exit 1 above a ceiling)
     python3 bench/corpus/report.py --write-doc docs/corpus.md
     python3 bench/corpus/report.py --update-ceilings  (ceilings := today's ratios + 0.1%)
+    python3 bench/corpus/report.py --repeat 4         (also the steady state: each trace 4 times
+                                                        back to back, streamsafe-replay --repeat)
 
 The traces are bench/traces/corpus/NAME.csv.gz; ratios.csv beside this file lists each one
 with its split (tuning or held-out), PyTorch's peaks from capture.sh (default settings and
@@ -39,6 +41,8 @@ FIELDS = ["trace", "split", "pytorch_default_reserved", "pytorch_default_allocat
           "pytorch_expandable_reserved", "pytorch_expandable_allocated", "pytorch_expandable_ratio",
           "ceiling_expandable", "ceiling_cuda_malloc"]
 TABLE_BEGIN, TABLE_END = "<!-- corpus-table:begin -->", "<!-- corpus-table:end -->"
+STEADY_BEGIN, STEADY_END = "<!-- corpus-steady:begin -->", "<!-- corpus-steady:end -->"
+REPETITION = re.compile(r"^repetition (\d+)\s+([\d,]+) alloc/map, ([\d,]+) free/unmap; .*ratio ([\d.]+)$")
 
 
 def read_ratios(path):
@@ -59,6 +63,23 @@ def write_ratios(path, rows):
         w.writeheader()
         for r in rows:
             w.writerow({k: r.get(k, "") for k in FIELDS})
+
+
+def steady(tool, trace, backend, repeat):
+    """The trace `repeat` times back to back: per repetition, driver calls and ratio."""
+    cmd = [tool, trace, "--conf", f"backend:{backend}", "--passes", "1", "--strict", "--repeat", str(repeat)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {p.returncode}: {p.stderr.strip()[:400]}")
+    reps = []
+    for line in p.stdout.splitlines():
+        m = REPETITION.match(line.strip())
+        if m:
+            reps.append({"calls": int(m.group(2).replace(",", "")) + int(m.group(3).replace(",", "")),
+                         "ratio": float(m.group(4))})
+    if len(reps) != repeat:
+        raise RuntimeError(f"{' '.join(cmd)}: expected {repeat} repetition lines:\n{p.stdout}")
+    return reps
 
 
 def replay(tool, trace, backend, passes):
@@ -88,11 +109,14 @@ def target_text(value, target):
     return f"missed by {100 * (value / target - 1):.1f}%"
 
 
-def measure(rows, tool, traces_dir, passes):
+def measure(rows, tool, traces_dir, passes, repeat):
     results = []
     for r in rows:
         path = os.path.join(traces_dir, r["trace"] + ".csv.gz")
         m = {b: replay(tool, path, b, passes) for b in BACKENDS}
+        if repeat > 1:
+            for b in BACKENDS:
+                m[b]["steady"] = steady(tool, path, b, repeat)
         pt_default, pt_exp = float(r["pytorch_default_ratio"]), float(r["pytorch_expandable_ratio"])
         m["expandable_target"] = min(pt_exp, EXPANDABLE_TARGET)
         m["cuda_malloc_target"] = min(pt_default, CUDA_MALLOC_TARGET)
@@ -133,6 +157,42 @@ def summary(results):
     return out
 
 
+def steady_table(results, repeat):
+    head = ("| trace | split | expandable: ratio, pass 1 / pass " + str(repeat) + " | expandable: driver calls, pass 1 / "
+            "passes 2-" + str(repeat) + " each | cuda_malloc: ratio, pass 1 / pass " + str(repeat) + " | cuda_malloc: "
+            "driver calls, pass 1 / passes 2-" + str(repeat) + " each |")
+    lines = [head, "| " + " | ".join(["---"] * 6) + " |"]
+    for split in SPLITS:
+        for r, m in results:
+            if r["split"] != split:
+                continue
+            cells = []
+            for b in BACKENDS:
+                st = m[b]["steady"]
+                cells.append(f"{st[0]['ratio']:.4f} / {st[-1]['ratio']:.4f}")
+                cells.append(f"{st[0]['calls']} / " + ", ".join(str(x["calls"]) for x in st[1:]))
+            lines.append(f"| {r['trace']} | {split} | " + " | ".join(cells) + " |")
+    for split in SPLITS:
+        sel = [m for r, m in results if r["split"] == split]
+        parts = []
+        for b in BACKENDS:
+            first = sum(m[b]["steady"][0]["ratio"] for m in sel) / len(sel)
+            last = sum(m[b]["steady"][-1]["ratio"] for m in sel) / len(sel)
+            later = sum(x["calls"] for m in sel for x in m[b]["steady"][1:])
+            parts.append(f"{b} mean ratio {first:.4f} in pass 1, {last:.4f} in pass {repeat}, "
+                         f"{later} driver calls in passes 2-{repeat}")
+        lines.append(f"- {split}: " + "; ".join(parts))
+    return lines
+
+
+def replace_between(text, begin, end, body, path):
+    if begin not in text or end not in text:
+        raise SystemExit(f"report.py: {path} has no {begin} ... {end} markers")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return head + begin + "\n" + body + "\n" + end + tail
+
+
 def find_tool(given):
     if given:
         return given
@@ -152,6 +212,8 @@ def main():
     ap.add_argument("--check", action="store_true", help="exit 1 when a ratio is above its ceiling")
     ap.add_argument("--write-doc", metavar="FILE", help=f"replace the table between {TABLE_BEGIN} and {TABLE_END}")
     ap.add_argument("--update-ceilings", action="store_true", help="set every ceiling to today's ratio + 0.1%%")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="also replay each trace N times back to back and print the steady-state table (default 1: off)")
     args = ap.parse_args()
 
     tool = find_tool(args.replay)
@@ -169,7 +231,7 @@ def main():
         return 1
 
     try:
-        results = measure(rows, tool, args.traces, args.passes)
+        results = measure(rows, tool, args.traces, args.passes, args.repeat)
     except RuntimeError as e:
         print(f"report.py: {e}", file=sys.stderr)
         return 1
@@ -177,6 +239,9 @@ def main():
     print("\n".join(lines))
     print()
     print("\n".join(summary(results)))
+    if args.repeat > 1:
+        print()
+        print("\n".join(steady_table(results, args.repeat)))
 
     failed = []
     for r, m in results:
@@ -195,14 +260,13 @@ def main():
     if args.write_doc:
         with open(args.write_doc) as f:
             text = f.read()
-        if TABLE_BEGIN not in text or TABLE_END not in text:
-            print(f"report.py: {args.write_doc} has no {TABLE_BEGIN} ... {TABLE_END} markers", file=sys.stderr)
-            return 1
-        before, rest = text.split(TABLE_BEGIN, 1)
-        after = rest.split(TABLE_END, 1)[1]
         body = "\n".join(lines + [""] + [f"- {s}" for s in summary(results)])
+        text = replace_between(text, TABLE_BEGIN, TABLE_END, body, args.write_doc)
+        if args.repeat > 1:
+            text = replace_between(text, STEADY_BEGIN, STEADY_END, "\n".join(steady_table(results, args.repeat)),
+                                   args.write_doc)
         with open(args.write_doc, "w") as f:
-            f.write(f"{before}{TABLE_BEGIN}\n{body}\n{TABLE_END}{after}")
+            f.write(text)
         print(f"\ntable written to {args.write_doc}")
     if args.check:
         if failed:

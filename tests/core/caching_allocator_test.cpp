@@ -104,6 +104,27 @@ TEST_CASE("Statistics track allocated, active, reserved and requested bytes with
   CHECK(s.to_string().find("reserved_bytes.all.peak: ") != std::string::npos);
 }
 
+TEST_CASE("The device-wide allocated peak counts a peak no single stream passes its own at",
+          "[core]") {
+  // Each stream reaches 6 MiB alone; later both hold 5 MiB at once: the device's peak is
+  // 10 MiB, set by allocations that raise neither stream's own peak (6 MiB).
+  sim_env env;
+  auto s1 = env.dev.create_stream();
+  auto s2 = env.dev.create_stream();
+  env.alloc.deallocate(env.alloc.allocate(6 * MiB, s1));
+  env.alloc.deallocate(env.alloc.allocate(6 * MiB, s2));
+  CHECK(env.alloc.stats().allocated_bytes.peak == 6 * MiB);
+  void* a = env.alloc.allocate(5 * MiB, s1);
+  void* b = env.alloc.allocate(5 * MiB, s2);
+  CHECK(env.alloc.stats().allocated_bytes.peak == 10 * MiB);
+  CHECK(env.alloc.stats().requested_bytes.peak == 10 * MiB);
+  env.alloc.deallocate(a);
+  env.alloc.deallocate(b);
+  CHECK(env.alloc.stats().allocated_bytes.peak == 10 * MiB);
+  env.alloc.reset_peak_stats();
+  CHECK(env.alloc.stats().allocated_bytes.peak == 0);
+}
+
 TEST_CASE("A block used on another stream waits for that stream's event before reuse", "[core]") {
   sim_env env;
   auto s1 = env.dev.create_stream();

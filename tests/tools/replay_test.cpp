@@ -12,6 +12,7 @@
 #include <streamsafe/sim/simulated_device.hpp>
 
 #include "html_report.hpp"
+#include "repeat.hpp"
 #include "replay.hpp"
 #include "trace_reader.hpp"
 
@@ -21,7 +22,9 @@
 #include <cstdio>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 using namespace streamsafe;
 using namespace streamsafe::replay;
@@ -381,6 +384,33 @@ TEST_CASE("A replay with cudaMalloc-style segments reaches the known peaks", "[r
   CHECK(snap.segments[0].pool == snapshot_pool::small);
   CHECK(snap.segments[1].pool == snapshot_pool::large);
   CHECK(snap.time_us == 1004);  // peak reached by the 30 MiB alloc
+}
+
+TEST_CASE("--repeat replays the trace back to back; what it never frees is allocated once",
+          "[replay]") {
+  const replay_program one = read_trace_text(k_pytorch_trace);
+  REQUIRE(one.live_at_end == 1);  // the 4 KiB block at 908192
+  const replay_program three = repeat_program(one, 3);
+  REQUIRE(three.steps.size() == 7 + 6 + 6);
+  CHECK(three.repetition_starts == std::vector<std::size_t>{0, 7, 13});
+  CHECK(three.allocs == 4 + 3 + 3);
+  CHECK(three.frees == 3 * 3);
+  CHECK(three.slot_count == 3 * one.slot_count);
+  CHECK(three.steps[7].time_us > three.steps[6].time_us);  // times go on
+  CHECK_THROWS_AS(repeat_program(one, 0), std::invalid_argument);
+
+  replay_report rep = run_replay(three, sim_settings(backend_kind::cuda_malloc));
+  REQUIRE(rep.result.repetitions.size() == 3);
+  const auto& r = rep.result.repetitions;
+  CHECK(r[0].segment_ops.segment_allocs == 2);  // the first repetition grows the cache
+  CHECK(r[1].segment_ops.segment_allocs + r[1].segment_ops.segment_frees == 0);  // reuses it
+  CHECK(r[2].segment_ops.segment_allocs + r[2].segment_ops.segment_frees == 0);
+  CHECK(r[0].peak_allocated == static_cast<std::int64_t>(8 * KiB + 30 * MiB));
+  // Later repetitions hold the first one's never-freed 4 KiB block besides their own peak.
+  CHECK(r[1].peak_allocated == static_cast<std::int64_t>(12 * KiB + 30 * MiB));
+  CHECK(r[2].peak_allocated == r[1].peak_allocated);
+  CHECK(r[2].peak_reserved == static_cast<std::int64_t>(32 * MiB));
+  CHECK(rep.result.stats.allocated_bytes.peak == r[1].peak_allocated);
 }
 
 TEST_CASE("A replay with expandable segments maps chunks and its trace replays to the same peaks",

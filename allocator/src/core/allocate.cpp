@@ -73,7 +73,11 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
                                   st.stats.allocation.current + st.stats.pending.current);
   st.cur_allocated.store(st.stats.allocated_bytes.current, std::memory_order_relaxed);
   st.cur_requested.store(st.stats.requested_bytes.current, std::memory_order_relaxed);
-  if (st.stats.allocated_bytes.current > old_peak) sample_peaks();
+  // The device-wide peaks: with one stream its own peak is the device's; with more, any
+  // allocation may set a device-wide peak while no stream passes its own.
+  if (st.stats.allocated_bytes.current > old_peak ||
+      stream_count_.load(std::memory_order_relaxed) > 1)
+    sample_peaks();
   t_cache.last_used = {id_, st.handle, &st};
   trace(trace_action::alloc, b->addr, size, st.handle);
   if (trace_log_)

@@ -47,7 +47,7 @@ statistics caching_allocator::stats() const {
       }
     }
   }
-  // Device-wide peaks: sampled whenever a stream passes its own peak (exact for one stream).
+  // Device-wide peaks: sampled at every allocation that may set one (allocate.cpp).
   s.allocated_bytes.peak = std::max(
       {s.allocated_bytes.peak, s.allocated_bytes.current, m.peak_allocated_.load()});
   s.active_bytes.peak = std::max(

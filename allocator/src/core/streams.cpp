@@ -242,7 +242,7 @@ caching_allocator::impl::stream_state* caching_allocator::impl::owner_locked(con
 }
 
 void caching_allocator::impl::sample_peaks() {
-  // Called when a stream passes its own peak: the device-wide sum may be a new peak.
+  // Called after an allocation that may set a device-wide peak (allocate.cpp).
   std::int64_t allocated = 0, active = 0, requested = 0;
   const std::size_t n = stream_count_.load(std::memory_order_acquire);
   for (std::size_t i = 0; i < n; ++i) {

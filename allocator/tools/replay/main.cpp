@@ -8,6 +8,7 @@
 #include "core/format.hpp"
 
 #include "html_report.hpp"
+#include "repeat.hpp"
 #include "replay.hpp"
 #include "trace_reader.hpp"
 
@@ -48,6 +49,9 @@ logging CSV (Thread,Time,Action,Pointer,Size,Stream), plain or gzip-compressed.
   --device-memory SIZE     memory of the simulated device (default 141GiB)
   --gpu[=N]                replay on GPU N (default 0) with streamsafe's CUDA backends
   --passes N               timed passes, the fastest counts (default 3)
+  --repeat N               replay the trace N times back to back (default 1); what the trace
+                           never frees is allocated once; prints each repetition's segment
+                           operations and ratio: the later ones are the steady state
   --out FILE               write the replay's trace: FILE.json as JSON, else CSV
   --snapshot FILE          write the memory snapshot at the peak of allocated bytes (JSON)
   --html FILE              write an HTML report: bytes over time and the segment map at the peak
@@ -99,6 +103,7 @@ struct cli {
   std::size_t device_bytes = std::size_t{141} << 30;
   std::optional<int> gpu;
   int passes = 3;
+  std::size_t repeat = 1;
   std::string out, snapshot, html;
   std::optional<double> max_ratio;
   std::size_t show_bad_lines = 20;
@@ -158,6 +163,11 @@ cli parse_args(int argc, char** argv) {
       c.gpu = has_inline ? static_cast<int>(number(value, 0)) : 0;
     } else if (a == "--passes") {
       c.passes = static_cast<int>(number(next(), 0));
+    } else if (a == "--repeat") {
+      const double n = number(next(), 1);
+      if (n > 1000 || n != static_cast<double>(static_cast<std::size_t>(n)))
+        usage_error("--repeat takes a whole number from 1 to 1000");
+      c.repeat = static_cast<std::size_t>(n);
     } else if (a == "--out") {
       c.out = next();
     } else if (a == "--snapshot") {
@@ -227,6 +237,14 @@ int main(int argc, char** argv) {
               << " more malformed line(s)\n";
   }
 
+  if (c.repeat > 1) {
+    try {
+      program = repeat_program(program, c.repeat);
+    } catch (const std::invalid_argument& e) {
+      usage_error(e.what());
+    }
+  }
+
   replay_settings settings;
   settings.alloc_options = opts;
   if (c.gpu) {
@@ -289,6 +307,18 @@ int main(int argc, char** argv) {
                           with_commas(r.segment_ops.segment_frees) + " segment_free, " +
                           with_commas(r.segment_ops.maps) + " segment_map, " +
                           with_commas(r.segment_ops.unmaps) + " segment_unmap");
+  for (std::size_t k = 0; k < r.repetitions.size(); ++k) {
+    const repetition_result& x = r.repetitions[k];
+    const auto& o = x.segment_ops;
+    fact("repetition " + std::to_string(k + 1),
+         with_commas(o.segment_allocs + o.maps) + " alloc/map, " +
+             with_commas(o.segment_frees + o.unmaps) + " free/unmap; peak reserved " +
+             bytes_text(x.peak_reserved) + ", ratio " +
+             fixed(x.peak_allocated > 0 ? static_cast<double>(x.peak_reserved) /
+                                              static_cast<double>(x.peak_allocated)
+                                        : 0.0,
+                   4));
+  }
   if (r.ooms)
     fact("out of memory", with_commas(r.ooms) + " allocation(s) failed; " +
                               with_commas(r.frees_skipped) + " free(s) skipped");

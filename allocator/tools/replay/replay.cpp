@@ -103,8 +103,24 @@ pass_result run_pass(const replay_program& prog, replay_device& device, const op
     const std::size_t buckets = std::min(pass.timeline_points, prog.steps.size());
     r.timeline.resize(buckets);
     std::int64_t allocated = 0;
+    std::size_t rep = 0;  // the repetition running (repeat.hpp)
+    recording_backend::counts ops_before;
+    auto close_repetition = [&] {
+      if (prog.repetition_starts.empty()) return;
+      const recording_backend::counts now = rec.operation_counts();
+      repetition_result& out = r.repetitions.back();
+      out.segment_ops = {now.segment_allocs - ops_before.segment_allocs,
+                         now.segment_frees - ops_before.segment_frees, now.maps - ops_before.maps,
+                         now.unmaps - ops_before.unmaps};
+      ops_before = now;
+    };
     for (std::size_t i = 0; i < end; ++i) {
       const replay_step& s = prog.steps[i];
+      if (rep < prog.repetition_starts.size() && i == prog.repetition_starts[rep]) {
+        if (rep > 0) close_repetition();
+        r.repetitions.emplace_back();
+        ++rep;
+      }
       const stream_handle trace_stream = prog.trace_streams[s.stream];
       rec.set_context(s.time_us, trace_stream, small_request(s.size_bytes));
       if (s.alloc) {
@@ -149,6 +165,12 @@ pass_result run_pass(const replay_program& prog, replay_device& device, const op
         r.peak_allocated = allocated;
         r.peak_step = i;
       }
+      if (!r.repetitions.empty()) {  // the allocator's own counts, as the whole pass's ratio
+        const statistics now = alloc.stats();
+        repetition_result& cur = r.repetitions.back();
+        cur.peak_allocated = std::max(cur.peak_allocated, now.allocated_bytes.current);
+        cur.peak_reserved = std::max(cur.peak_reserved, now.reserved_bytes.current);
+      }
       if (buckets != 0) {
         timeline_point& b = r.timeline[i * buckets / prog.steps.size()];
         b.time_us = s.time_us;
@@ -156,6 +178,7 @@ pass_result run_pass(const replay_program& prog, replay_device& device, const op
         b.reserved = std::max(b.reserved, rec.reserved_bytes());
       }
     }
+    if (!r.repetitions.empty()) close_repetition();
   }
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   r.steps = end;

@@ -67,6 +67,13 @@ struct pass_options {
   std::optional<std::size_t> snapshot_after_step;  // stop after this step and take a snapshot
 };
 
+// One repetition of a repeated program (repeat.hpp), from the instrumented pass.
+struct repetition_result {
+  recording_backend::counts segment_ops;  // segment operations made during the repetition
+  std::int64_t peak_allocated = 0;        // the most allocated bytes within it
+  std::int64_t peak_reserved = 0;         // the most reserved bytes within it
+};
+
 struct pass_result {
   double seconds = 0;               // host time of the step loop
   std::size_t steps = 0;            // steps run
@@ -78,6 +85,7 @@ struct pass_result {
   std::int64_t reserved_end = 0;    // recording_backend's reserved bytes after the steps
   recording_backend::counts segment_ops;
   std::vector<timeline_point> timeline;
+  std::vector<repetition_result> repetitions;  // instrumented pass of a repeated program
   std::optional<memory_snapshot> snapshot;
 };
 

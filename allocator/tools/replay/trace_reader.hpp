@@ -77,6 +77,8 @@ struct replay_program {
   // What the recording allocator reserved, from the segment rows (0 when there are none).
   std::uint64_t recorded_reserved_peak = 0;
   std::uint64_t requested_peak = 0;  // peak of live requested bytes over the trace
+  // repeat_program (repeat.hpp): the first step of each repetition; empty for a plain trace.
+  std::vector<std::size_t> repetition_starts;
   std::vector<bad_line> bad_lines;
 };
 
