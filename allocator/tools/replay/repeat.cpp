@@ -9,8 +9,7 @@ namespace streamsafe::replay {
 
 replay_program repeat_program(const replay_program& one, std::size_t times) {
   if (times == 0) throw std::invalid_argument("--repeat: the count must be at least 1");
-  if (one.slot_count != 0 &&
-      times > std::numeric_limits<std::uint32_t>::max() / one.slot_count) {
+  if (one.slot_count != 0 && times > std::numeric_limits<std::uint32_t>::max() / one.slot_count) {
     throw std::invalid_argument("--repeat " + std::to_string(times) + ": " +
                                 std::to_string(one.slot_count) +
                                 " slots per repetition overflow the slot numbers");
@@ -29,8 +28,9 @@ replay_program repeat_program(const replay_program& one, std::size_t times) {
   out.steps.clear();
   out.steps.reserve(one.steps.size() * times);
   out.slot_count = static_cast<std::uint32_t>(one.slot_count * times);
-  const std::uint64_t span =
-      one.steps.empty() ? 0 : one.steps.back().time_us - one.steps.front().time_us + 1;
+  const std::uint64_t span = one.steps.empty()
+                                 ? 0
+                                 : one.steps.back().time_us - one.steps.front().time_us + 1;
   for (std::size_t k = 0; k < times; ++k) {
     out.repetition_starts.push_back(out.steps.size());
     for (std::size_t i = 0; i < one.steps.size(); ++i) {
