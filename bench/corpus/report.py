@@ -42,7 +42,7 @@ FIELDS = ["trace", "split", "pytorch_default_reserved", "pytorch_default_allocat
           "ceiling_expandable", "ceiling_cuda_malloc"]
 TABLE_BEGIN, TABLE_END = "<!-- corpus-table:begin -->", "<!-- corpus-table:end -->"
 STEADY_BEGIN, STEADY_END = "<!-- corpus-steady:begin -->", "<!-- corpus-steady:end -->"
-REPETITION = re.compile(r"^repetition (\d+)\s+([\d,]+) alloc/map, ([\d,]+) free/unmap; .*ratio ([\d.]+)$")
+REPETITION = re.compile(r"^repetition (\d+)\s+([\d,]+) alloc/map, ([\d,]+) free/unmap; .*ratio ([\d.]+)(?:, [\d.]+ ms)?$")
 
 
 def read_ratios(path):

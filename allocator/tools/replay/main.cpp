@@ -51,7 +51,8 @@ logging CSV (Thread,Time,Action,Pointer,Size,Stream), plain or gzip-compressed.
   --passes N               timed passes, the fastest counts (default 3)
   --repeat N               replay the trace N times back to back (default 1); what the trace
                            never frees is allocated once; prints each repetition's segment
-                           operations and ratio: the later ones are the steady state
+                           operations, ratio and host time (fastest timed pass): the later
+                           ones are the steady state
   --out FILE               write the replay's trace: FILE.json as JSON, else CSV
   --snapshot FILE          write the memory snapshot at the peak of allocated bytes (JSON)
   --html FILE              write an HTML report: bytes over time and the segment map at the peak
@@ -317,7 +318,8 @@ int main(int argc, char** argv) {
              fixed(x.peak_allocated > 0 ? static_cast<double>(x.peak_reserved) /
                                               static_cast<double>(x.peak_allocated)
                                         : 0.0,
-                   4));
+                   4) +
+             (x.seconds > 0 ? ", " + fixed(x.seconds * 1e3, 2) + " ms" : std::string()));
   }
   if (r.ooms)
     fact("out of memory", with_commas(r.ooms) + " allocation(s) failed; " +

@@ -81,7 +81,20 @@ pass_result run_pass(const replay_program& prog, replay_device& device, const op
   caching_allocator alloc(rec, opts);
   const auto start = std::chrono::steady_clock::now();
   if (!instrumented) {
+    // A repeated program: the host time of each repetition (one compare per step).
+    std::size_t next_rep = 0;
+    std::size_t next_start = prog.repetition_starts.empty() ? end : prog.repetition_starts[0];
+    auto mark = start;
     for (std::size_t i = 0; i < end; ++i) {
+      if (i == next_start) {
+        const auto now = std::chrono::steady_clock::now();
+        if (next_rep > 0)
+          r.repetition_seconds.push_back(std::chrono::duration<double>(now - mark).count());
+        mark = now;
+        ++next_rep;
+        next_start = next_rep < prog.repetition_starts.size() ? prog.repetition_starts[next_rep]
+                                                              : end;
+      }
       const replay_step& s = prog.steps[i];
       if (s.alloc) {
         try {
@@ -99,6 +112,9 @@ pass_result run_pass(const replay_program& prog, replay_device& device, const op
         ++r.frees_skipped;
       }
     }
+    if (next_rep > 0)
+      r.repetition_seconds.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - mark).count());
   } else {
     const std::size_t buckets = std::min(pass.timeline_points, prog.steps.size());
     r.timeline.resize(buckets);
@@ -217,10 +233,14 @@ double replay_report::ratio() const {
 replay_report run_replay(const replay_program& program, const replay_settings& settings) {
   replay_report rep;
   double best = std::numeric_limits<double>::infinity();
+  std::vector<double> best_repetitions;
   for (int i = 0; i < settings.timed_passes; ++i) {
     auto dev = settings.make_device();
     pass_result r = run_pass(program, *dev, settings.alloc_options, {});
     best = std::min(best, r.seconds);
+    if (best_repetitions.empty()) best_repetitions = r.repetition_seconds;
+    for (std::size_t k = 0; k < r.repetition_seconds.size() && k < best_repetitions.size(); ++k)
+      best_repetitions[k] = std::min(best_repetitions[k], r.repetition_seconds[k]);
   }
   std::optional<trace_recorder> recorder;
   if (settings.trace_capacity != 0) recorder.emplace(settings.trace_capacity);
@@ -234,6 +254,8 @@ replay_report run_replay(const replay_program& program, const replay_settings& s
     rep.result = run_pass(program, *dev, settings.alloc_options, po);
   }
   rep.best_seconds = settings.timed_passes > 0 ? best : rep.result.seconds;
+  for (std::size_t k = 0; k < best_repetitions.size() && k < rep.result.repetitions.size(); ++k)
+    rep.result.repetitions[k].seconds = best_repetitions[k];
   if (recorder) {
     rep.trace = recorder->events();
     rep.trace_dropped = recorder->dropped();

@@ -72,6 +72,7 @@ struct repetition_result {
   recording_backend::counts segment_ops;  // segment operations made during the repetition
   std::int64_t peak_allocated = 0;        // the most allocated bytes within it
   std::int64_t peak_reserved = 0;         // the most reserved bytes within it
+  double seconds = 0;  // host time of the repetition in the fastest timed pass (0: none ran)
 };
 
 struct pass_result {
@@ -86,6 +87,7 @@ struct pass_result {
   recording_backend::counts segment_ops;
   std::vector<timeline_point> timeline;
   std::vector<repetition_result> repetitions;  // instrumented pass of a repeated program
+  std::vector<double> repetition_seconds;      // timed pass: each repetition's host time
   std::optional<memory_snapshot> snapshot;
 };
 
