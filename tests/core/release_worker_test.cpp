@@ -404,3 +404,49 @@ TEST_CASE(
   CHECK(env.alloc->pending_release_bytes() == 0);
   CHECK(env.dev.fault_count() == 0);
 }
+
+TEST_CASE(
+    "A growth takes memory back from the release queue of its own pool instead of mapping more",
+    "[core][release_worker]") {
+  // empty_cache in defer mode right after a step, while the step's kernels still run: the
+  // memory waits in the release queue for its fence. The next step's allocation on the same
+  // stream gets that memory back (stream order makes it safe there, as before empty_cache)
+  // rather than reserving as much again while the queued copy waits to be unmapped.
+  const backend_kind backend = GENERATE(backend_kind::expandable, backend_kind::cuda_malloc);
+  const release_worker_mode mode = GENERATE(release_worker_mode::on, release_worker_mode::off);
+  INFO(to_string(backend) << ", release_worker " << to_string(mode));
+  worker_env env(worker_options(backend, mode));
+  const auto s = env.dev.create_stream();
+  void* p = env.alloc->allocate(64 * MiB, s);
+  env.dev.launch(s, 1000, {reads(p, 64 * MiB)}, "optimizer tail");
+  env.alloc->deallocate(p);
+  CHECK(env.alloc->empty_cache() == 0);  // queued behind the running kernel
+  REQUIRE(env.settle());
+  REQUIRE(env.alloc->pending_release_bytes() >= 64 * MiB);
+  const auto maps_before = env.dev.counters().maps + env.dev.counters().segment_allocs;
+  SECTION("the same stream: the queued memory serves it, nothing more is reserved") {
+    void* q = env.alloc->allocate(64 * MiB, s);
+    env.dev.launch(s, 10, {writes(q, 64 * MiB)}, "next step");
+    CHECK(env.dev.counters().maps + env.dev.counters().segment_allocs == maps_before);
+    CHECK(env.reserved() == static_cast<std::int64_t>(64 * MiB));
+    CHECK(env.alloc->pending_release_bytes() == 0);
+    CHECK(env.alloc->stats().release_queued_bytes == 0);
+    env.alloc->deallocate(q);
+    env.dev.advance(2000);
+    CHECK(env.dev.fault_count() == 0);
+    env.alloc->check_invariants();
+  }
+  SECTION("control: another stream's pool does not take it, and the queue gives it back") {
+    const auto s2 = env.dev.create_stream();
+    void* q = env.alloc->allocate(64 * MiB, s2);
+    CHECK(env.dev.counters().maps + env.dev.counters().segment_allocs > maps_before);
+    CHECK(env.reserved() >= static_cast<std::int64_t>(128 * MiB));
+    env.alloc->deallocate(q);
+    env.dev.advance(2000);
+    env.alloc->empty_cache(empty_cache_mode::wait);
+    REQUIRE(env.settle());
+    CHECK(env.reserved() == 0);
+    CHECK(env.dev.fault_count() == 0);
+    env.alloc->check_invariants();
+  }
+}

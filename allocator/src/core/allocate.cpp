@@ -11,6 +11,8 @@
 //      on the events of the best pending block (stream_wait_event), the host never blocks;
 //   2b. (reuse_fence:all_streams, allocate_slow) the host frees since the last reuse fence:
 //      s waits on one event per other known stream for all of them (free.cpp);
+//   2c. memory of the pool waiting in the release queue for its fence (an empty_cache in defer
+//      mode while the stream still ran): taken back rather than grown for (release_reclaim.cpp);
 //   3. growth (growth.cpp): a new cudaMalloc segment, or more chunks mapped into s's expandable
 //      segment. First the queued releases whose fences have completed go back (never waiting);
 //      with cuda_malloc, s's whole free large segments get an idle fence to be proven idle by
@@ -110,6 +112,7 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   // reusable behind one fence (free.cpp) rather than the pool growing.
   if (!st.unfenced.empty()) fence_host_frees_locked(st);
   block* b = find_block_locked(st, p, rounded, false);
+  if (!b && !deferred_.empty()) b = reclaim_queued_locked(p, rounded);
   const bool worker = worker_releases_locked(opts_.empty_cache);  // no unmap on this thread
   if (!b && !deferred_.empty() && !worker) {
     // Releases queued earlier whose fences have completed go back before the pool grows (a

@@ -394,6 +394,10 @@ struct caching_allocator::impl {
   std::size_t expandable_growth_excess_locked(const pool& p, std::size_t rounded,
                                               const block** extended) const
       STREAMSAFE_REQUIRES(mu_);
+  // mu_ and the lock of p's stream held (release_reclaim.cpp): before p grows for `rounded`
+  // bytes, the smallest block of p waiting in the release queue that serves the request goes
+  // back to p's free lists; returns the fit then, or nullptr.
+  block* reclaim_queued_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
   // mu_ held, st's lock not: unmaps idle free chunks of every pool, up to the growth's excess.
   std::size_t release_idle_chunks_before_growth(device_lock& lk, stream_state& st,
                                                 std::size_t rounded) STREAMSAFE_REQUIRES(mu_);

@@ -131,6 +131,7 @@ void write_statistics_json(std::ostream& os, const statistics& s) {
   key("releases_deferred") << s.releases_deferred;
   key("bytes_released") << s.bytes_released;
   key("segments_moved") << s.segments_moved;
+  key("release_reclaimed_bytes") << s.release_reclaimed_bytes;
   key("release_queued_bytes") << s.release_queued_bytes;
   key("release_worker_bytes") << s.release_worker_bytes;
   key("release_worker_releases") << s.release_worker_releases;
@@ -235,7 +236,8 @@ void summary_counters(summary_table& t, const statistics& s) {
   t.counters("Fence waits", std::to_string(s.fence_waits), "Fence wait time", wait_text);
   t.counters("Releases deferred", std::to_string(s.releases_deferred), "Bytes released",
              human_bytes(static_cast<std::int64_t>(s.bytes_released)));
-  t.counters("Peak reserved/allocated", ratio > 0 ? ratio_text : "-", "", "");
+  t.counters("Peak reserved/allocated", ratio > 0 ? ratio_text : "-", "Release reclaimed",
+             human_bytes(static_cast<std::int64_t>(s.release_reclaimed_bytes)));
 }
 
 }  // namespace

@@ -34,6 +34,7 @@ std::string statistics::to_string() const {
      << "releases_deferred: " << releases_deferred << '\n'
      << "bytes_released: " << bytes_released << '\n'
      << "segments_moved: " << segments_moved << '\n'
+     << "release_reclaimed_bytes: " << release_reclaimed_bytes << '\n'
      << "release_queued_bytes: " << release_queued_bytes << '\n'
      << "release_worker_bytes: " << release_worker_bytes << '\n'
      << "release_worker_releases: " << release_worker_releases << '\n';
