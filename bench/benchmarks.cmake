@@ -71,6 +71,10 @@ target_compile_definitions(streamsafe_bench PRIVATE ${_ssb_common_definitions})
 target_link_libraries(streamsafe_bench PRIVATE
   streamsafe::streamsafe streamsafe_kernels benchmark::benchmark CUDA::cudart streamsafe_warnings)
 
+# ---- the driver's virtual memory calls per chunk size (no allocator): docs/observability.md ------
+add_executable(vmm_chunk_probe vmm_chunk_probe.cpp)
+target_link_libraries(vmm_chunk_probe PRIVATE CUDA::cuda_driver streamsafe_warnings)
+
 # ---- optional: PyTorch's c10 caching allocator ----------------------------------------------------
 set(_ssb_torch_found FALSE)
 if(NOT STREAMSAFE_BENCH_TORCH STREQUAL "OFF")

@@ -8,6 +8,7 @@ PyTorch's own ratios (peak reserved / peak allocated) recorded when the trace wa
     python3 bench/corpus/report.py --update-ceilings  (ceilings := today's ratios + 0.1%)
     python3 bench/corpus/report.py --repeat 4         (also the steady state: each trace 4 times
                                                         back to back, streamsafe-replay --repeat)
+    python3 bench/corpus/report.py --conf expandable_chunk_mb:2   (other settings, same table)
 
 The traces are bench/traces/corpus/NAME.csv.gz; ratios.csv beside this file lists each one
 with its split (tuning or held-out), PyTorch's peaks from capture.sh (default settings and
@@ -37,6 +38,7 @@ BACKENDS = ("expandable", "cuda_malloc")
 EXPANDABLE_TARGET, CUDA_MALLOC_TARGET = 1.01, 1.05
 CEILING_MARGIN = 1.001
 SPLITS = ("tuning", "held-out")
+EXTRA_CONF = ""  # --conf: options after backend:B, for comparing settings (not with the ceilings)
 FIELDS = ["trace", "split", "pytorch_default_reserved", "pytorch_default_allocated", "pytorch_default_ratio",
           "pytorch_expandable_reserved", "pytorch_expandable_allocated", "pytorch_expandable_ratio",
           "ceiling_expandable", "ceiling_cuda_malloc"]
@@ -65,35 +67,39 @@ def write_ratios(path, rows):
             w.writerow({k: r.get(k, "") for k in FIELDS})
 
 
-def steady(tool, trace, backend, repeat):
-    """The trace `repeat` times back to back: per repetition, driver calls and ratio."""
-    cmd = [tool, trace, "--conf", f"backend:{backend}", "--passes", "1", "--strict", "--repeat", str(repeat)]
+def run_replay(tool, trace, backend, *args):
+    """streamsafe-replay's stdout for one trace and backend (--strict), or RuntimeError."""
+    conf = f"backend:{backend}" + (f",{EXTRA_CONF}" if EXTRA_CONF else "")
+    cmd = [tool, trace, "--conf", conf, "--strict", *args]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: exit {p.returncode}: {p.stderr.strip()[:400]}")
+    return cmd, p.stdout
+
+
+def steady(tool, trace, backend, repeat):
+    """The trace `repeat` times back to back: per repetition, driver calls and ratio."""
+    cmd, stdout = run_replay(tool, trace, backend, "--passes", "1", "--repeat", str(repeat))
     reps = []
-    for line in p.stdout.splitlines():
+    for line in stdout.splitlines():
         m = REPETITION.match(line.strip())
         if m:
             reps.append({"calls": int(m.group(2).replace(",", "")) + int(m.group(3).replace(",", "")),
                          "ratio": float(m.group(4))})
     if len(reps) != repeat:
-        raise RuntimeError(f"{' '.join(cmd)}: expected {repeat} repetition lines:\n{p.stdout}")
+        raise RuntimeError(f"{' '.join(cmd)}: expected {repeat} repetition lines:\n{stdout}")
     return reps
 
 
 def replay(tool, trace, backend, passes):
-    cmd = [tool, trace, "--conf", f"backend:{backend}", "--passes", str(passes), "--strict"]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: exit {p.returncode}: {p.stderr.strip()[:400]}")
+    cmd, stdout = run_replay(tool, trace, backend, "--passes", str(passes))
     facts = {}
-    for line in p.stdout.splitlines():
+    for line in stdout.splitlines():
         key, _, value = line.partition("  ")
         facts[key.strip()] = value.strip()
     ops = [int(n.replace(",", "")) for n in re.findall(r"([\d,]+) segment_", facts.get("segment ops", ""))]
     if len(ops) != 4 or "ratio" not in facts:
-        raise RuntimeError(f"{' '.join(cmd)}: unexpected output:\n{p.stdout}")
+        raise RuntimeError(f"{' '.join(cmd)}: unexpected output:\n{stdout}")
     return {
         "ratio": float(facts["ratio"].split()[0]),
         "events_per_s": float(facts["events/s"].split()[0]) * 1e6,
@@ -214,7 +220,16 @@ def main():
     ap.add_argument("--update-ceilings", action="store_true", help="set every ceiling to today's ratio + 0.1%%")
     ap.add_argument("--repeat", type=int, default=1, metavar="N",
                     help="also replay each trace N times back to back and print the steady-state table (default 1: off)")
+    ap.add_argument("--conf", default="", metavar="KEY:VALUE,...",
+                    help="options added after backend:B in every replay, such as expandable_chunk_mb:2 "
+                         "(not with --check, --update-ceilings or --write-doc, which hold the defaults)")
     args = ap.parse_args()
+    if args.conf and (args.check or args.update_ceilings or args.write_doc):
+        ap.error("--conf compares other settings; the ceilings and the doc hold the defaults")
+    if "backend:" in args.conf:
+        ap.error("--conf: the report replays both backends itself; leave backend: out")
+    global EXTRA_CONF
+    EXTRA_CONF = args.conf
 
     tool = find_tool(args.replay)
     rows = read_ratios(args.ratios)

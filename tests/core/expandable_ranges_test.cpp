@@ -182,13 +182,66 @@ TEST_CASE("Expandable: a growth maps what the request lacks, the last chunk cut 
 }
 
 TEST_CASE(
-    "Expandable: before a growth past the peak, the smallest idle runs are unmapped, only as many "
-    "bytes as the growth exceeds the peak by",
+    "expandable_peak_chunk_mb:2: a growth past the high-water mark of reserved bytes maps 2 MiB "
+    "chunks, memory mapped again below it 20 MiB chunks, and reset_peak_stats does not move the "
+    "mark",
     "[expandable-ranges][expandable][corpus-policy]") {
+  sim_env env(options::parse("backend:expandable,expandable_peak_chunk_mb:2"));
+  auto s = env.dev.create_stream();
+  void* a = env.alloc.allocate(100 * MiB, s);  // 0 -> 100 MiB: past the mark, fifty 2 MiB chunks
+  CHECK(env.dev.counters().maps == 50);
+  env.alloc.deallocate(a);
+  CHECK(env.alloc.empty_cache() == 100 * MiB);
+  env.alloc.reset_peak_stats();  // the statistic's peak restarts at 0; the mark stays 100 MiB
+  CHECK(env.alloc.stats().reserved_bytes.peak == 0);
+  void* b = env.alloc.allocate(100 * MiB, s);  // below the mark: five 20 MiB chunks
+  CHECK(env.dev.counters().maps == 55);
+  void* c = env.alloc.allocate(30 * MiB, s);  // 100 -> 130 MiB: past it again, fifteen of 2 MiB
+  CHECK(env.dev.counters().maps == 70);
+  env.dev.launch(s, 10, {writes(b, 100 * MiB, 0x42), writes(c, 30 * MiB, 0x43)}, "use b, c");
+  env.alloc.deallocate(b);
+  // b's 20 MiB chunks and c's 2 MiB chunks each unmap whole: all of b's 100 MiB goes back.
+  CHECK(env.alloc.empty_cache() == 100 * MiB);
+  env.dev.run_until_idle();
+  CHECK(env.dev.fault_count() == 0);
+  CHECK(env.dev.value_at(addr(c)) == std::optional<std::uint8_t>(0x43));
+  env.alloc.deallocate(c);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE("expandable_peak_chunk_mb: parsed in MiB, a multiple of 2, at most the chunk in effect",
+          "[expandable-ranges][expandable][corpus-policy][config]") {
+  CHECK(options{}.expandable_peak_chunk_bytes == 20 * MiB);  // off: one chunk size
+  CHECK(options::parse("expandable_peak_chunk_mb:4").expandable_peak_chunk_bytes == 4 * MiB);
+  CHECK_THAT(options::parse("expandable_peak_chunk_mb:4").to_string(),
+             Catch::Contains("expandable_peak_chunk_mb:4"));
+  for (const char* bad : {"expandable_peak_chunk_mb:3", "expandable_peak_chunk_mb:0",
+                          "expandable_peak_chunk_mb:-2", "expandable_peak_chunk_mb:two"}) {
+    INFO(bad);
+    CHECK_THROWS_WITH(options::parse(bad), Catch::Contains("expandable_peak_chunk_mb"));
+  }
+  // Larger than expandable_chunk_mb: the chunk size itself, one size for every growth.
+  sim_env env(
+      options::parse("backend:expandable,expandable_chunk_mb:20,expandable_peak_chunk_mb:40"));
+  auto s = env.dev.create_stream();
+  void* a = env.alloc.allocate(100 * MiB, s);
+  CHECK(env.dev.counters().maps == 5);
+  env.alloc.deallocate(a);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE(
+    "Expandable: before a growth past the peak, the smallest idle runs are unmapped, only as many "
+    "bytes as the growth exceeds the peak by (also after reset_peak_stats)",
+    "[expandable-ranges][expandable][corpus-policy]") {
+  const bool reset = GENERATE(false, true);
+  INFO("reset_peak_stats after empty_cache: " << reset);
   sim_env env(make_options(backend_kind::expandable));
   auto s = env.dev.create_stream();
   env.alloc.deallocate(env.alloc.allocate(180 * MiB, s));
   env.alloc.empty_cache();  // peak reserved 180 MiB, nothing mapped
+  // The statistic restarts at 0; the growth policy keeps 180 MiB as its peak.
+  if (reset) env.alloc.reset_peak_stats();
   void* a = env.alloc.allocate(40 * MiB, s);
   void* b = env.alloc.allocate(20 * MiB, s);
   void* c = env.alloc.allocate(60 * MiB, s);

@@ -111,6 +111,7 @@ struct program_config {
   std::size_t memory_limit_bytes = 256 * MiB;
   std::size_t device_bytes = 2 * GiB;
   std::size_t expandable_chunk_bytes = 20 * MiB;
+  std::size_t expandable_peak_chunk_bytes = 20 * MiB;  // the default (one size); 2 MiB too
   std::size_t max_split_size_bytes = 0;
   std::size_t whole_segment_split_ratio = 8;  // the default; 0 (off) and 1 (most refusals) too
   bool reuse_stream_handles = false;
@@ -143,6 +144,8 @@ struct program_config {
     static constexpr std::size_t splits[] = {0, 0, 16 * MiB, 40 * MiB};
     c.max_split_size_bytes = splits[(b1 >> 1) & 3];
     c.reuse_stream_handles = ((b1 >> 3) & 1) != 0;
+    // Growths past the high-water mark in the chunk size itself (the default) or in 2 MiB chunks.
+    c.expandable_peak_chunk_bytes = c.reuse_stream_handles ? 2 * MiB : c.expandable_chunk_bytes;
     static constexpr std::size_t ratios[] = {8, 8, 0, 1};
     c.whole_segment_split_ratio = ratios[(b1 >> 4) & 3];
     c.release_worker = ((b1 >> 6) & 1) != 0 && c.mode == empty_cache_mode::defer;
@@ -156,8 +159,9 @@ struct program_config {
     os << "backend:" << streamsafe::to_string(backend) << " scope:" << streamsafe::to_string(scope)
        << " mode:" << streamsafe::to_string(mode) << " unrecorded:" << unrecorded_uses
        << " limit:" << memory_limit_bytes << " chunk:" << expandable_chunk_bytes
-       << " max_split:" << max_split_size_bytes << " whole_ratio:" << whole_segment_split_ratio
-       << " reuse_handles:" << reuse_stream_handles << " release_worker:" << release_worker
+       << " peak_chunk:" << expandable_peak_chunk_bytes << " max_split:" << max_split_size_bytes
+       << " whole_ratio:" << whole_segment_split_ratio << " reuse_handles:" << reuse_stream_handles
+       << " release_worker:" << release_worker
        << " reuse_fence:" << streamsafe::to_string(reuse_fence);
     return os.str();
   }
@@ -202,6 +206,7 @@ class program {
     o.empty_cache = config_.mode;
     o.memory_limit_bytes = config_.memory_limit_bytes;
     o.expandable_chunk_bytes = config_.expandable_chunk_bytes;
+    o.expandable_peak_chunk_bytes = config_.expandable_peak_chunk_bytes;
     o.max_split_size_bytes = config_.max_split_size_bytes;
     o.whole_segment_split_ratio = config_.whole_segment_split_ratio;
     o.release_worker = config_.release_worker ? release_worker_mode::on : release_worker_mode::off;

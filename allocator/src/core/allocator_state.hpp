@@ -230,6 +230,7 @@ struct caching_allocator::impl {
   std::size_t device_total_bytes_ = 0;
   std::size_t small_chunk_bytes_ = 0;  // expandable small pools: the driver's granularity
   std::size_t large_chunk_bytes_ = 0;  // expandable large pools: options::expandable_chunk_bytes
+  std::size_t peak_chunk_bytes_ = 0;   // their growths past the high-water mark (growth.cpp)
 
   mutable detail::mutex mu_;
   using device_lock = detail::unique_lock<detail::mutex>;  // mu_, dropped around driver calls
@@ -263,6 +264,13 @@ struct caching_allocator::impl {
   std::vector<std::unique_ptr<stream_state>> spare_states_ STREAMSAFE_GUARDED_BY(mu_);
   statistics stats_ STREAMSAFE_GUARDED_BY(
       mu_);  // device-level parts; per-stream parts live in stream_state::stats
+  // The most bytes ever reserved at once: the growth policy's peak (growth.cpp,
+  // growth_release.cpp). stats_.reserved_bytes.peak restarts at reset_peak_stats(); this is
+  // kept across it, so that resetting the statistics never changes how the allocator grows.
+  std::size_t reserved_high_water_ STREAMSAFE_GUARDED_BY(mu_) = 0;
+  std::size_t reserved_high_water_locked() const STREAMSAFE_REQUIRES(mu_) {
+    return std::max(reserved_high_water_, static_cast<std::size_t>(stats_.reserved_bytes.peak));
+  }
 
   // CUDA graph capture (capture.cpp), guarded by mu_.
   std::vector<capture_record> captures_ STREAMSAFE_GUARDED_BY(mu_);

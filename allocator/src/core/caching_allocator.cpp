@@ -53,6 +53,10 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
     small_chunk_bytes_ = backend_.map_granularity_bytes();
     large_chunk_bytes_ = detail::round_up(
         std::max(opts_.expandable_chunk_bytes, small_chunk_bytes_), small_chunk_bytes_);
+    peak_chunk_bytes_ = std::min(
+        large_chunk_bytes_,
+        detail::round_up(std::max(opts_.expandable_peak_chunk_bytes, small_chunk_bytes_),
+                         small_chunk_bytes_));
   }
   if (opts_.release_fence == fence_scope::allocation_stream) {
     detail::log().warn(

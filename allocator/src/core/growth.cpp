@@ -160,7 +160,15 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
     choice = choose_unmapped_locked(p, rounded, map_bytes);
   }
   if (!choice) return nullptr;
-  const std::size_t mapped = map_chunks_locked(choice->seg, choice->addr, map_bytes, gran);
+  // Past the high-water mark of reserved bytes, where the peak is set, large pools map in
+  // chunks of expandable_peak_chunk_mb, so that a later growth past the peak can unmap idle
+  // memory that finely; memory mapped again below the mark (after empty_cache, a release before
+  // a growth or a wake) takes chunks of expandable_chunk_mb, fewer driver calls for the same
+  // bytes. The driver's cost is per chunk, not per byte (docs/observability.md).
+  const bool past_high_water = static_cast<std::size_t>(stats_.reserved_bytes.current) + map_bytes >
+                               reserved_high_water_locked();
+  const std::size_t chunk = !p.small && past_high_water ? peak_chunk_bytes_ : gran;
+  const std::size_t mapped = map_chunks_locked(choice->seg, choice->addr, map_bytes, chunk);
   if (mapped == 0) return nullptr;
   const bool partial = mapped < map_bytes;  // kept during a capture: free memory, too little
   map_bytes = mapped;
@@ -278,7 +286,7 @@ block* caching_allocator::impl::grow_locked(pool& p, std::size_t rounded) {
   // segment that fits: that segment moves to p behind an event wait (no driver call) instead.
   if (!p.small &&
       static_cast<std::size_t>(stats_.reserved_bytes.current) + detail::segment_bytes_for(rounded) >
-          static_cast<std::size_t>(stats_.reserved_bytes.peak)) {
+          reserved_high_water_locked()) {
     if (block* b = steal_segment_locked(p, rounded)) return b;
   }
   if (block* b = new_segment_locked(p, rounded)) return b;
@@ -294,8 +302,7 @@ bool caching_allocator::impl::growth_raises_peak_with_refused_locked(const pool&
   // Below the peak growth costs nothing; at the limit the rule gives way (find_block_locked).
   const std::size_t grown = static_cast<std::size_t>(stats_.reserved_bytes.current) +
                             detail::segment_bytes_for(rounded);
-  if (grown <= static_cast<std::size_t>(stats_.reserved_bytes.peak) || grown > limit_bytes_)
-    return false;
+  if (grown <= reserved_high_water_locked() || grown > limit_bytes_) return false;
   // Worth the driver calls only when the idle segments are a good part of the growth.
   std::size_t idle = 0;
   p.mapped.for_each([&](const block* b) { idle += idle_at_growth(b, rounded) ? b->size : 0; });

@@ -37,7 +37,7 @@ std::size_t caching_allocator::impl::expandable_growth_excess_locked(const pool&
     *extended = prev;
   }
   const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-  const auto peak = static_cast<std::size_t>(stats_.reserved_bytes.peak);
+  const std::size_t peak = reserved_high_water_locked();
   return reserved + map_bytes > peak ? reserved + map_bytes - peak : 0;
 }
 

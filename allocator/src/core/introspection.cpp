@@ -80,6 +80,7 @@ void caching_allocator::reset_peak_stats() {
   m.peak_active_ = active;
   m.peak_requested_ = requested;
   statistics& s = m.stats_;
+  m.reserved_high_water_ = m.reserved_high_water_locked();  // the growth policy keeps its peak
   for (stat* x : {&s.reserved_bytes, &s.inactive_split_bytes, &s.segment}) x->reset_peak();
 }
 

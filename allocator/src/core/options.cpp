@@ -108,6 +108,19 @@ std::string show_number(T v) {
 
 constexpr std::size_t k_mib = std::size_t{1024} * 1024;
 
+// An expandable chunk size, given in MiB: a positive multiple of the 2 MiB granularity.
+template <std::size_t options::*Field>
+void set_chunk_mib(options& o, const option_spec& s, std::string_view v) {
+  const std::size_t bytes = mib(s, v);
+  if (bytes == 0 || bytes % (std::size_t{2} << 20) != 0) bad_value(s, v);
+  o.*Field = bytes;
+}
+
+template <std::size_t options::*Field>
+std::string show_chunk_mib(const options& o) {
+  return show_number(o.*Field / k_mib);
+}
+
 void set_memory_fraction(options& o, const option_spec& s, std::string_view v) {
   const double f = number(s, v);
   if (f < 0 || f > 1) bad_value(s, v);  // 0: unused (the default, as to_string writes it)
@@ -182,12 +195,13 @@ const option_spec k_options[] = {
      "PyTorch's name for memory_fraction", set_memory_fraction, nullptr},
     {"expandable_chunk_mb", "number", "a positive multiple of 2 (MiB)",
      "chunk mapped at a time in expandable large pools",
-     [](options& o, const option_spec& s, std::string_view v) {
-       const std::size_t bytes = mib(s, v);
-       if (bytes == 0 || bytes % (std::size_t{2} << 20) != 0) bad_value(s, v);
-       o.expandable_chunk_bytes = bytes;
-     },
-     [](const options& o) { return show_number(o.expandable_chunk_bytes / k_mib); }},
+     set_chunk_mib<&options::expandable_chunk_bytes>,
+     show_chunk_mib<&options::expandable_chunk_bytes>},
+    {"expandable_peak_chunk_mb", "number", "a positive multiple of 2 (MiB)",
+     "chunk of an expandable large-pool growth past the high-water mark of reserved bytes "
+     "(at most expandable_chunk_mb)",
+     set_chunk_mib<&options::expandable_peak_chunk_bytes>,
+     show_chunk_mib<&options::expandable_peak_chunk_bytes>},
     {"roundup_power2_divisions", "number", "a power of two from 1 to 64 (0 = off)",
      "round requests to this many steps per power of two",
      [](options& o, const option_spec& s, std::string_view v) {

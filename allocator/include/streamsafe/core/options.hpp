@@ -83,6 +83,13 @@ struct options {
   // A growth maps what the request lacks rounded up to the granularity: chunks of this size,
   // the last one the rest. PyTorch's expandable segments use 20 MiB pages for large pools.
   std::size_t expandable_chunk_bytes = std::size_t{20} << 20;
+  // The chunk of a large-pool growth that raises reserved bytes above their high-water mark
+  // (the most ever reserved at once), rounded up to the granularity, at most
+  // expandable_chunk_bytes: the memory that sets the peak can later be unmapped this finely,
+  // and memory mapped again below the mark (after empty_cache) still takes
+  // expandable_chunk_bytes. 2 MiB trades driver calls for a lower peak (docs/observability.md,
+  // "Finer chunks"); the default, 20 MiB, is one size for every growth.
+  std::size_t expandable_peak_chunk_bytes = std::size_t{20} << 20;
   // Round requests above 512 B up to one of this many steps per power of two (0 = off), as
   // PyTorch's roundup_power2_divisions: fewer distinct sizes, better reuse, more rounding.
   std::size_t roundup_power2_divisions = 0;
