@@ -209,6 +209,33 @@ TEST_CASE(
   env.alloc.check_invariants();
 }
 
+TEST_CASE(
+    "expandable_peak_chunk_mb:2, defer mode: memory mapped again while the last step's is still "
+    "queued for release stays below the high-water mark and takes 20 MiB chunks",
+    "[expandable-ranges][expandable][corpus-policy]") {
+  sim_env env(options::parse("backend:expandable,empty_cache:defer,expandable_peak_chunk_mb:2"));
+  auto s = env.dev.create_stream();
+  auto t = env.dev.create_stream();
+  void* a = env.alloc.allocate(100 * MiB, t);  // past the mark: fifty 2 MiB chunks
+  CHECK(env.dev.counters().maps == 50);
+  env.dev.launch(t, 1000, {writes(a, 100 * MiB, 0x41)}, "the last step's kernel, still queued");
+  env.alloc.deallocate(a);
+  env.alloc.empty_cache();  // t is busy: a's chunks wait in the queue, still reserved
+  CHECK(env.alloc.pending_release_bytes() == 100 * MiB);
+  CHECK(env.alloc.stats().reserved_bytes.current == static_cast<std::int64_t>(100 * MiB));
+  // The next step, on another stream: 100 MiB reserved + 100 MiB is past the mark, but 100 MiB
+  // of it is on its way back, so five 20 MiB chunks.
+  void* b = env.alloc.allocate(100 * MiB, s);
+  CHECK(env.dev.counters().maps == 55);
+  env.dev.launch(s, 10, {writes(b, 100 * MiB, 0x42)}, "use b");
+  env.dev.run_until_idle();
+  env.alloc.reclaim();
+  CHECK(env.alloc.pending_release_bytes() == 0);
+  CHECK(env.dev.fault_count() == 0);
+  env.alloc.deallocate(b);
+  env.alloc.check_invariants();
+}
+
 TEST_CASE("expandable_peak_chunk_mb: parsed in MiB, a multiple of 2, at most the chunk in effect",
           "[expandable-ranges][expandable][corpus-policy][config]") {
   CHECK(options{}.expandable_peak_chunk_bytes == 20 * MiB);  // off: one chunk size

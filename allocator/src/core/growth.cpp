@@ -164,9 +164,12 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   // chunks of expandable_peak_chunk_mb, so that a later growth past the peak can unmap idle
   // memory that finely; memory mapped again below the mark (after empty_cache, a release before
   // a growth or a wake) takes chunks of expandable_chunk_mb, fewer driver calls for the same
-  // bytes. The driver's cost is per chunk, not per byte (docs/observability.md).
-  const bool past_high_water = static_cast<std::size_t>(stats_.reserved_bytes.current) + map_bytes >
-                               reserved_high_water_locked();
+  // bytes. The driver's cost is per chunk, not per byte (docs/observability.md). Bytes queued
+  // for release (defer mode) are on their way back: a step that maps its memory again while the
+  // last step's is still queued stays below the mark.
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+  const std::size_t queued = std::min(reserved, deferred_bytes_ + stats_.release_worker_bytes);
+  const bool past_high_water = reserved - queued + map_bytes > reserved_high_water_locked();
   const std::size_t chunk = !p.small && past_high_water ? peak_chunk_bytes_ : gran;
   const std::size_t mapped = map_chunks_locked(choice->seg, choice->addr, map_bytes, chunk);
   if (mapped == 0) return nullptr;

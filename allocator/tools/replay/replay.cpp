@@ -181,11 +181,10 @@ pass_result run_pass(const replay_program& prog, replay_device& device, const op
         r.peak_allocated = allocated;
         r.peak_step = i;
       }
-      if (!r.repetitions.empty()) {  // the allocator's own counts, as the whole pass's ratio
-        const statistics now = alloc.stats();
+      if (!r.repetitions.empty()) {  // the tool's own counts: no stats() call per step
         repetition_result& cur = r.repetitions.back();
-        cur.peak_allocated = std::max(cur.peak_allocated, now.allocated_bytes.current);
-        cur.peak_reserved = std::max(cur.peak_reserved, now.reserved_bytes.current);
+        cur.peak_allocated = std::max(cur.peak_allocated, allocated);
+        cur.peak_reserved = std::max(cur.peak_reserved, rec.reserved_bytes());
       }
       if (buckets != 0) {
         timeline_point& b = r.timeline[i * buckets / prog.steps.size()];
