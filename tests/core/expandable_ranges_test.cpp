@@ -206,6 +206,13 @@ TEST_CASE(
   CHECK(env.dev.fault_count() == 0);
   CHECK(env.dev.value_at(addr(c)) == std::optional<std::uint8_t>(0x43));
   env.alloc.deallocate(c);
+  CHECK(env.alloc.empty_cache() == 30 * MiB);
+  // A growth that crosses the mark (now 130 MiB): 134 MiB maps 130 below it in 20 MiB chunks (the
+  // last one 10 MiB) and the 4 MiB past it in two of 2 MiB.
+  const auto maps = env.dev.counters().maps;
+  void* d = env.alloc.allocate(134 * MiB, s);
+  CHECK(env.dev.counters().maps == maps + 9);
+  env.alloc.deallocate(d);
   env.alloc.check_invariants();
 }
 
@@ -242,10 +249,13 @@ TEST_CASE("expandable_peak_chunk_mb: parsed in MiB, a multiple of 2, at most the
   CHECK(options::parse("expandable_peak_chunk_mb:4").expandable_peak_chunk_bytes == 4 * MiB);
   CHECK_THAT(options::parse("expandable_peak_chunk_mb:4").to_string(),
              Catch::Contains("expandable_peak_chunk_mb:4"));
-  for (const char* bad : {"expandable_peak_chunk_mb:3", "expandable_peak_chunk_mb:0",
-                          "expandable_peak_chunk_mb:-2", "expandable_peak_chunk_mb:two"}) {
+  for (const char* bad :
+       {"expandable_peak_chunk_mb:3", "expandable_peak_chunk_mb:0", "expandable_peak_chunk_mb:-2",
+        "expandable_peak_chunk_mb:two", "expandable_peak_chunk_mb:2.5",
+        "expandable_peak_chunk_mb:2.0000001", "expandable_peak_chunk_mb:1e9",
+        "expandable_peak_chunk_mb:", "expandable_chunk_mb:4.5"}) {
     INFO(bad);
-    CHECK_THROWS_WITH(options::parse(bad), Catch::Contains("expandable_peak_chunk_mb"));
+    CHECK_THROWS_WITH(options::parse(bad), Catch::Contains("expandable_"));
   }
   // Larger than expandable_chunk_mb: the chunk size itself, one size for every growth.
   sim_env env(

@@ -25,6 +25,14 @@ bool inside(const void* p, const void* seg, std::size_t seg_bytes) {
   return addr(p) >= addr(seg) && addr(p) < addr(seg) + seg_bytes;
 }
 
+// Two segments of `bytes` each, allocated on s and freed: whole, idle, cached.
+void cache_two_segments(sim_env& env, stream_handle s, std::size_t bytes) {
+  void* a = env.alloc.allocate(bytes, s);
+  void* b = env.alloc.allocate(bytes, s);
+  env.alloc.deallocate(a);
+  env.alloc.deallocate(b);
+}
+
 }  // namespace
 
 namespace {
@@ -224,10 +232,7 @@ TEST_CASE(
     "[segment-fit][corpus-policy]") {
   sim_env env(with_ratio(8));
   auto s = env.dev.create_stream();
-  void* a = env.alloc.allocate(30 * MiB, s);
-  void* b = env.alloc.allocate(30 * MiB, s);
-  env.alloc.deallocate(a);
-  env.alloc.deallocate(b);  // two idle 30 MiB segments, each too small for 50 MiB
+  cache_two_segments(env, s, 30 * MiB);  // two idle 30 MiB segments, each too small for 50 MiB
   void* c = env.alloc.allocate(50 * MiB, s);
   env.dev.run_until_idle();
   CHECK(env.alloc.stats().reserved_bytes.peak ==
@@ -241,10 +246,7 @@ TEST_CASE("Control: whole_segment_split_ratio:0 keeps the idle segments and grow
           "[segment-fit][corpus-policy]") {
   sim_env env(with_ratio(0));
   auto s = env.dev.create_stream();
-  void* a = env.alloc.allocate(30 * MiB, s);
-  void* b = env.alloc.allocate(30 * MiB, s);
-  env.alloc.deallocate(a);
-  env.alloc.deallocate(b);
+  cache_two_segments(env, s, 30 * MiB);
   void* c = env.alloc.allocate(50 * MiB, s);
   CHECK(env.alloc.stats().reserved_bytes.peak == static_cast<std::int64_t>(110 * MiB));
   env.alloc.deallocate(c);
@@ -256,15 +258,32 @@ TEST_CASE(
     "[segment-fit][corpus-policy]") {
   sim_env env(with_ratio(8));
   auto s = env.dev.create_stream();
-  void* a = env.alloc.allocate(12 * MiB, s);
-  void* b = env.alloc.allocate(12 * MiB, s);
-  env.alloc.deallocate(a);
-  env.alloc.deallocate(b);  // 24 MiB idle in two segments: under 60 MiB, over a quarter of it
+  cache_two_segments(env, s,
+                     12 * MiB);  // 24 MiB idle in two segments: under 60 MiB, over a quarter of it
   void* c = env.alloc.allocate(60 * MiB, s);
   env.dev.run_until_idle();
   CHECK(env.alloc.stats().reserved_bytes.peak == static_cast<std::int64_t>(60 * MiB));  // not 84
   CHECK(env.alloc.stats().reserved_bytes.current == static_cast<std::int64_t>(60 * MiB));
   CHECK(env.dev.counters().segment_frees == 2);
+  env.alloc.deallocate(c);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE(
+    "Below the high-water mark of reserved bytes idle whole segments stay, also after "
+    "reset_peak_stats",
+    "[segment-fit][corpus-policy]") {
+  sim_env env(with_ratio(8));
+  auto s = env.dev.create_stream();
+  env.alloc.deallocate(env.alloc.allocate(100 * MiB, s));
+  env.alloc.empty_cache();       // nothing reserved; the most ever reserved: 100 MiB
+  env.alloc.reset_peak_stats();  // the statistic restarts at 0, the growth policy's mark stays
+  cache_two_segments(env, s, 12 * MiB);  // 24 MiB idle, over a quarter of 60 MiB
+  // 24 + 60 = 84 MiB stays under the mark: nothing is worth a cudaFree.
+  void* c = env.alloc.allocate(60 * MiB, s);
+  CHECK(env.dev.counters().segment_frees == 1);  // the 100 MiB segment, at empty_cache
+  CHECK(env.alloc.stats().reserved_bytes.current == static_cast<std::int64_t>(84 * MiB));
+  CHECK(env.alloc.stats().reserved_bytes.peak == static_cast<std::int64_t>(84 * MiB));
   env.alloc.deallocate(c);
   env.alloc.check_invariants();
 }

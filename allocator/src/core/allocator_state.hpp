@@ -377,8 +377,10 @@ struct caching_allocator::impl {
   // The unmapped block of p to grow into for `rounded` bytes and how many bytes to map there.
   block* choose_unmapped_locked(const pool& p, std::size_t rounded, std::size_t& map_bytes) const
       STREAMSAFE_REQUIRES(mu_);
+  // Bytes mapped: chunks of `chunk` up to `fine_from` bytes into the range, of `fine` after it.
   std::size_t map_chunks_locked(segment* seg, std::uintptr_t addr, std::size_t bytes,
-                                std::size_t chunk) STREAMSAFE_REQUIRES(mu_);  // bytes mapped
+                                std::size_t chunk, std::size_t fine_from = SIZE_MAX,
+                                std::size_t fine = 0) STREAMSAFE_REQUIRES(mu_);
   block* expandable_fit_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
   block* steal_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
   // A destroyed stream's whole free segment for p, behind the tombstone (before growing).

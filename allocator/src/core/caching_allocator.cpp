@@ -57,6 +57,13 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
         large_chunk_bytes_,
         detail::round_up(std::max(opts_.expandable_peak_chunk_bytes, small_chunk_bytes_),
                          small_chunk_bytes_));
+    if (opts_.expandable_peak_chunk_bytes > large_chunk_bytes_) {
+      detail::log().warn(
+          "expandable_peak_chunk_mb:{} is above expandable_chunk_mb:{}; growths past the "
+          "high-water mark of reserved bytes use {} MiB chunks",
+          opts_.expandable_peak_chunk_bytes >> 20, large_chunk_bytes_ >> 20,
+          large_chunk_bytes_ >> 20);
+    }
   }
   if (opts_.release_fence == fence_scope::allocation_stream) {
     detail::log().warn(

@@ -21,6 +21,7 @@
 #include "size_classes.hpp"
 
 #include <algorithm>
+#include <cstdint>
 
 namespace streamsafe {
 
@@ -65,9 +66,11 @@ block* caching_allocator::impl::new_segment_locked(pool& p, std::size_t rounded)
 }
 
 std::size_t caching_allocator::impl::map_chunks_locked(segment* seg, std::uintptr_t addr,
-                                                       std::size_t bytes, std::size_t chunk) {
+                                                       std::size_t bytes, std::size_t chunk,
+                                                       std::size_t fine_from, std::size_t fine) {
   // One backend map per chunk, so that any chunk can later be unmapped alone: `chunk` bytes
-  // each, the last one the rest (a multiple of the granularity). Out of memory part-way: the
+  // each up to `fine_from` bytes into the range and `fine` bytes each after it, the last one of
+  // each part the rest (multiples of the granularity). Out of memory part-way: the
   // chunks mapped so far are unmapped again, except during a graph capture (no unmap may run
   // then), where they are kept, counted in the returned bytes.
   std::size_t done = 0;
@@ -77,7 +80,8 @@ std::size_t caching_allocator::impl::map_chunks_locked(segment* seg, std::uintpt
   };
   try {
     while (done < bytes) {
-      const std::size_t piece = std::min(chunk, bytes - done);
+      const std::size_t piece = done < fine_from ? std::min({chunk, bytes - done, fine_from - done})
+                                                 : std::min(fine, bytes - done);
       // Recorded before the map, so that nothing can throw after a map succeeded.
       const auto at = seg->chunks.emplace(addr + done, piece).first;
       bool mapped = false;
@@ -167,11 +171,17 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   // bytes. The driver's cost is per chunk, not per byte (docs/observability.md). Bytes queued
   // for release (defer mode) are on their way back: a step that maps its memory again while the
   // last step's is still queued stays below the mark.
+  // A growth that crosses the mark maps its part below the mark in the larger chunks.
   const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
   const std::size_t queued = std::min(reserved, deferred_bytes_ + stats_.release_worker_bytes);
-  const bool past_high_water = reserved - queued + map_bytes > reserved_high_water_locked();
-  const std::size_t chunk = !p.small && past_high_water ? peak_chunk_bytes_ : gran;
-  const std::size_t mapped = map_chunks_locked(choice->seg, choice->addr, map_bytes, chunk);
+  const std::size_t high_water = reserved_high_water_locked();
+  const std::size_t below_mark = high_water > reserved - queued ? high_water - (reserved - queued)
+                                                                : 0;
+  const std::size_t fine_from = p.small || peak_chunk_bytes_ >= gran
+                                    ? SIZE_MAX  // one chunk size (the default)
+                                    : below_mark / small_chunk_bytes_ * small_chunk_bytes_;
+  const std::size_t mapped = map_chunks_locked(choice->seg, choice->addr, map_bytes, gran,
+                                               fine_from, peak_chunk_bytes_);
   if (mapped == 0) return nullptr;
   const bool partial = mapped < map_bytes;  // kept during a capture: free memory, too little
   map_bytes = mapped;

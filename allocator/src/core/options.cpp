@@ -95,10 +95,6 @@ int choice(const option_spec& spec, std::string_view value) {
   bad_value(spec, value);
 }
 
-std::size_t mib(const option_spec& spec, std::string_view value) {
-  return static_cast<std::size_t>(number(spec, value) * 1024 * 1024);
-}
-
 template <class T>
 std::string show_number(T v) {
   std::ostringstream os;
@@ -108,12 +104,15 @@ std::string show_number(T v) {
 
 constexpr std::size_t k_mib = std::size_t{1024} * 1024;
 
-// An expandable chunk size, given in MiB: a positive multiple of the 2 MiB granularity.
+// An expandable chunk size, given in MiB: a whole, positive multiple of the 2 MiB granularity,
+// at most 1 TiB.
 template <std::size_t options::*Field>
 void set_chunk_mib(options& o, const option_spec& s, std::string_view v) {
-  const std::size_t bytes = mib(s, v);
-  if (bytes == 0 || bytes % (std::size_t{2} << 20) != 0) bad_value(s, v);
-  o.*Field = bytes;
+  const double n = number(s, v);
+  if (!(n >= 2 && n <= 1024.0 * 1024) || n != static_cast<double>(static_cast<std::size_t>(n)) ||
+      static_cast<std::size_t>(n) % 2 != 0)
+    bad_value(s, v);
+  o.*Field = static_cast<std::size_t>(n) * k_mib;
 }
 
 template <std::size_t options::*Field>
@@ -193,11 +192,11 @@ const option_spec k_options[] = {
      [](const options& o) { return show_number(o.memory_fraction); }},
     {"per_process_memory_fraction", "number", "0 (unused) or a fraction in (0, 1]",
      "PyTorch's name for memory_fraction", set_memory_fraction, nullptr},
-    {"expandable_chunk_mb", "number", "a positive multiple of 2 (MiB)",
+    {"expandable_chunk_mb", "number", "a whole, even number of MiB from 2 to 1048576",
      "chunk mapped at a time in expandable large pools",
      set_chunk_mib<&options::expandable_chunk_bytes>,
      show_chunk_mib<&options::expandable_chunk_bytes>},
-    {"expandable_peak_chunk_mb", "number", "a positive multiple of 2 (MiB)",
+    {"expandable_peak_chunk_mb", "number", "a whole, even number of MiB from 2 to 1048576",
      "chunk of an expandable large-pool growth past the high-water mark of reserved bytes "
      "(at most expandable_chunk_mb)",
      set_chunk_mib<&options::expandable_peak_chunk_bytes>,
