@@ -271,6 +271,10 @@ struct caching_allocator::impl {
   std::size_t reserved_high_water_locked() const STREAMSAFE_REQUIRES(mu_) {
     return std::max(reserved_high_water_, static_cast<std::size_t>(stats_.reserved_bytes.peak));
   }
+  // Reserved bytes on their way back: the deferred queue and the worker's release in flight.
+  std::size_t queued_release_bytes_locked() const STREAMSAFE_REQUIRES(mu_) {
+    return deferred_bytes_ + stats_.release_worker_bytes;
+  }
 
   // CUDA graph capture (capture.cpp), guarded by mu_.
   std::vector<capture_record> captures_ STREAMSAFE_GUARDED_BY(mu_);

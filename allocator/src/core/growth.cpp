@@ -168,18 +168,18 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   // chunks of expandable_peak_chunk_mb, so that a later growth past the peak can unmap idle
   // memory that finely; memory mapped again below the mark (after empty_cache, a release before
   // a growth or a wake) takes chunks of expandable_chunk_mb, fewer driver calls for the same
-  // bytes. The driver's cost is per chunk, not per byte (docs/observability.md). Bytes queued
-  // for release (defer mode) are on their way back: a step that maps its memory again while the
+  // bytes. The driver's cost is per chunk, not per byte (docs/observability.md). A growth that
+  // crosses the mark maps its part below the mark in the larger chunks. Bytes queued for
+  // release (defer mode) are on their way back: a step that maps its memory again while the
   // last step's is still queued stays below the mark.
-  // A growth that crosses the mark maps its part below the mark in the larger chunks.
-  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-  const std::size_t queued = std::min(reserved, deferred_bytes_ + stats_.release_worker_bytes);
-  const std::size_t high_water = reserved_high_water_locked();
-  const std::size_t below_mark = high_water > reserved - queued ? high_water - (reserved - queued)
-                                                                : 0;
-  const std::size_t fine_from = p.small || peak_chunk_bytes_ >= gran
-                                    ? SIZE_MAX  // one chunk size (the default)
-                                    : below_mark / small_chunk_bytes_ * small_chunk_bytes_;
+  std::size_t fine_from = SIZE_MAX;  // one chunk size (the default, and small pools)
+  if (!p.small && peak_chunk_bytes_ < gran) {
+    const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+    const std::size_t kept = reserved - std::min(reserved, queued_release_bytes_locked());
+    const std::size_t high_water = reserved_high_water_locked();
+    const std::size_t below_mark = high_water > kept ? high_water - kept : 0;
+    fine_from = below_mark / small_chunk_bytes_ * small_chunk_bytes_;
+  }
   const std::size_t mapped = map_chunks_locked(choice->seg, choice->addr, map_bytes, gran,
                                                fine_from, peak_chunk_bytes_);
   if (mapped == 0) return nullptr;

@@ -663,7 +663,7 @@ std::size_t caching_allocator::reclaim() {
 
 std::size_t caching_allocator::pending_release_bytes() const {
   detail::lock_guard<detail::mutex> lk(impl_->mu_);
-  return impl_->deferred_bytes_ + impl_->stats_.release_worker_bytes;
+  return impl_->queued_release_bytes_locked();
 }
 
 }  // namespace streamsafe
