@@ -4,7 +4,10 @@
 #include <streamsafe/backends/device_backend.hpp>
 #include <streamsafe/core/errors.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <string>
+#include <thread>
 
 namespace streamsafe {
 
@@ -17,6 +20,17 @@ stream_handle device_backend::create_stream() { throw_unsupported(*this, "create
 
 void device_backend::destroy_stream(stream_handle /*stream*/) {
   throw_unsupported(*this, "destroy_stream");
+}
+
+bool device_backend::synchronize_event_for(event_handle event, std::uint64_t timeout_us) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(timeout_us);
+  auto pause = std::chrono::microseconds(10);
+  while (!query_event(event)) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
+  return true;
 }
 
 void device_backend::copy_async(void* /*dst*/, const void* /*src*/, std::size_t /*bytes*/,

@@ -260,6 +260,12 @@ struct simulated_device::impl {
   std::map<std::uintptr_t, std::size_t> freed_ranges_;  // base -> bytes (reuse_freed_addresses)
   std::map<std::uintptr_t, std::size_t> reservations_;  // base -> size
   std::set<std::uintptr_t> mapped_chunks_;
+  // Physical memory behind mapped chunks: map() gives each chunk a memory of its own, map_alias
+  // maps a chunk's memory at a second address. bytes_in_use_ counts memories, not addresses.
+  std::map<std::uintptr_t, std::uint64_t> chunk_memory_;                // mapped chunk -> memory
+  std::map<std::uint64_t, std::vector<std::uintptr_t>> memory_chunks_;  // memory -> its chunks
+  std::uint64_t next_memory_ = 1;
+  std::size_t aliased_memories_ = 0;  // memories mapped at more than one address
   std::map<std::uintptr_t, std::vector<int>> chunk_access_;  // mapped chunk -> its access set
   std::map<int, int> omitted_peer_maps_;  // device -> map calls still to leave it out (K13)
   std::size_t bytes_in_use_ = 0;
@@ -590,6 +596,35 @@ struct simulated_device::impl {
   }
 
   bool idle() const { return pending_.empty(); }
+
+  // The checks of a host wait on `event` (events.cpp); returns the record marker to wait for.
+  std::uint64_t sync_marker(event_handle event, const char* what);
+
+  // The ranges that reach the same memory as r at other addresses (map_alias), coalesced.
+  std::vector<range> aliases_of(const range& r) const {
+    std::vector<range> out;
+    if (aliased_memories_ == 0 || r.size_bytes == 0) return out;
+    const std::size_t gran = config_.granularity_bytes;
+    const std::uintptr_t end = r.begin + r.size_bytes;
+    for (std::uintptr_t chunk = r.begin / gran * gran; chunk < end; chunk += gran) {
+      auto mem = chunk_memory_.find(chunk);
+      if (mem == chunk_memory_.end()) continue;
+      const auto& chunks = memory_chunks_.at(mem->second);
+      if (chunks.size() < 2) continue;
+      const std::uintptr_t lo = std::max(chunk, r.begin);
+      const std::uintptr_t hi = std::min(chunk + gran, end);
+      for (std::uintptr_t other : chunks) {
+        if (other == chunk) continue;
+        const std::uintptr_t b = other + (lo - chunk);
+        if (!out.empty() && out.back().begin + out.back().size_bytes == b) {
+          out.back().size_bytes += hi - lo;
+        } else {
+          out.push_back(range{b, hi - lo, r.mode, std::nullopt});
+        }
+      }
+    }
+    return out;
+  }
 
   // launch() on a stream that is not capturing (mutex held).
   std::uint64_t launch_locked(stream_handle stream, std::uint64_t duration_us,

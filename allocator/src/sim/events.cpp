@@ -99,22 +99,39 @@ bool simulated_device::query_event(event_handle event) {
   return !ev.recorded || d.pending_.count(ev.marker) == 0;
 }
 
+std::uint64_t simulated_device::impl::sync_marker(event_handle event, const char* what) {
+  throw_if_injected(call::synchronize_event);
+  const event_state& ev = live_event(event, what);
+  check_not_capturing(what);
+  if (ev.capture != 0) {
+    capture_violation(what, "event " + std::to_string(event) +
+                                " was last recorded in a capture (cudaErrorCapturedEvent)");
+  }
+  return ev.recorded ? ev.marker : 0;
+}
+
 void simulated_device::synchronize_event(event_handle event) {
   std::lock_guard<std::mutex> lock(impl_->mutex_);
   impl& d = *impl_;
-  d.throw_if_injected(call::synchronize_event);
-  const event_state& ev = d.live_event(event, "synchronize_event");
-  d.check_not_capturing("synchronize_event");
-  if (ev.capture != 0) {
-    d.capture_violation("synchronize_event", "event " + std::to_string(event) +
-                                                 " was last recorded in a "
-                                                 "capture (cudaErrorCapturedEvent)");
-  }
-  const std::uint64_t marker = ev.recorded ? ev.marker : 0;
+  const std::uint64_t marker = d.sync_marker(event, "synchronize_event");
   if (!d.advance_until([&d, marker] { return d.pending_.count(marker) == 0; })) {
     d.fail("synchronize_event", d.deadlock_message("event " + std::to_string(event)));
   }
   ++d.counters_.event_syncs;
+}
+
+bool simulated_device::synchronize_event_for(event_handle event, std::uint64_t timeout_us) {
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  impl& d = *impl_;
+  const std::uint64_t marker = d.sync_marker(event, "synchronize_event_for");
+  const std::uint64_t until = d.now_ + timeout_us;
+  ++d.counters_.bounded_event_syncs;
+  while (d.pending_.count(marker) != 0) {
+    const auto next = d.next_finish();
+    if (!next || *next > until) return false;  // a hold blocks it, or not within the timeout
+    d.step_to(*next);
+  }
+  return true;
 }
 
 void simulated_device::stream_wait_event(stream_handle stream, event_handle event) {

@@ -199,6 +199,9 @@ bool simulated_device::map(void* addr_ptr, std::size_t size_bytes) {
   for (std::uintptr_t chunk = addr; chunk < addr + size_bytes; chunk += gran) {
     d.mapped_chunks_.insert(chunk);
     d.chunk_access_[chunk] = access;
+    const std::uint64_t memory = d.next_memory_++;
+    d.chunk_memory_[chunk] = memory;
+    d.memory_chunks_[memory].push_back(chunk);
   }
   d.bytes_in_use_ += size_bytes;
   ++d.counters_.maps;
@@ -224,14 +227,62 @@ void simulated_device::unmap(void* addr_ptr, std::size_t size_bytes) {
       d.fail("unmap", "chunk " + hex(chunk) + " is not mapped");
   }
   d.check_release("unmap", addr, size_bytes);
+  std::size_t freed = 0;
   for (std::uintptr_t chunk = addr; chunk < addr + size_bytes; chunk += gran) {
     d.mapped_chunks_.erase(chunk);
     d.chunk_access_.erase(chunk);
+    auto mem = d.chunk_memory_.find(chunk);
+    auto& chunks = d.memory_chunks_.at(mem->second);
+    if (chunks.size() == 2) --d.aliased_memories_;
+    chunks.erase(std::find(chunks.begin(), chunks.end(), chunk));
+    if (chunks.empty()) {
+      d.memory_chunks_.erase(mem->second);
+      freed += gran;  // its last mapping: the memory goes back
+    }
+    d.chunk_memory_.erase(mem);
   }
-  d.bytes_in_use_ -= size_bytes;
+  d.bytes_in_use_ -= freed;
   d.assign_contents(addr, addr + size_bytes, std::nullopt);
   ++d.counters_.unmaps;
   d.counters_.bytes_unmapped += size_bytes;
+}
+
+bool simulated_device::map_alias(void* addr_ptr, const void* from_ptr, std::size_t size_bytes) {
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  impl& d = *impl_;
+  if (d.injected(call::map)) return false;
+  if (!d.config_.supports_expandable) d.fail("map_alias", "not supported");
+  const auto addr = reinterpret_cast<std::uintptr_t>(addr_ptr);
+  const auto from = reinterpret_cast<std::uintptr_t>(from_ptr);
+  const std::size_t gran = d.config_.granularity_bytes;
+  if (size_bytes == 0 || size_bytes % gran != 0 || addr % gran != 0 || from % gran != 0) {
+    d.fail("map_alias", describe_range(addr, size_bytes) + " from " + hex(from) +
+                            " is not aligned to the granularity " + std::to_string(gran));
+  }
+  auto res = d.reservations_.upper_bound(addr);
+  if (res == d.reservations_.begin() ||
+      addr + size_bytes > std::prev(res)->first + std::prev(res)->second) {
+    d.fail("map_alias", describe_range(addr, size_bytes) + " is not inside a reserved range");
+  }
+  for (std::size_t off = 0; off < size_bytes; off += gran) {
+    if (d.mapped_chunks_.count(addr + off) != 0)
+      d.fail("map_alias", "chunk " + hex(addr + off) + " is already mapped");
+    if (d.mapped_chunks_.count(from + off) == 0)
+      d.fail("map_alias", "source chunk " + hex(from + off) + " is not mapped");
+  }
+  for (std::size_t off = 0; off < size_bytes; off += gran) {
+    const std::uint64_t memory = d.chunk_memory_.at(from + off);
+    auto& chunks = d.memory_chunks_.at(memory);
+    if (chunks.size() == 1) ++d.aliased_memories_;
+    chunks.push_back(addr + off);
+    d.chunk_memory_[addr + off] = memory;
+    d.mapped_chunks_.insert(addr + off);
+    d.chunk_access_[addr + off] = d.chunk_access_.at(from + off);
+  }
+  d.copy_contents(addr, from, size_bytes);
+  ++d.counters_.aliases;
+  d.counters_.bytes_aliased += size_bytes;
+  return true;
 }
 
 std::vector<int> simulated_device::access_devices(std::uintptr_t addr) const {

@@ -101,9 +101,13 @@ std::uint64_t simulated_device::impl::launch_locked(stream_handle stream, std::u
 
   // cross_stream_race: pending work on another stream touching the same bytes, one of the two
   // a write, that this stream's clock does not order before the new kernel.
+  std::vector<range> checked = added.ranges;  // and the same memory at other addresses
+  for (const range& r : added.ranges) {
+    for (const range& a : d.aliases_of(r)) checked.push_back(a);
+  }
   for (const auto& [id, other] : d.pending_) {
     if (other.stream_uid == uid || other.seq <= clock_of(state.clock, other.stream_uid)) continue;
-    for (const range& mine : added.ranges) {
+    for (const range& mine : checked) {
       const range* hit = nullptr;
       for (const range& theirs : other.ranges) {
         if ((mine.mode == access::write || theirs.mode == access::write) &&

@@ -72,6 +72,15 @@ class device_backend {
   // Unmaps and frees the physical memory behind [addr, addr+size) (a range map() mapped, or a
   // union of such ranges).
   virtual void unmap(void* addr, std::size_t size_bytes) = 0;
+  // Maps at [addr, addr+size) (reserved, not mapped) the physical memory already mapped at
+  // [from, from+size) (a union of whole ranges map() mapped), taking no new memory: both ranges
+  // then reach the same bytes, and unmap() of either leaves the other mapped (the memory goes
+  // back once its last mapping is unmapped). Returns false, mapping nothing, when the backend
+  // cannot (the default). No host block; it orders nothing: the caller orders the new range's
+  // uses after the old range's.
+  virtual bool map_alias(void* /*addr*/, const void* /*from*/, std::size_t /*size_bytes*/) {
+    return false;
+  }
 
   // ---- events and streams ---------------------------------------------------------------
   virtual event_handle create_event() = 0;  // timing disabled
@@ -79,6 +88,9 @@ class device_backend {
   virtual void record_event(event_handle event, stream_handle stream) = 0;
   virtual bool query_event(event_handle event) = 0;        // true once complete
   virtual void synchronize_event(event_handle event) = 0;  // blocks the host
+  // Blocks the host until the event completes or `timeout_us` has passed; true when complete.
+  // The default polls query_event. A bounded wait: the out-of-memory path of empty_cache:defer.
+  virtual bool synchronize_event_for(event_handle event, std::uint64_t timeout_us);
   virtual void stream_wait_event(stream_handle stream, event_handle event) = 0;  // no host block
   // True when all work enqueued on `stream` so far has completed (cudaStreamQuery); never blocks.
   // The default records a fresh event and queries it, which may report an idle stream as busy

@@ -71,6 +71,9 @@ class expandable_backend final : public cuda_event_ops {
   void release_address_range(void* base, std::size_t size_bytes) override;
   bool map(void* addr, std::size_t size_bytes) override;
   void unmap(void* addr, std::size_t size_bytes) override;
+  // cuMemMap of the physical allocations mapped at [from, from+size) at addr too, with the same
+  // access; each allocation is released (cuMemRelease) once, at the unmap of its last mapping.
+  bool map_alias(void* addr, const void* from, std::size_t size_bytes) override;
 
   ipc_memory export_memory(std::uintptr_t segment_base, std::size_t segment_bytes,
                            std::uintptr_t addr, std::size_t size_bytes) override;
@@ -112,6 +115,10 @@ class expandable_backend final : public cuda_event_ops {
   std::size_t total_bytes_ = 0;
   mutable std::mutex mutex_;
   chunk_table chunks_;  // guarded by mutex_
+  // Physical allocations mapped at more than one address (map_alias): the extra mappings.
+  std::map<CUmemGenericAllocationHandle, int> extra_mappings_;  // guarded by mutex_
+  // True (and one extra mapping fewer) when handle stays mapped elsewhere: no release yet.
+  bool mapped_elsewhere(CUmemGenericAllocationHandle handle);  // mutex_ held
 };
 
 }  // namespace streamsafe::cuda

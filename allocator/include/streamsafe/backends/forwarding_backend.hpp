@@ -38,6 +38,12 @@ class forwarding_backend : public device_backend {
   }
   bool map(void* addr, std::size_t size_bytes) override { return inner_.map(addr, size_bytes); }
   void unmap(void* addr, std::size_t size_bytes) override { inner_.unmap(addr, size_bytes); }
+  bool synchronize_event_for(event_handle event, std::uint64_t timeout_us) override {
+    return inner_.synchronize_event_for(event, timeout_us);
+  }
+  bool map_alias(void* addr, const void* from, std::size_t size_bytes) override {
+    return inner_.map_alias(addr, from, size_bytes);
+  }
   event_handle create_event() override { return inner_.create_event(); }
   void destroy_event(event_handle event) noexcept override { inner_.destroy_event(event); }
   void record_event(event_handle event, stream_handle stream) override {

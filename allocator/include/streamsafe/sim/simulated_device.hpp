@@ -88,8 +88,10 @@ enum class call {
 struct counters {
   std::uint64_t segment_allocs = 0, segment_frees = 0, maps = 0, unmaps = 0;
   std::uint64_t bytes_mapped = 0, bytes_unmapped = 0;
+  std::uint64_t aliases = 0, bytes_aliased = 0;  // map_alias: memory mapped at a second address
   std::uint64_t events_created = 0, events_destroyed = 0, events_recorded = 0;
   std::uint64_t event_queries = 0, event_syncs = 0, stream_waits = 0, device_syncs = 0;
+  std::uint64_t bounded_event_syncs = 0;  // synchronize_event_for calls (bounded host waits)
   std::uint64_t launches = 0;
   std::uint64_t capture_queries = 0, graph_launches = 0;
   std::uint64_t segment_allocs_during_capture = 0, maps_during_capture = 0;
@@ -204,6 +206,9 @@ class simulated_device final : public device_backend {
   void release_address_range(void* base, std::size_t size_bytes) override;
   bool map(void* addr, std::size_t size_bytes) override;
   void unmap(void* addr, std::size_t size_bytes) override;
+  // Maps the memory of [from, from+size) at addr too (no new memory; bytes_in_use unchanged);
+  // work on either range is checked against pending work on both (one memory).
+  bool map_alias(void* addr, const void* from, std::size_t size_bytes) override;
   event_handle create_event() override;
   void destroy_event(event_handle event) noexcept override;
   void record_event(event_handle event, stream_handle stream) override;
@@ -211,6 +216,9 @@ class simulated_device final : public device_backend {
   // Advances the clock until the event completes; throws backend_error if an unopened hold
   // blocks it (the host would wait forever).
   void synchronize_event(event_handle event) override;
+  // Advances the clock until the event completes, at most timeout_us; false (no error) when it
+  // has not completed by then or an unopened hold blocks it.
+  bool synchronize_event_for(event_handle event, std::uint64_t timeout_us) override;
   void stream_wait_event(stream_handle stream, event_handle event) override;
   bool query_stream(stream_handle stream) override;  // stream_idle(); never blocks
   void synchronize_device() override;  // advances until idle (throws like run_until_idle)

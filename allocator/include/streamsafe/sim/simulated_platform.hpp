@@ -89,6 +89,9 @@ class simulated_platform {
     }
     bool map(void* addr, std::size_t size_bytes) override { return dev_.map(in(addr), size_bytes); }
     void unmap(void* addr, std::size_t size_bytes) override { dev_.unmap(in(addr), size_bytes); }
+    bool map_alias(void* addr, const void* from, std::size_t size_bytes) override {
+      return dev_.map_alias(in(addr), in(const_cast<void*>(from)), size_bytes);
+    }
     void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override {
       device_backend::copy_async(dst, src, bytes, stream);  // refuses by name
     }

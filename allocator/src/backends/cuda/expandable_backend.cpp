@@ -90,7 +90,25 @@ expandable_backend::~expandable_backend() {
   } catch (...) {
     // No guard (or no message): release anyway, the driver calls name their own addresses.
   }
-  for (const auto& [address, m] : left) unmap_and_release(address, &m, 1);
+  for (const auto& [address, m] : left) {
+    bool elsewhere = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      elsewhere = mapped_elsewhere(m.handle);
+    }
+    if (elsewhere) {
+      STREAMSAFE_CU_CHECK_NOTHROW(driver::mem_unmap(address, m.size_bytes));
+    } else {
+      unmap_and_release(address, &m, 1);
+    }
+  }
+}
+
+bool expandable_backend::mapped_elsewhere(CUmemGenericAllocationHandle handle) {
+  auto it = extra_mappings_.find(handle);
+  if (it == extra_mappings_.end()) return false;
+  if (--it->second == 0) extra_mappings_.erase(it);
+  return true;
 }
 
 std::size_t expandable_backend::rounded_size(std::size_t size_bytes) const {
@@ -278,17 +296,76 @@ void expandable_backend::unmap(void* addr, std::size_t size_bytes) {
   for (const mapping& m : maps) {
     CUresult result = driver::mem_unmap(at, m.size_bytes);
     if (result == CUDA_SUCCESS) {
+      bool elsewhere = false;
       {
         std::lock_guard<std::mutex> lock(mutex_);
         chunks_.erase(at);  // gone from the address space, whatever the release says
+        elsewhere = mapped_elsewhere(m.handle);
       }
-      result = driver::mem_release(m.handle);
+      if (!elsewhere) result = driver::mem_release(m.handle);
     }
     if (result != CUDA_SUCCESS) {
       detail::throw_cu_error(result, "cuMemUnmap/cuMemRelease(range)", __FILE__, __LINE__);
     }
     at += m.size_bytes;
   }
+}
+
+bool expandable_backend::map_alias(void* addr, const void* from, std::size_t size_bytes) {
+  const CUdeviceptr base = checked_range(addr, size_bytes, "map_alias");
+  const CUdeviceptr source = checked_range(const_cast<void*>(from), size_bytes, "map_alias");
+  std::vector<mapping> maps;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    CUdeviceptr at = source;
+    for (auto it = chunks_.find(source); at < source + size_bytes; ++it) {
+      if (it == chunks_.end() || it->first != at ||
+          it->first + it->second.size_bytes > source + size_bytes) {
+        invalid_range("map_alias", source, size_bytes,
+                      ("the range at " + hex(at) + " is not exactly a mapped range").c_str());
+      }
+      maps.push_back(it->second);
+      at += it->second.size_bytes;
+    }
+    auto it = chunks_.lower_bound(base);
+    if (it != chunks_.end() && it->first < base + size_bytes) {
+      invalid_range("map_alias", base, size_bytes,
+                    ("the range at " + hex(it->first) + " is already mapped").c_str());
+    }
+  }
+  device_guard guard(device());
+  relaxed_capture_mode relaxed;
+  CUdeviceptr at = base;
+  std::size_t done = 0;
+  CUresult failure = CUDA_SUCCESS;
+  for (; done < maps.size(); ++done) {
+    const mapping& m = maps[done];
+    failure = driver::mem_map(at, m.size_bytes, 0, m.handle, 0);
+    if (failure != CUDA_SUCCESS) break;
+    failure = driver::mem_set_access(at, m.size_bytes, access_.data(), access_.size());
+    if (failure != CUDA_SUCCESS) {
+      STREAMSAFE_CU_CHECK_NOTHROW(driver::mem_unmap(at, m.size_bytes));
+      break;
+    }
+    at += m.size_bytes;
+  }
+  if (failure != CUDA_SUCCESS) {
+    at = base;
+    for (std::size_t i = 0; i < done; ++i) {  // nothing stays mapped
+      STREAMSAFE_CU_CHECK_NOTHROW(driver::mem_unmap(at, maps[i].size_bytes));
+      at += maps[i].size_bytes;
+    }
+    if (failure == CUDA_ERROR_OUT_OF_MEMORY) return false;
+    detail::throw_cu_error(failure, "cuMemMap/cuMemSetAccess(alias)", __FILE__, __LINE__);
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  at = base;
+  for (const mapping& m : maps) {
+    chunks_.emplace(at, m);
+    ++extra_mappings_[m.handle];
+    at += m.size_bytes;
+  }
+  return true;
 }
 
 namespace {
