@@ -26,8 +26,10 @@
 //    the limit, invalid_pointer (statistics unchanged) for every pointer that is not a live
 //    block, backend_error only from an injected failure or, in a synchronous wait, from a hold
 //    the host would wait on forever (the simulated device's stand-in for a hang);
-//  * with empty_cache:defer an allocation never waits on the host, not even on its
-//    out-of-memory path (case K8);
+//  * with empty_cache:defer an allocation never waits on the host outside its out-of-memory
+//    path, and there only bounded (case K8);
+//  * reserved bytes and their peak never pass the limit after an allocation, and no
+//    out_of_memory is thrown while the cache could serve the request (could_serve);
 //  * after a call fails, the state is intact (the block stays live, allocated bytes unchanged)
 //    and the same call without the injected failure succeeds.
 // At the end every block is freed, every hold opened, and the cache must drain to zero reserved
@@ -36,6 +38,7 @@
 
 #include <streamsafe/core/caching_allocator.hpp>
 #include <streamsafe/core/errors.hpp>
+#include <streamsafe/core/snapshot.hpp>
 #include <streamsafe/sim/simulated_device.hpp>
 
 #include <algorithm>
@@ -490,6 +493,59 @@ class program {
               "the release worker did not settle");
   }
 
+  bool tagged_next(std::uint64_t duration) const {
+    return config_.backend == backend_kind::expandable && duration % 8 == 0;
+  }
+
+  // True when the cache can serve `size` bytes without new memory past the limit, so that an
+  // out_of_memory would be a defect: expandable, when the memory queued for release plus the
+  // headroom under the limit covers the request (rounded to the 2 MiB granularity); cuda_malloc,
+  // when a wholly free segment of the request's pool kind (cached or queued) is at least the
+  // request (segments are not combined) and max_split_size_mb lets it serve the request.
+  // Conservative: not with a device-wide fence scope (no
+  // device-side wait to reclaim behind), after a graph capture (private pools), or for sizes
+  // beyond the limit.
+  bool could_serve(std::size_t size, const statistics& st) const {
+    if (size == 0 || size > config_.memory_limit_bytes || graph_stream_ ||
+        config_.scope == fence_scope::device)
+      return false;
+    const auto reserved = static_cast<std::size_t>(st.reserved_bytes.current);
+    const std::size_t headroom = config_.memory_limit_bytes > reserved
+                                     ? config_.memory_limit_bytes - reserved
+                                     : 0;
+    const bool small = size <= MiB;
+    if (config_.backend == backend_kind::expandable) {
+      const std::size_t need = (size + 2 * MiB - 1) / (2 * MiB) * (2 * MiB);
+      std::size_t queued = alloc_->pending_release_bytes();
+      if (tag_paused_) {  // a paused tag's memory stays its own (sleep.cpp): not reclaimed
+        for (const segment_snapshot& seg : alloc_->snapshot().segments) {
+          if (seg.tag.empty()) continue;
+          const std::size_t paused = seg.bytes_in(snapshot_block_state::releasing);
+          queued -= std::min(queued, paused);
+        }
+      }
+      return queued + headroom >= need;
+    }
+    const std::size_t rounded = (size + 511) / 512 * 512;
+    for (const segment_snapshot& seg : alloc_->snapshot().segments) {
+      if (seg.expandable || seg.blocks.size() != 1 || !seg.tag.empty() ||
+          (seg.pool == snapshot_pool::small) != small)
+        continue;
+      const block_snapshot& b = seg.blocks.front();
+      // max_split_size_mb: oversize blocks serve only requests close to their size (PyTorch).
+      const std::size_t ms = config_.max_split_size_bytes;
+      if (ms != 0 && !small &&
+          ((rounded < ms && b.size_bytes >= ms) ||
+           (rounded >= ms && b.size_bytes >= rounded + 20 * MiB)))
+        continue;
+      if ((b.state == snapshot_block_state::inactive ||
+           b.state == snapshot_block_state::releasing) &&
+          b.size_bytes >= rounded)
+        return true;
+    }
+    return false;
+  }
+
   void check() {
     ++stats_.invariant_checks;
     settle_worker();
@@ -710,17 +766,33 @@ class program {
     const snapshot before = snap();
     const bool injected = armed_.has_value();
     void* p = nullptr;
-    // K8: with empty_cache:defer an allocation never blocks the host (no synchronize call, even
-    // on the out-of-memory path), whatever it returns or throws.
+    // K8: with empty_cache:defer an allocation never blocks the host without a bound: no
+    // synchronize call; only its out-of-memory path (a retry counted) may wait, bounded
+    // (synchronize_event_for), whatever it returns or throws.
     const sim::counters counted = dev_.counters();
+    const statistics stats_before = alloc_->stats();
     auto no_host_wait = [&] {
       if (config_.mode != empty_cache_mode::defer) return;
       const sim::counters now = dev_.counters();
       require(now.event_syncs == counted.event_syncs && now.device_syncs == counted.device_syncs,
               "allocate waited on the host under empty_cache:defer (K8)");
+      require(now.bounded_event_syncs == counted.bounded_event_syncs ||
+                  alloc_->stats().num_alloc_retries > stats_before.num_alloc_retries,
+              "allocate waited on the host under empty_cache:defer outside its out-of-memory "
+              "path");
     };
+    // The cap holds after every allocation, peak included.
+    auto within_limit = [&] {
+      const statistics st = alloc_->stats();
+      require(static_cast<std::size_t>(st.reserved_bytes.current) <= config_.memory_limit_bytes &&
+                  static_cast<std::size_t>(st.reserved_bytes.peak) <= config_.memory_limit_bytes,
+              "reserved bytes (or their peak) above the memory limit");
+    };
+    // What the cache could serve (cached and queued memory plus the headroom under the limit),
+    // taken before the call: an out_of_memory then is a defect (could_serve).
+    const bool servable = !injected && !tagged_next(duration) && could_serve(size, stats_before);
     // One allocation in eight is under the tag that op_sleep pauses and resumes.
-    const bool tagged = config_.backend == backend_kind::expandable && duration % 8 == 0;
+    const bool tagged = tagged_next(duration);
     try {
       if (tagged) {
         tag_scope scope(k_tag);
@@ -744,6 +816,9 @@ class program {
       ++stats_.out_of_memory;
       require_same(before, "allocate");
       no_host_wait();
+      within_limit();
+      require(!servable,
+              std::string("out_of_memory while the cache could serve the request: ") + e.what());
       return std::nullopt;
     } catch (const backend_error& e) {
       require(config_.mode != empty_cache_mode::defer || !deadlock_error(e),
@@ -754,6 +829,7 @@ class program {
       return std::nullopt;
     }
     no_host_wait();
+    within_limit();
     require(size != 0, "allocate(0) succeeded");
     require(size <= config_.memory_limit_bytes, "allocate beyond the memory limit succeeded");
     ++stats_.allocations;

@@ -46,8 +46,14 @@ block* caching_allocator::impl::find_block_locked(stream_state& st, pool& p, std
                                                   bool grow) {
   if (!st.pending.empty()) process_events_locked(st);
   if (block* b = take_cached_fit_locked(p, rounded)) return b;
+  // Free headroom under the peak goes before a block pending another stream's work
+  // (growth_policy.cpp).
+  const bool headroom = growth_within_peak_locked(p, rounded);
+  if (headroom && grow) {
+    if (block* b = grow_locked(p, rounded)) return b;
+  }
   if (block* b = take_pending_locked(st, p, rounded)) return b;
-  return grow ? grow_locked(p, rounded) : nullptr;
+  return grow && !headroom ? grow_locked(p, rounded) : nullptr;
 }
 
 void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std::size_t rounded,
@@ -111,63 +117,12 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   // reuse_fence:all_streams: nothing free fits; the host frees since the last fence become
   // reusable behind one fence (free.cpp) rather than the pool growing.
   if (!st.unfenced.empty()) fence_host_frees_locked(st);
-  block* b = find_block_locked(st, p, rounded, false);
-  if (!b && !deferred_.empty()) b = reclaim_queued_locked(p, rounded);
-  const bool worker = worker_releases_locked(opts_.empty_cache);  // no unmap on this thread
-  if (!b && !deferred_.empty() && !worker) {
-    // Releases queued earlier whose fences have completed go back before the pool grows (a
-    // refused segment queued at one growth would otherwise stay reserved through the next).
-    // Never waits.
+  if (!st.pending.empty()) process_events_locked(st);
+  block* b = take_cached_fit_locked(p, rounded);
+  if (!b) b = expand_pool_locked(dlk, slk, st, p, rounded);  // growth_policy.cpp
+  if (!b && capturing()) {  // a capture began while the policy waited with the locks dropped
     slk.unlock();
-    finish_deferred(dlk, false);
-    slk.lock();
-    b = find_block_locked(st, p, rounded, false);
-  }
-  if (!b && !p.small && opts_.backend == backend_kind::cuda_malloc &&
-      opts_.whole_segment_split_ratio != 0) {
-    prove_idle_segments_locked(st, p);  // K12: an idle fence ahead of the next growth
-  }
-  if (!b && growth_raises_peak_with_refused_locked(p, rounded)) {
-    // Whole free segments the rule refuses to this request would sit idle while the pool grows
-    // past its peak: they go back to the driver first, behind their fence (segment_fit.hpp).
-    // Opportunistic: a failed release leaves its memory in the pool, and the allocation goes on.
-    slk.unlock();
-    try {
-      release_refused_segments(dlk, st, rounded);
-    } catch (const std::exception& e) {
-      detail::log().warn("device {}: giving refused whole segments back before growing failed: {}",
-                         backend_.device(), e.what());
-    }
-    slk.lock();
-    b = find_block_locked(st, p, rounded);  // the pool may have changed while its lock was dropped
-  } else if (!b) {
-    b = grow_locked(p, rounded);  // both locks held since the search above: straight to growth
-  }
-  if (!b && !deferred_.empty() && !worker) {
-    slk.unlock();
-    finish_deferred(dlk, false);
-    slk.lock();
-    b = find_block_locked(st, p, rounded);
-  }
-  if (!b) b = steal_segment_locked(p, rounded);
-  if (!b) {
-    ++stats_.num_alloc_retries;
-    slk.unlock();
-    // empty_cache:wait waits (host, no lock held) on exactly the fence events; empty_cache:defer
-    // never blocks the host here: it releases what is safe now and queues the rest (case K8: a
-    // fenced stream may run a collective that waits for work this thread has yet to enqueue).
-    release_cached(dlk, opts_.empty_cache);
-    slk.lock();
-    b = find_block_locked(st, p, rounded);
-  }
-  if (!b && worker && (!deferred_.empty() || stats_.release_worker_bytes != 0)) {
-    // Nothing else serves it: wait (no lock held) for a pass of the release worker over what
-    // was just queued and for its release in flight, then retry. Never waits on a fence.
-    slk.unlock();
-    wait_for_worker_locked(dlk, nullptr);
-    if (capturing()) return allocate_during_capture_locked(dlk, size, rounded, small, st.handle);
-    slk.lock();
-    b = find_block_locked(st, p, rounded);
+    return allocate_during_capture_locked(dlk, size, rounded, small, st.handle);
   }
   if (!b) throw_out_of_memory_locked(dlk, &slk, size, rounded, p.stream, &st, "");
   return finish_allocation(st, b, rounded, size);
@@ -210,7 +165,9 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
     if (p && !b && !st.pending.empty() && !callback_scope::active()) {
       m.process_events_locked(st);
       b = m.best_fit(*p, rounded);
-      if (!b) b = m.take_pending_locked(st, *p, rounded);
+      // With free headroom under the peak the slow path grows instead (growth_policy.cpp).
+      if (!b && m.headroom_hint_.load(std::memory_order_relaxed) < rounded)
+        b = m.take_pending_locked(st, *p, rounded);
     }
     if (b) return m.finish_allocation(st, b, rounded, size_bytes);
   }

@@ -379,14 +379,19 @@ struct caching_allocator::impl {
   block* add_segment_locked(pool& p, std::uintptr_t base, std::size_t size, bool mapped)
       STREAMSAFE_REQUIRES(mu_);
   // The unmapped block of p to grow into for `rounded` bytes and how many bytes to map there.
-  block* choose_unmapped_locked(const pool& p, std::size_t rounded, std::size_t& map_bytes) const
-      STREAMSAFE_REQUIRES(mu_);
+  // within_limit false: also when mapping map_bytes would pass the limit (reclaim by alias).
+  block* choose_unmapped_locked(const pool& p, std::size_t rounded, std::size_t& map_bytes,
+                                bool within_limit = true) const STREAMSAFE_REQUIRES(mu_);
+  // A new reserved range of p, large enough for `rounded` (growth.cpp).
+  void reserve_range_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
   // Bytes mapped: chunks of `chunk` up to `fine_from` bytes into the range, of `fine` after it.
   std::size_t map_chunks_locked(segment* seg, std::uintptr_t addr, std::size_t bytes,
                                 std::size_t chunk, std::size_t fine_from = SIZE_MAX,
                                 std::size_t fine = 0) STREAMSAFE_REQUIRES(mu_);
   block* expandable_fit_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
-  block* steal_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  // whole_rule: not a segment the whole-segment rule keeps whole for the request.
+  block* steal_segment_locked(pool& p, std::size_t rounded, bool whole_rule)
+      STREAMSAFE_REQUIRES(mu_);
   // A destroyed stream's whole free segment for p, behind the tombstone (before growing).
   block* adopt_dead_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
   // Moves a whole free segment to p; p's stream waits for every stream that may still touch it.
@@ -400,7 +405,6 @@ struct caching_allocator::impl {
       STREAMSAFE_REQUIRES(mu_);  // step 3 of the allocation order
   bool growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const
       STREAMSAFE_REQUIRES(mu_);
-  // ---- growth_release.cpp (expandable: idle chunks unmapped before a growth past the peak) --
   bool expandable_growth_raises_peak_locked(const pool& p, std::size_t rounded) const
       STREAMSAFE_REQUIRES(mu_);
   // Bytes a growth of p for `rounded` bytes maps beyond peak reserved (0: none), and the free
@@ -408,13 +412,7 @@ struct caching_allocator::impl {
   std::size_t expandable_growth_excess_locked(const pool& p, std::size_t rounded,
                                               const block** extended) const
       STREAMSAFE_REQUIRES(mu_);
-  // mu_ and the lock of p's stream held (release_reclaim.cpp): before p grows for `rounded`
-  // bytes, the smallest block of p waiting in the release queue that serves the request goes
-  // back to p's free lists; returns the fit then, or nullptr.
-  block* reclaim_queued_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
-  // mu_ held, st's lock not: unmaps idle free chunks of every pool, up to the growth's excess.
-  std::size_t release_idle_chunks_before_growth(device_lock& lk, stream_state& st,
-                                                std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+
   void* finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size)
       STREAMSAFE_REQUIRES(st.mu);
   void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small,
@@ -564,6 +562,51 @@ struct caching_allocator::impl {
   void destroy_ipc_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // destruction.cpp
   void check_ipc_locked() const STREAMSAFE_REQUIRES(mu_);             // invariants.cpp
 
+  // ==== growth policy and reclaim (growth_policy.cpp, reclaim.cpp) ===========================
+  // mu_ and the lock of p's stream held unless said otherwise.
+  // The one entry point of the growth policy: after the fast path found nothing, every way to
+  // serve `rounded` bytes from p in its order (growth_policy.cpp); nullptr: out of memory.
+  // Drops and retakes slk (st's lock) around releases and waits.
+  block* expand_pool_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
+                            stream_state& st, pool& p, std::size_t rounded)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  // True when p can grow for `rounded` bytes without raising peak reserved (within the limit).
+  bool growth_within_peak_locked(const pool& p, std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
+  // The fast path's hint of that headroom (any pool): updated under mu_ where reserved changes.
+  std::atomic<std::size_t> headroom_hint_{0};
+  void note_headroom_locked() STREAMSAFE_REQUIRES(mu_);
+  // Defer mode, last resort of the out-of-memory path: a host wait (mu_ dropped), bounded, on
+  // every queued release fence; true when they all completed.
+  bool wait_queued_fences_locked(device_lock& dlk) STREAMSAFE_REQUIRES(mu_);
+  // Free chunks of every expandable pool but `keep`, up to `bytes`, smallest first, detached,
+  // fenced and queued (so that reclaim_by_alias_locked can take them); returns the bytes.
+  std::size_t queue_idle_chunks_locked(const block* keep, bool large_only, std::size_t bytes)
+      STREAMSAFE_REQUIRES(mu_);
+  // reclaim.cpp: reclaim = taking queued memory back (no host wait, no new memory).
+  void wait_on_fence_locked(stream_handle stream, const release_batch& batch)
+      STREAMSAFE_REQUIRES(mu_);
+  void take_from_batch_locked(std::deque<release_batch>::iterator batch, block* b)
+      STREAMSAFE_REQUIRES(mu_);
+  // The smallest queued block of p that serves the request, back to p's free lists
+  // (whole_rule: not a segment the whole-segment rule keeps whole for the request).
+  block* reclaim_in_place_locked(pool& p, std::size_t rounded, bool whole_rule = true)
+      STREAMSAFE_REQUIRES(mu_);
+  // cuda_malloc: the smallest queued whole segment of another pool that serves the request
+  // (whole_rule: not one the whole-segment rule keeps whole), moved to p behind its fence.
+  block* reclaim_segment_locked(pool& p, std::size_t rounded, bool whole_rule)
+      STREAMSAFE_REQUIRES(mu_);
+  // expandable: queued chunks of any pool mapped again into p's range behind their fences.
+  block* reclaim_by_alias_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  // The old addresses of reclaimed memory, still mapped until their queued unmap ("ghosts"):
+  // new address range start -> (bytes, the queued aliased block at the old address).
+  std::map<std::uintptr_t, std::pair<std::size_t, block*>> ghosts_ STREAMSAFE_GUARDED_BY(mu_);
+  // [addr, addr + bytes) of a new address goes back to the driver: the bytes of it still mapped
+  // at a ghost become that ghost's to give back (ghost_owned); returns them.
+  std::size_t unghost_locked(std::uintptr_t addr, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
+  // The ghost b's unmap: forgets its entries; returns its ghost_owned bytes.
+  std::size_t drop_ghost_locked(block* b) STREAMSAFE_REQUIRES(mu_);
+  // ==== end of growth policy and reclaim ======================================================
+
   // ---- release.cpp -------------------------------------------------------------------------
   // mu_ and the segment owner's stream lock held.
   std::vector<stream_handle> fence_streams_locked(const segment* seg) const
@@ -596,8 +639,13 @@ struct caching_allocator::impl {
   bool free_segment_would_block_locked() STREAMSAFE_REQUIRES(mu_);
   void wait_fence_unlocked(release_batch& batch);
   void restore_batch_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
+  void requeue_aliased_locked(block* b) STREAMSAFE_REQUIRES(mu_);  // reclaim.cpp's aliased blocks
   std::size_t release_batch_memory(device_lock& lk, release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   std::size_t finish_deferred(device_lock& lk, bool wait) STREAMSAFE_REQUIRES(mu_);
+  // The queued blocks of every batch whose fence streams are idle now go back; never waits.
+  std::size_t release_completed_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
+  // Those blocks, moved out of the queue into one batch (with the events of emptied batches).
+  release_batch take_completed_locked() STREAMSAFE_REQUIRES(mu_);
   std::size_t release_cached(device_lock& lk, empty_cache_mode mode) STREAMSAFE_REQUIRES(mu_);
   // The opportunistic release (max_cached_bytes, garbage_collection_threshold, an empty_cache
   // asked for from a stream callback): releases what is safe now, never waits, queues nothing.

@@ -73,6 +73,11 @@ struct alignas(64) block {
   // event not yet seen complete); while non-zero a free is held (ipc_held).
   std::uint32_t ipc_exports = 0;
   bool ipc_held = false;  // active, but freed by the producer while exported (ipc.cpp)
+  // releasing, expandable: its memory was reclaimed by another pool (reclaim.cpp, map_alias);
+  // the unmap of this address gives nothing back, and its bytes count there, not here.
+  bool aliased = false;
+  std::uintptr_t alias_at = 0;  // aliased: where the memory is mapped now
+  std::size_t ghost_owned = 0;  // aliased: bytes whose other mapping is gone (its to give back)
 };
 
 struct segment {

@@ -117,7 +117,8 @@ std::size_t caching_allocator::impl::map_chunks_locked(segment* seg, std::uintpt
 }
 
 block* caching_allocator::impl::choose_unmapped_locked(const pool& p, std::size_t rounded,
-                                                       std::size_t& map_bytes) const {
+                                                       std::size_t& map_bytes,
+                                                       bool within_limit) const {
   // Bytes to map if we grow into unmapped block u, reusing a free mapped block just before it:
   // what the request lacks, to the granularity (map_chunks_locked cuts it into chunks).
   auto need = [&](const block* u) -> std::size_t {
@@ -138,9 +139,18 @@ block* caching_allocator::impl::choose_unmapped_locked(const pool& p, std::size_
   if (!choice) return nullptr;
   map_bytes = need(choice);
   if (map_bytes == 0 || map_bytes > choice->size) return nullptr;
-  if (static_cast<std::size_t>(stats_.reserved_bytes.current) + map_bytes > limit_bytes_)
+  if (within_limit &&
+      static_cast<std::size_t>(stats_.reserved_bytes.current) + map_bytes > limit_bytes_)
     return nullptr;
   return choice;
+}
+
+void caching_allocator::impl::reserve_range_locked(pool& p, std::size_t rounded) {
+  const std::size_t gran = p.small ? small_chunk_bytes_ : large_chunk_bytes_;
+  const std::size_t reserve = detail::round_up(std::max(limit_bytes_, rounded), gran);
+  void* base = backend_.reserve_address_range(reserve);
+  segment* seg = add_segment_locked(p, reinterpret_cast<std::uintptr_t>(base), reserve, false)->seg;
+  if (!p.expandable) p.expandable = seg;
 }
 
 block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t rounded) {
@@ -156,11 +166,7 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
                                            detail::round_up(rounded, gran) <=
                                        limit_bytes_)) {
     // The first range, or no hole fits while the memory is there: a fresh range.
-    const std::size_t reserve = detail::round_up(std::max(limit_bytes_, rounded), gran);
-    void* base = backend_.reserve_address_range(reserve);
-    segment* seg =
-        add_segment_locked(p, reinterpret_cast<std::uintptr_t>(base), reserve, false)->seg;
-    if (!p.expandable) p.expandable = seg;
+    reserve_range_locked(p, rounded);
     choice = choose_unmapped_locked(p, rounded, map_bytes);
   }
   if (!choice) return nullptr;
@@ -198,7 +204,8 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   return partial ? nullptr : best_fit(p, rounded);
 }
 
-block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounded) {
+block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounded,
+                                                     bool whole_rule) {
   if (opts_.backend == backend_kind::expandable || opts_.release_fence == fence_scope::device)
     return nullptr;
   if (capturing()) return nullptr;
@@ -209,7 +216,8 @@ block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounde
   auto whole_free = [&](segment* seg) {
     if (seg->owner->quick.count) flush_quick_locked(*seg->owner);
     const block* f = seg->first;
-    return !f->next && f->state == block_state::free && f->size >= rounded;
+    return !f->next && f->state == block_state::free && f->size >= rounded &&
+           !(whole_rule && keeps_whole(f, rounded));
   };
   segment* best = nullptr;
   std::unique_lock<stream_lock> olk;
@@ -290,54 +298,6 @@ block* caching_allocator::impl::adopt_dead_segment_locked(pool& p, std::size_t r
   olk.unlock();
   if (tombstones_.empty()) retire_dead_streams_locked();  // the former owner may own nothing now
   return b;
-}
-
-block* caching_allocator::impl::grow_locked(pool& p, std::size_t rounded) {
-  if (opts_.backend == backend_kind::expandable) return expandable_fit_locked(p, rounded);
-  if (block* b = adopt_dead_segment_locked(p, rounded)) return b;
-  // A new large segment past peak reserved while another stream's large pool holds a whole free
-  // segment that fits: that segment moves to p behind an event wait (no driver call) instead.
-  if (!p.small &&
-      static_cast<std::size_t>(stats_.reserved_bytes.current) + detail::segment_bytes_for(rounded) >
-          reserved_high_water_locked()) {
-    if (block* b = steal_segment_locked(p, rounded)) return b;
-  }
-  if (block* b = new_segment_locked(p, rounded)) return b;
-  // At the memory limit the whole-segment rule gives way: split the best fit rather than fail.
-  return opts_.whole_segment_split_ratio != 0 ? fit_ignoring_whole_rule(p, rounded) : nullptr;
-}
-
-bool caching_allocator::impl::growth_raises_peak_with_refused_locked(const pool& p,
-                                                                     std::size_t rounded) const {
-  if (opts_.backend == backend_kind::expandable)
-    return expandable_growth_raises_peak_locked(p, rounded);
-  if (p.small || opts_.whole_segment_split_ratio == 0) return false;
-  // Below the peak growth costs nothing; at the limit the rule gives way (find_block_locked).
-  const std::size_t grown = static_cast<std::size_t>(stats_.reserved_bytes.current) +
-                            detail::segment_bytes_for(rounded);
-  if (grown <= reserved_high_water_locked() || grown > limit_bytes_) return false;
-  // Worth the driver calls only when the idle segments are a good part of the growth.
-  std::size_t idle = 0;
-  p.mapped.for_each([&](const block* b) { idle += idle_at_growth(b, rounded) ? b->size : 0; });
-  return idle >= detail::segment_bytes_for(rounded) / detail::k_idle_release_divisor;
-}
-
-bool caching_allocator::impl::wants_collection_locked(std::size_t rounded) const {
-  if (opts_.garbage_collection_threshold <= 0 && opts_.max_cached_bytes == 0) return false;
-  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-  if (opts_.garbage_collection_threshold > 0 &&
-      static_cast<double>(reserved + detail::segment_bytes_for(rounded)) >
-          opts_.garbage_collection_threshold * static_cast<double>(limit_bytes_)) {
-    return true;
-  }
-  if (opts_.max_cached_bytes != 0) {
-    std::int64_t allocated = 0;
-    for (auto& [s, state] : streams_)
-      allocated += state->cur_allocated.load(std::memory_order_relaxed);
-    const auto cached = static_cast<std::int64_t>(reserved) - allocated;
-    if (cached > static_cast<std::int64_t>(opts_.max_cached_bytes)) return true;
-  }
-  return false;
 }
 
 }  // namespace streamsafe

@@ -180,10 +180,23 @@ void caching_allocator::impl::restore_batch_locked(release_batch& batch) {
   }
   batch.fence.clear();
   for (block* b : batch.blocks) {
+    if (b->aliased) {  // its memory is another pool's now: the address waits for its unmap
+      requeue_aliased_locked(b);
+      continue;
+    }
     detail::lock_guard<stream_lock> slk(state_of(*b->seg->owner).mu);
     free_block_locked(b);
   }
   batch.blocks.clear();
+}
+
+void caching_allocator::impl::requeue_aliased_locked(block* b) {
+  // Its fence completed or was waited on before (or its memory was reclaimed behind it): a
+  // batch of its own with no events, released by the next pass over the queue.
+  release_batch batch;
+  batch.blocks.push_back(b);
+  batch.id = next_batch_id_++;
+  deferred_.push_back(std::move(batch));
 }
 
 void caching_allocator::impl::record_fence_locked(release_batch& batch) {
@@ -280,18 +293,40 @@ std::size_t caching_allocator::impl::account_release_locked(block* b, bool relea
   }
   stream_state& owner = state_of(*seg->owner);
   detail::lock_guard<stream_lock> slk(owner.mu);
+  if (b->aliased) {  // an address of memory another pool reclaimed (reclaim.cpp)
+    if (!released) {
+      requeue_aliased_locked(b);
+      return 0;
+    }
+    // Only what the other address gave back meanwhile (ghost_owned) is memory back now.
+    const std::size_t owned = drop_ghost_locked(b);
+    forget_chunks(seg, b->addr, b->size);
+    seg->mapped_bytes -= b->size;
+    b->mapped = false;
+    b->aliased = false;
+    b->ghost_owned = 0;
+    if (owned != 0) {
+      stats_.reserved_bytes.decrease(static_cast<std::int64_t>(owned));
+      stats_.bytes_released += owned;
+      note_headroom_locked();
+    }
+    free_block_locked(b);
+    return owned;
+  }
   if (!released) {
     free_block_locked(b);  // still mapped: back to the pool
     return 0;
   }
-  const std::size_t bytes = b->size;
+  // Memory still mapped at an address queued for release (reclaim.cpp) is not back yet.
+  const std::size_t bytes = b->size - (seg->expandable ? unghost_locked(b->addr, b->size) : 0);
   stats_.reserved_bytes.decrease(static_cast<std::int64_t>(bytes));
+  note_headroom_locked();
   stats_.bytes_released += bytes;
   if (seg->expandable) {
-    stats_.num_device_free += forget_chunks(seg, b->addr, bytes);
-    seg->mapped_bytes -= bytes;
+    stats_.num_device_free += forget_chunks(seg, b->addr, b->size);
+    seg->mapped_bytes -= b->size;
     b->mapped = false;
-    trace(trace_action::segment_unmap, b->addr, bytes, seg->stream);
+    trace(trace_action::segment_unmap, b->addr, b->size, seg->stream);
     detail::log().debug("device {}: segment_unmap {} bytes at {:#x}", backend_.device(), bytes,
                         b->addr);
     free_block_locked(b);
@@ -392,7 +427,7 @@ caching_allocator::impl::release_batch caching_allocator::impl::take_safe_locked
     block* b = batch.blocks[i];
     if (idle[i] && !(free_would_block && !b->seg->expandable)) {
       safe.blocks.push_back(b);
-      safe.bytes += b->size;
+      safe.bytes += b->aliased ? 0 : b->size;
     } else {
       keep.push_back(b);
     }
@@ -400,6 +435,34 @@ caching_allocator::impl::release_batch caching_allocator::impl::take_safe_locked
   batch.blocks.swap(keep);
   batch.bytes -= safe.bytes;
   return safe;
+}
+
+caching_allocator::impl::release_batch caching_allocator::impl::take_completed_locked() {
+  release_batch now;
+  for (auto it = deferred_.begin(); it != deferred_.end();) {
+    release_batch part = take_safe_locked(*it);  // a failing query throws before anything moves
+    deferred_bytes_ -= part.bytes;
+    now.bytes += part.bytes;
+    now.blocks.insert(now.blocks.end(), part.blocks.begin(), part.blocks.end());
+    if (it->blocks.empty()) {
+      now.fence.insert(now.fence.end(), it->fence.begin(),
+                       it->fence.end());  // back to the pool after the release
+      it = deferred_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return now;
+}
+
+std::size_t caching_allocator::impl::release_completed_locked(device_lock& lk) {
+  if (deferred_.empty() || capturing()) return 0;
+  release_batch now = take_completed_locked();
+  if (now.blocks.empty()) {
+    for (auto& e : now.fence) put_event(e.event);
+    return 0;
+  }
+  return release_batch_memory(lk, now);
 }
 
 std::size_t caching_allocator::impl::release_cached(device_lock& lk, empty_cache_mode mode) {
@@ -521,42 +584,6 @@ void caching_allocator::impl::prove_idle_segments_locked(stream_state& st, pool&
   p.mapped.for_each([&](block* b) {
     if (!b->prev && !b->next && b->idle_fence == 0) b->idle_fence = st.idle_fence_id;
   });
-}
-
-std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, stream_state& st,
-                                                              std::size_t rounded) {
-  if (opts_.backend == backend_kind::expandable)
-    return release_idle_chunks_before_growth(lk, st, rounded);
-  release_batch batch;   // behind a fence recorded now
-  release_batch proven;  // proven idle (prove_idle_segments_locked): no fence needed
-  {
-    detail::lock_guard<stream_lock> slk(st.mu);
-    pool& p = st.large_pool;
-    flush_quick_locked(p);
-    // Proofs come from allocate_slow's prove_idle_segments_locked, one growth earlier.
-    // cudaFree waits for the whole device: proven or not, only while every stream is idle. The
-    // release worker, when on, makes every release (release_collected hands it over).
-    const bool direct = !worker_releases_locked(empty_cache_mode::defer) &&
-                        !free_segment_would_block_locked();
-    std::vector<segment*> refused;
-    p.mapped.for_each([&](block* b) {
-      if (idle_at_growth(b, rounded)) refused.push_back(b->seg);
-    });
-    for (segment* seg : refused) {
-      const bool is_proven = direct && seg->first->idle_fence == detail::k_idle_proven;
-      detach_whole_segment_locked(is_proven ? proven : batch, seg);
-    }
-  }
-  if (batch.blocks.empty() && proven.blocks.empty()) return 0;
-  detail::log().debug(
-      "device {}: releasing {} bytes of whole free segments refused to a {}-byte request before "
-      "growing ({} bytes proven idle)",
-      backend_.device(), batch.bytes + proven.bytes, rounded, proven.bytes);
-  std::size_t released = 0;
-  if (!proven.blocks.empty()) released += release_batch_memory(lk, proven);
-  // Opportunistic: never waits, in either mode; what is busy is queued behind its fence.
-  if (!batch.blocks.empty()) released += release_collected(lk, batch, empty_cache_mode::defer);
-  return released;
 }
 
 std::size_t caching_allocator::impl::release_collected(device_lock& lk, release_batch& batch,

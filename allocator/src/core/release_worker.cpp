@@ -111,19 +111,7 @@ std::size_t caching_allocator::impl::worker_pass_locked(device_lock& lk) {
   release_batch now;
   std::exception_ptr error;
   try {
-    for (auto it = deferred_.begin(); it != deferred_.end();) {
-      release_batch part = take_safe_locked(*it);  // a failing query throws before anything moves
-      deferred_bytes_ -= part.bytes;
-      now.bytes += part.bytes;
-      now.blocks.insert(now.blocks.end(), part.blocks.begin(), part.blocks.end());
-      if (it->blocks.empty()) {
-        now.fence.insert(now.fence.end(), it->fence.begin(),
-                         it->fence.end());  // back to the pool after the release
-        it = deferred_.erase(it);
-      } else {
-        ++it;
-      }
-    }
+    now = take_completed_locked();
   } catch (...) {
     error = std::current_exception();  // what was taken before the failure still goes back
   }
@@ -290,7 +278,9 @@ void caching_allocator::impl::at_exit() {
 
 bool caching_allocator::release_worker_idle() const {
   detail::lock_guard<detail::mutex> lk(impl_->mu_);
-  return impl_->deferred_.empty() && impl_->stats_.release_worker_bytes == 0;
+  // Bytes, not batches: the old addresses of memory reclaimed by another pool (reclaim.cpp) may
+  // still wait for their unmap, which gives nothing back.
+  return impl_->deferred_bytes_ == 0 && impl_->stats_.release_worker_bytes == 0;
 }
 
 bool caching_allocator::wait_for_release_worker_idle(std::chrono::nanoseconds timeout) {

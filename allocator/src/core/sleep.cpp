@@ -195,10 +195,13 @@ std::size_t caching_allocator::impl::unmap_paused_locked(
       detail::lock_guard<stream_lock> slk(state_of(*seg->owner).mu);
       seg->mapped_bytes -= bytes;
       seg->paused_bytes += bytes;
-      stats_.reserved_bytes.decrease(static_cast<std::int64_t>(bytes));
-      stats_.bytes_released += bytes;
-      for (std::size_t r = before[i]; r < ps.runs_unmapped; ++r)
+      std::size_t ghosted = 0;  // still mapped at an address queued for release (reclaim.cpp)
+      for (std::size_t r = before[i]; r < ps.runs_unmapped; ++r) {
         stats_.num_device_free += forget_chunks(seg, ps.runs[r].first, ps.runs[r].second);
+        ghosted += unghost_locked(ps.runs[r].first, ps.runs[r].second);
+      }
+      stats_.reserved_bytes.decrease(static_cast<std::int64_t>(bytes - ghosted));
+      stats_.bytes_released += bytes - ghosted;
       trace(trace_action::segment_unmap, seg->base, bytes, seg->stream);
       released += bytes;
     }

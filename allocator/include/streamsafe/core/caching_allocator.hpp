@@ -132,8 +132,8 @@ class caching_allocator {
   // cannot be served otherwise waits, no lock held, for the worker's pass and release in flight
   // before out_of_memory; empty_cache(wait) and reclaim() wait for the release in flight too.
   // reclaim() stays synchronous and never blocks on a fence. A forked child has no worker
-  // (synchronous there). True when nothing is queued and nothing is in flight (also when the worker
-  // is off).
+  // (synchronous there). True when no bytes are queued and nothing is in flight (also when the
+  // worker is off); addresses of reclaimed memory may still wait for their unmap.
   bool release_worker_idle() const;
   // Wakes the worker and waits until it has finished a pass over the queue begun after this
   // call (everything whose fence had completed is back with the driver) with nothing in flight;
