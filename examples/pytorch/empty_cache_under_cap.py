@@ -304,6 +304,7 @@ def parent(args):
           f"bytes + {args.settle_slack_mib * max(args.scale, 1 / 16):g} MiB (polled at once, then after the buffer; "
           f"timeout {args.settle_timeout_ms} ms).\n", flush=True)
     results = []
+    started = time.time()
     print("| allocator | busy | step | buffer | peak reserved GiB | peak allocated GiB | empty_cache ms | "
           "buffer alloc ms | driver settled ms | step ms | queued GiB after empty_cache |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
@@ -323,8 +324,17 @@ def parent(args):
                    "--settle-timeout-ms", str(args.settle_timeout_ms), "--settle-slack-mib", str(args.settle_slack_mib)]
             t0 = time.time()
             r, stdout, stderr = None, "", ""
+            timeout = args.timeout
+            if args.budget:
+                timeout = min(timeout, int(args.budget - (t0 - started)))
+                if timeout < args.min_row_s:
+                    r = dict(outcome=f"skipped: the time budget ({args.budget} s) is spent", steps=[])
+                    r.update(row=row, label=label, busy=busy, n_steps=args.steps, seconds=0.0)
+                    results.append(r)
+                    print(f"| {label} | {busy} | - | {r['outcome']} | | | | | | | |", flush=True)
+                    continue
             try:
-                p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+                p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
                 stdout, stderr = p.stdout, p.stderr
                 lines = [l for l in stdout.splitlines() if l.startswith(RESULT)]
                 if lines:
@@ -336,7 +346,7 @@ def parent(args):
                 stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
                 stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
                 steps = [json.loads(l.split(": ", 1)[1]) for l in stdout.splitlines() if l.startswith("step ")]
-                r = dict(outcome=f"timeout after {args.timeout} s", steps=steps)
+                r = dict(outcome=f"timeout after {timeout} s", steps=steps)
             r.update(row=row, label=label, busy=busy, n_steps=args.steps, seconds=time.time() - t0)
             results.append(r)
             for s in r["steps"]:
@@ -406,6 +416,10 @@ def main():
                     help="what the process may hold beyond its allocated bytes and still count as settled "
                          "(MiB at scale 1; scaled, at least 1/16 of it)")
     ap.add_argument("--timeout", type=int, default=120, help="seconds per row (default 120)")
+    ap.add_argument("--budget", type=int, default=0,
+                    help="seconds for the whole table (0: no limit): rows that would start with less than "
+                         "--min-row-s left are skipped, and the summary is still printed")
+    ap.add_argument("--min-row-s", type=int, default=12, help="see --budget (default 12)")
     args = ap.parse_args()
     if args.child:
         return child(args)

@@ -134,7 +134,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_one(args, row, opt):
+def run_one(args, row, opt, timeout):
     _, pt_conf, _ = ROWS[row]
     env = dict(os.environ, PYTHONUNBUFFERED="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -153,10 +153,10 @@ def run_one(args, row, opt):
         cmd.append("--no-deterministic")
     t0 = time.time()
     try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        return dict(outcome=f"timeout after {args.timeout} s", stderr=err)
+        return dict(outcome=f"timeout after {timeout} s", stderr=err)
     line = [l for l in p.stdout.splitlines() if l.startswith(RESULT)]
     if not line:
         last = [l for l in (p.stderr or p.stdout).strip().splitlines() if l.strip()]
@@ -179,9 +179,16 @@ def parent(args):
           "queued GiB at the step's end |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     results = []
+    started = time.time()
     for opt in args.opts.split(","):
         for row in rows:
-            r = run_one(args, row, opt)
+            timeout = args.timeout
+            if args.budget:
+                timeout = min(timeout, int(args.budget - (time.time() - started)))
+            if timeout < args.min_row_s:
+                r = dict(outcome=f"skipped: the time budget ({args.budget} s) is spent")
+            else:
+                r = run_one(args, row, opt, timeout)
             r.update(row=row, label=ROWS[row][0], opt=opt)
             results.append(r)
             for s in r.get("steps", []):
@@ -250,6 +257,10 @@ def main():
     ap.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
                     help="deterministic algorithms, so that the final losses must agree exactly (default: on)")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per run (default 240)")
+    ap.add_argument("--budget", type=int, default=0,
+                    help="seconds for the whole table (0: no limit): runs that would start with less than "
+                         "--min-row-s left are skipped, and the summary is still printed")
+    ap.add_argument("--min-row-s", type=int, default=15, help="see --budget (default 15)")
     args = ap.parse_args()
     if args.child:
         child(args)

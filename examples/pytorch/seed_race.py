@@ -131,14 +131,23 @@ def parent(args):
     print("-" * len(header))
     ok = True
     per_step = []
+    started = time.time()
     for opt in args.opts.split(","):
         for busy in busy_modes:
             for row in rows:
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", row, "--opt", opt, "--busy", str(busy),
                        "--params", str(args.params), "--mib", str(args.mib), "--steps", str(args.steps),
                        "--busy-matmuls", str(args.busy_matmuls), "--busy-n", str(args.busy_n)]
+                timeout = args.timeout
+                if args.budget:
+                    timeout = min(timeout, int(args.budget - (time.time() - started)))
+                    if timeout < args.min_row_s:
+                        r = dict(outcome="skipped: time budget spent")
+                        per_step.append((row, opt, busy, r))
+                        print(f"{row:<28} {opt:<8} {busy:<4} {r['outcome']}", flush=True)
+                        continue
                 try:
-                    p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
                     line = [l for l in p.stdout.splitlines() if l.startswith(RESULT)]
                     r = json.loads(line[-1][len(RESULT):]) if line else dict(
                         outcome=f"exit {p.returncode}: " + (p.stderr.strip().splitlines() or [""])[-1][:40])
@@ -189,6 +198,10 @@ def main():
     ap.add_argument("--busy-modes", default="0,1", help="busy-stream settings of the table (parent): 0, 1 or 0,1")
     ap.add_argument("--per-step", action="store_true", help="(parent) also a markdown table of every step's time")
     ap.add_argument("--timeout", type=int, default=180)
+    ap.add_argument("--budget", type=int, default=0,
+                    help="(parent) seconds for the whole table (0: no limit): rows that would start with less "
+                         "than --min-row-s left are skipped")
+    ap.add_argument("--min-row-s", type=int, default=8, help="see --budget (default 8)")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     if args.child:
