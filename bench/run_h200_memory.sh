@@ -106,6 +106,7 @@ if [ "$capture_limit" -ge 40 ]; then
   timeout -k 10 "$((capture_limit + 10))" bash bench/corpus/capture.sh --out "$work/corpus" --only "$names" --jobs 3 \
     --budget "$capture_limit" --per-run "$capture_limit" > "$work/corpus_console.log" 2>&1 &
   capture_pid=$!
+  capture_t0=$(date +%s)
 else
   say "corpus capture: skipped (no time left)"
   capture_pid=
@@ -125,11 +126,18 @@ build_until=$(( start + 220 ))
 (
   for targets in streamsafe-replay "streamsafe_bench streamsafe_bench_sim" streamsafe_tests; do
     l=$(( build_until - $(date +%s) ))
-    [ "$l" -lt 10 ] && { echo "== build $targets: no time left"; continue; }
+    if [ "$l" -lt 10 ]; then
+      echo "== build $targets: no time left"
+      echo "| build: $targets (beside the capture) | skipped: no time left | 0 |" >> "$status"
+      continue
+    fi
     echo "== build $targets (limit $l s)"
+    t0=$(date +%s)
     # shellcheck disable=SC2086
     timeout -k 5 "$l" cmake --build "$build" -j "$jobs" --target $targets
-    echo "== build $targets: exit $?"
+    rc=$?
+    echo "== build $targets: exit $rc"
+    echo "| build: $targets (beside the capture) | $rc | $(( $(date +%s) - t0 )) |" >> "$status"
   done
 ) >> "$OUT/build.log" 2>&1 &
 build_pid=$!
@@ -139,6 +147,7 @@ if [ -n "$capture_pid" ]; then
   rc=$?
   ok_runs=$(grep -c ': ok in' "$work/corpus/capture.log" 2>/dev/null)
   say "corpus capture: exit $rc (${ok_runs:-0} of 6 runs ok)"
+  echo "| 4. corpus capture (beside the build): ${ok_runs:-0} of 6 runs ok | $rc | $(( $(date +%s) - capture_t0 )) |" >> "$status"
 fi
 wait "$build_pid"
 say "build done: $(grep '^== build' "$OUT/build.log" | grep -c 'exit 0') of 3 background target groups built"
