@@ -131,7 +131,7 @@ def child(args):
         return driver_base_free - torch.cuda.mem_get_info(dev)[0]
 
     def is_oom(e):
-        return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+        return type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower()
 
     live = {"g": None}  # the loop variable of the optimizer loop, alive until the next step rebinds it
 
@@ -162,7 +162,7 @@ def child(args):
         buf, oom = None, ""
         try:
             buf = torch.empty(buffer_bytes, dtype=torch.uint8, device=dev)  # at once, compute stream
-        except (torch.OutOfMemoryError, RuntimeError) as e:
+        except RuntimeError as e:  # torch.OutOfMemoryError is one
             if not is_oom(e):
                 raise
             oom = one_line(e, 700)
@@ -205,7 +205,7 @@ def child(args):
         for step in range(args.steps):
             try:
                 r = run_step(step)
-            except (torch.OutOfMemoryError, RuntimeError) as e:
+            except RuntimeError as e:  # torch.OutOfMemoryError is one
                 if not is_oom(e):
                     raise
                 # Out of memory before the buffer (the gradients, the optimizer): the step failed.
