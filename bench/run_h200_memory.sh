@@ -122,7 +122,7 @@ ext=$(find "$build" -name 'libstreamsafe_torch_ext.so' | head -1)
 plug=$(find "$build" -name 'libstreamsafe_torch.so' | head -1)
 [ -n "$ext" ] || say "WARNING: libstreamsafe_torch_ext.so was not built: the streamsafe rows will fail"
 # The rest builds while the capture runs; it must end before the timed parts start.
-build_until=$(( start + 220 ))
+build_until=$(( start + 180 ))
 (
   for targets in streamsafe-replay "streamsafe_bench streamsafe_bench_sim" streamsafe_tests; do
     l=$(( build_until - $(date +%s) ))
