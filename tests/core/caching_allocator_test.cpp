@@ -423,8 +423,8 @@ TEST_CASE(
     void* a = env.alloc.allocate(30 * MiB, s1);
     env.dev.launch(s1, 100, {writes(a, 30 * MiB)});
     env.alloc.deallocate(a);   // 30 MiB cached on s1, unusable by s2
-    env.dev.run_until_idle();  // the trim releases only what is safe now: it never waits (issue 14
-                               // item 3)
+    env.dev.run_until_idle();  // the trim releases only what is safe now: it never waits on a fence
+                               // nobody asked for
     void* b = env.alloc.allocate(30 * MiB, s2);
     CHECK(env.alloc.stats().reserved_bytes.current == 30 * MiB);  // s1's segment went back first
     CHECK(env.dev.counters().segment_frees == 1);

@@ -1,10 +1,11 @@
-// Interprocess export and import of blocks (issue 14 item 7), on the simulated device: a producer
+// Interprocess export and import of blocks, on the simulated device: a producer
 // allocator exports a block, a consumer allocator on the same device imports it (a view at the
 // same address) and reads it on its own stream. The rules under test: the producer's free of an
 // exported block is held until every export has been released AND the consumer's event has
 // completed, so that neither a reallocation nor empty_cache (wait or defer, either backend)
 // touches the bytes under the consumer's pending read; allocate and deallocate never wait;
 // misuse is a clear error.
+#include "support/sim_faults.hpp"
 #include "support/sim_fixture.hpp"
 
 #include <catch2/catch.hpp>
@@ -15,20 +16,6 @@ using namespace streamsafe;
 using namespace streamsafe::test;
 
 namespace {
-
-std::string fault_text(const sim::simulated_device& dev) {
-  std::string text;
-  for (const auto& f : dev.faults()) text += f.message + "\n";
-  return text;
-}
-
-const char* name_of(backend_kind b) {
-  return b == backend_kind::expandable ? "expandable" : "cuda_malloc";
-}
-
-#define EACH_BACKEND(backend)                                                                 \
-  const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable); \
-  INFO("backend " << name_of(backend))
 
 // A producer and a consumer allocator on one simulated device, each with its own stream.
 struct ipc_env {
@@ -47,7 +34,8 @@ constexpr std::uint64_t k_read_us = 1000;  // the consumer's long read
 
 }  // namespace
 
-TEST_CASE("a producer free of an exported block is held until the consumer is done", "[ipc]") {
+TEST_CASE("a producer free of an exported block is held until the consumer is done",
+          "[core][ipc]") {
   EACH_BACKEND(backend);
   ipc_env env(make_options(backend));
   auto& dev = env.dev;
@@ -101,7 +89,8 @@ TEST_CASE("a producer free of an exported block is held until the consumer is do
   CHECK(dev.fault_count() == 0);
 }
 
-TEST_CASE("empty_cache does not release an exported block under the consumer's read", "[ipc]") {
+TEST_CASE("empty_cache does not release an exported block under the consumer's read",
+          "[core][ipc]") {
   EACH_BACKEND(backend);
   const empty_cache_mode mode = GENERATE(empty_cache_mode::wait, empty_cache_mode::defer);
   INFO("mode " << (mode == empty_cache_mode::wait ? "wait" : "defer"));
@@ -136,7 +125,7 @@ TEST_CASE("empty_cache does not release an exported block under the consumer's r
   CHECK(dev.fault_count() == 0);
 }
 
-TEST_CASE("allocate and deallocate never wait on a consumer event", "[ipc]") {
+TEST_CASE("allocate and deallocate never wait on a consumer event", "[core][ipc]") {
   EACH_BACKEND(backend);
   ipc_env env(make_options(backend, fence_scope::all_streams, empty_cache_mode::defer));
   auto& dev = env.dev;
@@ -164,7 +153,7 @@ TEST_CASE("allocate and deallocate never wait on a consumer event", "[ipc]") {
   dev.run_until_idle();
 }
 
-TEST_CASE("every export of a block must end before its free completes", "[ipc]") {
+TEST_CASE("every export of a block must end before its free completes", "[core][ipc]") {
   ipc_env env(make_options(backend_kind::expandable));
   auto& dev = env.dev;
   caching_allocator second(dev, make_options(backend_kind::expandable));
@@ -189,7 +178,7 @@ TEST_CASE("every export of a block must end before its free completes", "[ipc]")
   CHECK(dev.fault_count() == 0);
 }
 
-TEST_CASE("a stream-ordered free of an exported block completes on its stream", "[ipc]") {
+TEST_CASE("a stream-ordered free of an exported block completes on its stream", "[core][ipc]") {
   EACH_BACKEND(backend);
   ipc_env env(make_options(backend));
   auto& dev = env.dev;
@@ -208,7 +197,7 @@ TEST_CASE("a stream-ordered free of an exported block completes on its stream", 
   CHECK(dev.fault_count() == 0);
 }
 
-TEST_CASE("revoke_exports ends exports whose consumer never released", "[ipc]") {
+TEST_CASE("revoke_exports ends exports whose consumer never released", "[core][ipc]") {
   ipc_env env(make_options(backend_kind::cuda_malloc));
   void* a = env.producer.allocate(MiB, env.ps);
   (void)env.consumer.import_block(env.producer.export_block(a));  // the consumer then "dies"
@@ -222,7 +211,7 @@ TEST_CASE("revoke_exports ends exports whose consumer never released", "[ipc]") 
   env.producer.check_invariants();
 }
 
-TEST_CASE("IPC misuse is a clear error", "[ipc]") {
+TEST_CASE("IPC misuse is a clear error", "[core][ipc]") {
   ipc_env env(make_options(backend_kind::expandable));
   auto& P = env.producer;
   auto& C = env.consumer;
@@ -300,7 +289,7 @@ TEST_CASE("IPC misuse is a clear error", "[ipc]") {
   C.check_invariants();
 }
 
-TEST_CASE("a consumer allocator destroyed closes its imports behind their events", "[ipc]") {
+TEST_CASE("a consumer allocator destroyed closes its imports behind their events", "[core][ipc]") {
   sim::simulated_device dev(sim_config());
   caching_allocator producer(dev, make_options(backend_kind::expandable));
   const stream_handle ps = dev.create_stream(), cs = dev.create_stream();

@@ -147,7 +147,7 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   const std::size_t gran = p.small ? small_chunk_bytes_ : large_chunk_bytes_;
   // A pool reserves its first range on its first growth, and another range whenever a request
   // fits in no hole of the ranges it has while the memory under the limit is there: holes left
-  // between live blocks never make the pool run out of memory with memory free (issue 14). A
+  // between live blocks never make the pool run out of memory with memory free. A
   // range spans the limit, so an empty range serves any request: a pool never holds two empty
   // ranges, and holds at most one range per mapped chunk plus one.
   std::size_t map_bytes = 0;
