@@ -450,12 +450,16 @@ def recv(q, kinds, role, what, timeout_s, idle=None):
         return msg
 
 
-def wait_paused(sst, tags, limit_s=90.0, also=None):
-    """Polls (never blocks on the device) until every tag is back with the driver."""
+def wait_paused(sst, tags, stream, limit_s=90.0, also=None):
+    """Polls (never blocks on the device) until every tag is back with the driver and nothing an
+    empty_cache() queued is still waiting for its release. stream.query() raises once a fault (an
+    illegal address) has poisoned the context, so a fault is reported rather than waited on."""
     t0 = time.perf_counter()
     while True:
+        stream.query()
         sts = [sst.tag_status(t) for t in tags]
-        if all(s["phase"] == "paused" for s in sts) and (also is None or also()):
+        if (all(s["phase"] == "paused" for s in sts) and sst.pending_release_bytes() == 0
+                and (also is None or also())):
             return ms(t0)
         if time.perf_counter() - t0 > limit_s:
             raise RuntimeError(f"pause of {tags} not finished after {limit_s} s: {sts}")
@@ -584,7 +588,8 @@ def trainer_main(c, row, to_trainer, to_engine, results):
                 for t, mode in TRAIN_TAGS:
                     sst.pause(t, mode=mode, wait=False)
                 rec["pause_ms"] = ms(t0)
-                rec["back_ms"] = wait_paused(sst, [t for t, _ in TRAIN_TAGS], also=note_released)
+                rec["back_ms"] = wait_paused(sst, [t for t, _ in TRAIN_TAGS], trainer.opt_stream,
+                                             also=note_released)
             else:
                 while not note_released():
                     time.sleep(0.0002)
@@ -645,8 +650,9 @@ def trainer_main(c, row, to_trainer, to_engine, results):
                 log(role, f"ballast {nbytes / GiB:.2f} GiB: {free_bytes() / GiB:.2f} GiB free for a budget of "
                           f"{c['budget_bytes'] / GiB:.2f} GiB (both asleep hold {held / GiB:.2f} GiB)")
             out["steps"].append(rec)
-            log(role, f"step {s}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
-                                              for k, v in rec.items() if k != "step"))
+            log(role, f"step {s}: " + ", ".join(
+                f"{k} {v / GiB:.2f} GiB" if k.startswith(("free", "reserved", "peak")) else f"{k} {v:.2f}"
+                for k, v in rec.items() if k != "step"))
             to_engine.put(dict(kind="asleep", rec=rec))
         # the trained weights' hash: weights only, back for a moment (fits beside the engine)
         if ss:
@@ -769,7 +775,7 @@ def engine_main(c, row, to_trainer, to_engine, results):
         def wait_back(rec):
             if ss:
                 tags = ["eng_kv"] + (["eng_weights"] if discard_w else [])
-                rec["back_ms"] = wait_paused(sst, tags)
+                rec["back_ms"] = wait_paused(sst, tags, cur)
             else:
                 rec["back_ms"] = 0.0
             rec["free_after"] = free_bytes()
@@ -788,7 +794,7 @@ def engine_main(c, row, to_trainer, to_engine, results):
         rec0 = dict(step=-1)
         if discard_w and ss:
             sst.pause("eng_weights", mode="discard", wait=False)  # take_weights resumes it
-            wait_paused(sst, ["eng_weights"])
+            wait_paused(sst, ["eng_weights"], cur)
         take_weights(rec0)
         recv(to_engine, ("asleep",), role, "trainer asleep", c["msg_timeout"], idle=release_imports)
         release_imports()
@@ -952,7 +958,13 @@ def summarize(row, res, codes, c, ref):
     steps = [st for st in eng.get("steps", []) if st["step"] >= c["warmup"]]
     if steps:
         def m(f):
-            return med([f(st) for st in steps])
+            vals = []
+            for st in steps:
+                try:
+                    vals.append(f(st))
+                except (KeyError, TypeError, ZeroDivisionError):
+                    vals.append(None)
+            return med(vals)
         fp_t = lambda st: st["trainer"].get("reserved_before") or float("nan")  # noqa: E731
         fp_e = lambda st: st.get("reserved_before") or float("nan")  # noqa: E731
         s.update(
@@ -1098,6 +1110,8 @@ def main():
     if rows[0] != "reference" and not args.budget_gib:
         ap.error("the reference row comes first (it sizes the budget), or give --budget-gib")
     base_tail = args.tail_sleep_cycles if args.tail_sleep_cycles is not None else 0
+    if args.budget_gib:
+        c["budget_bytes"] = c["cap_bytes"] = int(args.budget_gib * GiB)
     t_all = time.perf_counter()
     print(f"colocated_rl: preset {preset}, rows {','.join(rows)}; torch {torch.__version__}", flush=True)
 
