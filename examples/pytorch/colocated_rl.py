@@ -171,6 +171,7 @@ class Engine:
         self.kv = self.reserve = None
         torch.manual_seed(c["seed"] + 17)  # the engine's init is overwritten by the first hand-over
         m = build_gpt2(c)
+        m.requires_grad_(False)  # inference only: no autograd graph in the decode step or its capture
         with self.tag("eng_weights"):
             self.model = m.to(device=dev, dtype=self.dtype)
         self.params = dict(self.model.named_parameters())
@@ -223,15 +224,16 @@ class Engine:
             self.graph_note = "eager (--no-graph)"
             return
         try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
+            with torch.no_grad():
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    for _ in range(2):
+                        self._decode()
+                torch.cuda.current_stream().wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
                     self._decode()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                self._decode()
             self.graph = g
             self.graph_note = "CUDA graph"
         except Exception as e:  # noqa: BLE001 - reported, then eager
@@ -242,7 +244,8 @@ class Engine:
         if self.graph is not None:
             self.graph.replay()
         else:
-            self._decode()
+            with torch.no_grad():
+                self._decode()
 
     def _sample(self):
         u = torch.rand(self.B, self.c["vocab"], generator=self.gen_noise, device=self.dev).clamp_(min=1e-12)
@@ -1034,7 +1037,8 @@ def report(c, ref, rows):
     print()
     print("| row | outcome | hand-over | decode | RL step ms | vs field | switches ms | share of step | "
           "pause call ms (trainer / engine) | memory back after ms (t / e) | resume ms (t / e) | "
-          "reclaimed (t / e) | GiB free while generating / training | tokens = reference | weights = reference |")
+          "reclaimed (t / e) | GiB free while generating / training | tokens = reference | "
+          "weights = reference (trainer / engine) |")
     print("| --- " * 15 + "|")
     for s in rows:
         vs = (s["step_ms"] / field["step_ms"]) if (field and s.get("step_ms")) else None
@@ -1047,7 +1051,7 @@ def report(c, ref, rows):
               f"{fmt(s.get('t_reclaimed', float('nan')) * 100 if s.get('t_reclaimed') is not None else None, '.1f')}% / "
               f"{fmt(s.get('e_reclaimed', float('nan')) * 100 if s.get('e_reclaimed') is not None else None, '.1f')}% | "
               f"{fmt(s.get('free_gen_gib'))} / {fmt(s.get('free_train_gib'))} | {eq('tokens_equal')} | "
-              f"{eq('weights_equal')} |")
+              f"{eq('weights_equal')} / {eq('engine_weights_equal')} |")
     print()
     for s in rows:
         for e in s["errors"]:

@@ -3,6 +3,7 @@ graph that replays across a pause and a resume of the memory it reads, an interp
 orders two streamsafe processes, CUDA IPC of tensors between two streamsafe processes, the memory
 cap beside paused memory, and the example's own rows bit for bit on a tiny model."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -93,10 +94,13 @@ import sys, torch, streamsafe.torch as s
 s.install('backend:expandable')
 torch.cuda.init()
 ev = torch.cuda.Event(interprocess=True)
-torch.cuda._sleep(int(sys.argv[1]))   # a long kernel before the record
 ev.record()
-sys.stdout.write(bytes(ev.ipc_handle()).hex() + "\\n"); sys.stdout.flush()
-sys.stdin.readline()   # keep the event alive until the consumer is done
+print(bytes(ev.ipc_handle()).hex(), flush=True)
+sys.stdin.readline()                   # the consumer has opened the event
+torch.cuda._sleep(int(sys.argv[1]))    # a long kernel before the record
+ev.record()
+print("recorded", flush=True)
+sys.stdin.readline()                   # keep the event alive until the consumer is done
 """
 
 _EVENT_CONSUMER = """
@@ -104,13 +108,15 @@ import sys, time, torch, streamsafe.torch as s
 s.install('backend:expandable')
 torch.cuda.init()
 ev = torch.cuda.Event.from_ipc_handle(0, bytes.fromhex(sys.argv[1]))
+print("opened", flush=True)
+sys.stdin.readline()                   # the producer has recorded after its long kernel
 torch.cuda.current_stream().wait_event(ev)
 mine = torch.cuda.Event()
 mine.record()
 early = mine.query()
 t0 = time.perf_counter()
 mine.synchronize()
-print("early", early, "waited_ms", (time.perf_counter() - t0) * 1e3)
+print("early", early, "waited_ms", (time.perf_counter() - t0) * 1e3, flush=True)
 """
 
 
@@ -119,21 +125,31 @@ def test_interprocess_event_orders_two_streamsafe_processes():
     (and the trainer's for the engine's copy), with streamsafe installed in both."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     env.pop("STREAMSAFE_TORCH_INSTALL", None)
-    prod = subprocess.Popen([sys.executable, "-c", _EVENT_PRODUCER, str(2_000_000_000)], env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    popen = dict(env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    prod = subprocess.Popen([sys.executable, "-c", _EVENT_PRODUCER, str(2_000_000_000)], **popen)
+    cons = None
     try:
         handle = prod.stdout.readline().strip()
         assert handle, prod.stderr.read()
-        cons = subprocess.run([sys.executable, "-c", _EVENT_CONSUMER, handle], env=env, capture_output=True,
-                              text=True, timeout=120)
-        assert cons.returncode == 0, cons.stdout + cons.stderr
-        words = cons.stdout.split()
-        assert words[1] == "False", cons.stdout  # the consumer's work waits for the producer's kernel
-        assert float(words[3]) > 50.0, cons.stdout
-    finally:
-        prod.stdin.write("\n")
+        cons = subprocess.Popen([sys.executable, "-c", _EVENT_CONSUMER, handle], **popen)
+        assert cons.stdout.readline().strip() == "opened", cons.stderr.read()
+        prod.stdin.write("go\n")
         prod.stdin.flush()
+        assert prod.stdout.readline().strip() == "recorded", prod.stderr.read()
+        cons.stdin.write("go\n")
+        cons.stdin.flush()
+        out, err = cons.communicate(timeout=120)
+        assert cons.returncode == 0, out + err
+        words = out.split()
+        assert words[1] == "False", out  # the consumer's work waits for the producer's kernel
+        assert float(words[3]) > 50.0, out
+    finally:
+        with contextlib.suppress(Exception):
+            prod.stdin.write("\n")
+            prod.stdin.flush()
         prod.wait(timeout=60)
+        if cons is not None and cons.poll() is None:
+            cons.kill()
 
 
 _IPC_PAIR = """
@@ -171,6 +187,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.timeout(300)
 def test_cuda_ipc_of_tensors_between_streamsafe_processes(tmp_path):
     """The hand-over of the example: reduce_tensor in the trainer, rebuild_cuda_tensor in the
     engine, both with streamsafe installed. Skipped, with the error, while the extension refuses
