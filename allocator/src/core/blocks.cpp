@@ -4,7 +4,7 @@
 // with the same mapped state never coexist; a free block is in its pool's free lists (mapped)
 // or unmapped set; a quick_cached block is in its pool's quick cache and its stream's active
 // map, in no free list. Every function here needs the lock of the stream that owns the pool.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "segment_fit.hpp"
 #include "size_classes.hpp"
 

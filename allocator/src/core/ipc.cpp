@@ -11,7 +11,7 @@
 // The consumer side keeps each import's mapping until its own release event has completed
 // (closing it earlier would unmap under the consumer's pending reads).
 // Every function here runs with the device lock (mu_) held unless it is a public entry point.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "format.hpp"
 #include "ipc_fd.hpp"
 #include "ipc_wire.hpp"
@@ -107,7 +107,7 @@ void caching_allocator::impl::wait_ipc_locked(device_lock& lk) {
     // while waits_in_flight is non-zero.
     ++ipc_.waits_in_flight;
     {
-      driver_call_scope in_flight(*this, lk);
+      driver_call_scope in_flight(driver_calls_, lk);
       try {
         for (event_handle e : waits) backend_.synchronize_event(e);
       } catch (...) {
@@ -127,7 +127,7 @@ void caching_allocator::impl::destroy_ipc_locked(device_lock& lk) {
   if (!ipc_.closing.empty()) {
     std::vector<event_handle> waits;
     for (auto& rec : ipc_.closing) waits.push_back(rec.event);
-    driver_call_scope in_flight(*this, lk);
+    driver_call_scope in_flight(driver_calls_, lk);
     for (event_handle e : waits) backend_.synchronize_event(e);
   }
   for (auto& rec : ipc_.closing) {
@@ -141,7 +141,7 @@ void caching_allocator::impl::destroy_ipc_locked(device_lock& lk) {
         "device synchronisation",
         backend_.device(), ipc_.imports.size());
     {
-      driver_call_scope in_flight(*this, lk);
+      driver_call_scope in_flight(driver_calls_, lk);
       backend_.synchronize_device();
     }
     for (auto& [addr, rec] : ipc_.imports) {
@@ -267,7 +267,7 @@ std::size_t caching_allocator::revoke_exports(void* ptr) {
   if (m.inherited()) return 0;
   device_lock lk(m.mu_);
   // An empty_cache waiting on these events with the lock dropped finishes first.
-  m.driver_calls_done_.wait(
+  m.driver_calls_.done.wait(
       lk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return m.ipc_.waits_in_flight == 0; });
   impl::stream_state* owner = m.owner_locked(ptr);
   if (!owner) m.throw_invalid_pointer_locked(ptr, "revoke_exports");
