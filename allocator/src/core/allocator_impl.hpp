@@ -51,7 +51,7 @@ struct caching_allocator::impl : detail::allocator_state {
   void drop_tombstone_locked(event_handle e) STREAMSAFE_REQUIRES(mu_);
   stream_state* cached_live_state(stream_handle stream) const;  // this thread's stream cache
   // ---- events.cpp: the event pool, cross-stream order, the pending list ----------------------
-  event_handle get_event() STREAMSAFE_EXCLUDES(events_);
+  event_handle get_event();  // takes the event pool's lock (a leaf)
   void put_event(event_handle e);
   event_handle get_event(stream_state& st) STREAMSAFE_REQUIRES(st.mu);  // st's cache first
   void put_event(stream_state& st, event_handle e) STREAMSAFE_REQUIRES(st.mu);

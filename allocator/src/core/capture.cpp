@@ -5,10 +5,9 @@
 // querying events; a capturing stream may not wait on an event recorded outside its capture.
 // A captured graph also replays later, any number of times, so memory its kernels touch must
 // not serve anyone else while it may replay. The rules kept here:
-//  * capture_.captures lists the captures underway: announced (notify_capture_begin) or detected on
-//  a
-//    slow path (backend_.stream_is_capturing of each known stream); captures_underway_ mirrors
-//    its size so that the fast paths test it without the device lock.
+//  * capture_.captures lists the captures underway: announced (notify_capture_begin) or
+//    detected on a slow path (backend_.stream_is_capturing of each known stream);
+//    captures_underway_ mirrors its size so that the fast paths test it without the device lock.
 //  * While any capture is underway: no fence, no release, no event query, no stream wait (the
 //    pending lists, the deferred queue and empty_cache wait; an empty_cache asked for runs in
 //    defer mode when the last capture ends); allocations are served only from memory that is
@@ -16,7 +15,7 @@
 //    earlier in the same capture, whose old uses precede the new ones in capture order, and
 //    new segments or chunks, the one backend call allowed), for other streams their own free
 //    blocks and new segments; otherwise out_of_memory.
-//  * A graph's private pool is a stream_state keyed detail::graph_key(id), whose handle is the
+//  * A graph's private pool is a stream_state keyed graph_key(id), whose handle is the
 //    capturing stream. Blocks allocated in it return to it when freed, also after the capture,
 //    and nobody else allocates from it; its segments are released (behind the usual fence, on
 //    every stream) only after notify_graph_released(id).

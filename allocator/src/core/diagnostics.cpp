@@ -70,7 +70,7 @@ std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::s
      << detail::bytes_with_count(static_cast<std::size_t>(stats_.reserved_bytes.current))
      << ", largest free block " << detail::bytes_with_count(largest_free_locked(held)) << "; limit "
      << detail::bytes_with_count(limits_.limit_bytes);
-  if (releases_.deferred_bytes != 0) {
+  if (releases_.bytes() != 0) {
     // Which streams the queued releases still wait for (polled; a failing query names none).
     std::vector<stream_handle> busy;
     bool device_wide = false;
@@ -87,7 +87,7 @@ std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::s
           busy.push_back(e.stream);
       }
     }
-    os << "; " << detail::bytes_with_count(releases_.deferred_bytes)
+    os << "; " << detail::bytes_with_count(releases_.bytes())
        << " waiting behind release fences";
     if (device_wide) {
       os << " (a device-wide fence)";

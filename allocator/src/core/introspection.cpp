@@ -16,7 +16,7 @@ statistics caching_allocator::stats() const {
   const impl& m = *impl_;
   detail::lock_guard<detail::mutex> dlk(m.mu_);
   statistics s = m.stats_;
-  s.release_queued_bytes = m.releases_.deferred_bytes;
+  s.release_queued_bytes = m.releases_.bytes();
   std::int64_t inactive_split = 0;
   for (auto& [h, st] : m.streams_.states) {
     detail::lock_guard<stream_lock> slk(st->mu);

@@ -110,7 +110,7 @@ std::size_t caching_allocator::impl::worker_pass_locked(device_lock& lk) {
   if (capturing()) return 0;  // capture.cpp: no query, no release meanwhile
   if (sleep_.resumes_pending != 0) advance_resumes_locked(lk);                      // wake.cpp
   std::size_t paused = sleep_.pauses_pending != 0 ? advance_pauses_locked(lk) : 0;  // sleep.cpp
-  if (releases_.deferred.empty() || capturing()) return paused;
+  if (releases_.empty() || capturing()) return paused;
   release_batch now;
   std::exception_ptr error;
   try {
@@ -177,7 +177,7 @@ void caching_allocator::impl::worker_main() {
       delay = k_poll_min;
       continue;
     }
-    if (releases_.deferred.empty() && sleep_.pauses_pending == 0 && sleep_.resumes_pending == 0) {
+    if (releases_.empty() && sleep_.pauses_pending == 0 && sleep_.resumes_pending == 0) {
       worker_.wake->wait(lk, wake);
       delay = k_poll_min;
       continue;
@@ -293,7 +293,7 @@ void caching_allocator::impl::at_exit() {
 
 bool caching_allocator::release_worker_idle() const {
   detail::lock_guard<detail::mutex> lk(impl_->mu_);
-  return impl_->releases_.deferred.empty() && impl_->stats_.release_worker_bytes == 0;
+  return impl_->releases_.empty() && impl_->stats_.release_worker_bytes == 0;
 }
 
 bool caching_allocator::wait_for_release_worker_idle(std::chrono::nanoseconds timeout) {
