@@ -21,18 +21,25 @@
 
 namespace streamsafe {
 
+// Short names for the core's source files, the only ones that include this header.
+using detail::block;
+using detail::block_state;
+using detail::driver_call_scope;
+using detail::for_each_pool;
+using detail::pool;
+using detail::pool_of;
+using detail::segment;
+using detail::state_of;
+using detail::stream_lock;
+using detail::tagged_pool;
+using device_lock = detail::unique_lock<detail::mutex>;  // mu_, dropped around driver calls
+
 struct caching_allocator::impl : detail::allocator_state {
-  using block = detail::block;
-  using segment = detail::segment;
-  using pool = detail::pool;
-  using stream_lock = detail::stream_lock;
   using stream_state = detail::stream_state;
   using release_batch = detail::release_batch;
   using tag_state = detail::tag_state;
   using paused_segment = detail::paused_segment;
   using resume_work = detail::resume_work;
-  using device_lock = detail::unique_lock<detail::mutex>;  // mu_, dropped around driver calls
-  using driver_call_scope = detail::driver_call_scope;
   struct census;  // invariants.cpp
 
   impl(device_backend& backend, options opts);  // caching_allocator.cpp
@@ -284,17 +291,5 @@ struct caching_allocator::impl : detail::allocator_state {
   static void fork_child() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
   static void at_exit() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
 };
-
-// Short names for the core's source files, the only ones that include this header.
-using detail::block;
-using detail::block_state;
-using detail::for_each_pool;
-using detail::pool;
-using detail::pool_of;
-using detail::segment;
-using detail::state_of;
-using detail::stream_lock;
-using detail::tagged_pool;
-using device_lock = detail::unique_lock<detail::mutex>;
 
 }  // namespace streamsafe

@@ -87,8 +87,7 @@ std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::s
           busy.push_back(e.stream);
       }
     }
-    os << "; " << detail::bytes_with_count(releases_.bytes())
-       << " waiting behind release fences";
+    os << "; " << detail::bytes_with_count(releases_.bytes()) << " waiting behind release fences";
     if (device_wide) {
       os << " (a device-wide fence)";
     } else if (!busy.empty()) {
