@@ -45,11 +45,17 @@
 
 namespace streamsafe::detail {
 
+// Who made an allocator: fixed at construction (caching_allocator.cpp).
+struct allocator_identity {
+  std::uint64_t id = 0;
+  std::uint64_t fork_generation = 0;
+  std::int64_t creator_pid = 0;
+};
+
 struct allocator_state {
-  allocator_state(device_backend& backend, options opts, std::uint64_t id,
-                  std::uint64_t fork_generation, std::int64_t creator_pid)
-      : backend_(backend), opts_(opts), id_(id), fork_generation_(fork_generation),
-        creator_pid_(creator_pid) {}
+  allocator_state(device_backend& backend, options opts, const allocator_identity& who)
+      : backend_(backend), opts_(opts), id_(who.id), fork_generation_(who.fork_generation),
+        creator_pid_(who.creator_pid) {}
 
   device_backend& backend_;
   options opts_;
