@@ -1,10 +1,8 @@
-// streamsafe core: caching_allocator::impl (internal), the allocator of one device: its state
-// is the base, detail::allocator_state (allocator_state.hpp: the members by concern, and the
-// lock order); this header declares the functions, grouped by the .cpp file that defines them.
-// A _locked function that needs the device lock says REQUIRES(mu_), one that takes a
-// stream_state REQUIRES(st.mu). Functions that take a pool or a block need the lock of its owner
-// stream (state_of(pool).mu), which clang cannot match to the caller's stream state: that rule
-// stays a convention. Contracts are stated at the definitions.
+// streamsafe core: caching_allocator::impl (internal), one device's allocator: its state is the
+// base, detail::allocator_state (allocator_state.hpp, with the lock order); here its functions,
+// grouped by the .cpp file that defines them, where their contracts are stated. Functions that
+// take a pool or a block need the lock of its owner stream (state_of(pool).mu), which clang cannot
+// match to the caller's stream state: that rule stays a convention.
 #pragma once
 
 #include "allocator_state.hpp"
@@ -20,19 +18,6 @@
 #include <vector>
 
 namespace streamsafe {
-
-// Short names for the core's source files, the only ones that include this header.
-using detail::block;
-using detail::block_state;
-using detail::driver_call_scope;
-using detail::for_each_pool;
-using detail::pool;
-using detail::pool_of;
-using detail::segment;
-using detail::state_of;
-using detail::stream_lock;
-using detail::tagged_pool;
-using device_lock = detail::unique_lock<detail::mutex>;  // mu_, dropped around driver calls
 
 struct caching_allocator::impl : detail::allocator_state {
   using stream_state = detail::stream_state;
@@ -200,40 +185,60 @@ struct caching_allocator::impl : detail::allocator_state {
       STREAMSAFE_REQUIRES(mu_);
   void destroy_ipc_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
   void check_ipc_locked() const STREAMSAFE_REQUIRES(mu_);
-  // ---- release.cpp: giving memory back behind fences (mu_ held) ------------------------------
+  // ---- release.cpp: giving memory back behind fences (mu_, and a segment's owner lock) ------
   std::vector<stream_handle> fence_streams_locked(const segment* seg) const
       STREAMSAFE_REQUIRES(mu_);
   void add_fence_streams_locked(release_batch& batch, const segment* seg) const
       STREAMSAFE_REQUIRES(mu_);
-  void detach_whole_segment_locked(release_batch& batch, segment* seg) STREAMSAFE_REQUIRES(mu_);
+  void detach_whole_segment_locked(release_batch& batch, segment* seg)
+      STREAMSAFE_REQUIRES(mu_);  // a free cuda_malloc segment
+  // Forgets seg's chunks in [addr, addr + bytes) after their unmap; returns how many.
   static std::size_t forget_chunks(segment* seg, std::uintptr_t addr, std::size_t bytes);
+  // True when [addr, addr + bytes) is a union of whole mapped chunks of seg.
   static bool whole_chunk_run(const segment* seg, std::uintptr_t addr, std::size_t bytes);
+  // The chunks wholly inside mapped block b of expandable seg: [lo, hi); false if none.
   static bool whole_chunks_of(const segment* seg, const block* b, std::uintptr_t& lo,
                               std::uintptr_t& hi);
+  // The whole chunks of seg's free mapped blocks but `keep`, detached into batch; true if any.
   bool detach_free_chunks_locked(release_batch& batch, segment* seg, const block* keep)
       STREAMSAFE_REQUIRES(mu_);
+  // Free memory that can go back: everything, only released graphs' pools, or only one tag's.
   release_batch collect_releasable_locked(bool released_graphs_only = false,
                                           const tag_id* only_tag = nullptr)
       STREAMSAFE_REQUIRES(mu_);
   void record_fence_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   bool fence_done_locked(const release_batch& batch) STREAMSAFE_REQUIRES(mu_);
+  // The blocks of `batch` whose fence streams are idle now (polled) and release would not block.
   release_batch take_safe_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
+  // free_segment waits for the whole device (cudaFree) and a known stream is busy (polled).
   bool free_segment_would_block_locked() STREAMSAFE_REQUIRES(mu_);
   void wait_fence_unlocked(release_batch& batch);
   void restore_batch_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   std::size_t release_batch_memory(device_lock& lk, release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   std::size_t finish_deferred(device_lock& lk, bool wait) STREAMSAFE_REQUIRES(mu_);
   std::size_t release_cached(device_lock& lk, empty_cache_mode mode) STREAMSAFE_REQUIRES(mu_);
+  // The opportunistic release (max_cached_bytes, garbage_collection_threshold, an empty_cache
+  // asked for from a stream callback): releases what is safe now, never waits, queues nothing.
   std::size_t trim_cached(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
   void prepare_release_locked() STREAMSAFE_REQUIRES(mu_);
+  // Fences `batch`, releases what is idle now; the rest back to the pools (no queue, no wait).
   std::size_t release_safe_now(device_lock& lk, release_batch& batch) STREAMSAFE_REQUIRES(mu_);
-  void queue_batch_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
+  void queue_batch_locked(release_batch& batch)
+      STREAMSAFE_REQUIRES(mu_);  // to the deferred queue (fence recorded)
+  // Fences and releases a collected batch (queued in defer mode when its fence is pending).
   std::size_t release_collected(device_lock& lk, release_batch& batch, empty_cache_mode mode)
       STREAMSAFE_REQUIRES(mu_);
+  // mu_ held, st's lock not: gives back st's whole free large segments that the whole-segment
+  // rule refuses to a request of `rounded` bytes (before a growth that would raise the peak).
   std::size_t release_refused_segments(device_lock& lk, stream_state& st, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_);
+  // Before a cuda_malloc growth (K12): the whole free segments of st's completed idle fence are
+  // proven idle; those not labelled yet get a new fence (polled later, never waited on). A failed
+  // backend call leaves the labels as they were.
   void prove_idle_segments_locked(stream_state& st, pool& p) STREAMSAFE_REQUIRES(mu_, st.mu);
-  void drop_idle_fence_locked(stream_state& st) STREAMSAFE_REQUIRES(mu_);
+  void drop_idle_fence_locked(stream_state& st)
+      STREAMSAFE_REQUIRES(mu_);  // its events back to the pool
+  // After the driver call for b (released or not): its bookkeeping, under b's owner lock.
   std::size_t account_release_locked(block* b, bool released) STREAMSAFE_REQUIRES(mu_);
   // ---- destruction.cpp -----------------------------------------------------------------------
   void retire_all_pending_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
@@ -286,10 +291,7 @@ struct caching_allocator::impl : detail::allocator_state {
                               const std::chrono::steady_clock::time_point* deadline)
       STREAMSAFE_REQUIRES(mu_);
   void stop_worker() STREAMSAFE_EXCLUDES(mu_);
-  static void fork_prepare() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
-  static void fork_parent() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
-  static void fork_child() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
-  static void at_exit() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
+  struct process_hooks;  // pthread_atfork and atexit handlers
 };
 
 }  // namespace streamsafe

@@ -100,3 +100,20 @@ struct allocator_state {
 };
 
 }  // namespace streamsafe::detail
+
+namespace streamsafe {
+
+// Short names for the core's source files (through allocator_impl.hpp, the only includer).
+using detail::block;
+using detail::block_state;
+using detail::driver_call_scope;
+using detail::for_each_pool;
+using detail::pool;
+using detail::pool_of;
+using detail::segment;
+using detail::state_of;
+using detail::stream_lock;
+using detail::tagged_pool;
+using device_lock = detail::unique_lock<detail::mutex>;  // mu_, dropped around driver calls
+
+}  // namespace streamsafe

@@ -45,6 +45,7 @@ caching_allocator::impl::stream_state* caching_allocator::impl::graph_state_lock
   return it == streams_.states.end() ? nullptr : it->second.get();
 }
 
+// share_pool_of: 0, or a graph whose private pool the capture allocates into (shared pools).
 std::uint64_t caching_allocator::impl::begin_capture_locked(stream_handle stream, bool detected,
                                                             std::uint64_t share_pool_of) {
   if (stream == 0) {
@@ -115,6 +116,7 @@ std::uint64_t caching_allocator::impl::end_capture_locked(device_lock& lk, strea
   return graph;
 }
 
+// Asks the backend about each known stream.
 void caching_allocator::impl::detect_captures_locked(device_lock& lk) {
   std::vector<stream_handle> began, ended;
   for (auto& [key, st] : streams_.states) {
@@ -135,6 +137,7 @@ void caching_allocator::impl::detect_captures_locked(device_lock& lk) {
   for (stream_handle s : ended) end_capture_locked(lk, s);
 }
 
+// The last capture ended: the requests put off meanwhile run.
 void caching_allocator::impl::after_captures_locked(device_lock& lk) {
   // Frees held until the end of every capture; frees held for a graph stay until its release.
   std::exception_ptr error = complete_held_frees_locked(0, {});
@@ -247,6 +250,7 @@ void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
   if (error) std::rethrow_exception(error);
 }
 
+// A free while a capture is underway; true when it was handled (held or done).
 bool caching_allocator::impl::free_during_capture_locked(stream_state& owner, block* b,
                                                          const stream_handle* stream) {
   // One rule for every pool (a stream's own or a graph's private pool): the capture may use the
@@ -288,6 +292,7 @@ void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, 
   return finish_allocation(*target, b, rounded, size);
 }
 
+// For out-of-memory messages.
 std::string caching_allocator::impl::capture_note_locked() const {
   std::string note = "; CUDA graph capture underway on";
   for (const auto& c : capture_.captures)
@@ -300,6 +305,7 @@ std::string caching_allocator::impl::capture_note_locked() const {
 
 // ---- public interface ---------------------------------------------------------------------------
 
+// Before a capture begins: the free memory of released graphs' pools goes back behind its fence.
 void caching_allocator::impl::release_released_pools_locked(device_lock& lk, stream_handle stream) {
   // A capture cannot release memory (no fence, no free, no unmap until it ends) and is served
   // only from its graph's pool and new device memory; the free memory of released graphs'

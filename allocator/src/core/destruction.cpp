@@ -12,6 +12,7 @@
 
 namespace streamsafe {
 
+// Waits, mu_ dropped, for every pending free's events, then retires them.
 void caching_allocator::impl::retire_all_pending_locked(device_lock& lk) {
   // The host waits on the pending frees' events with no lock held (as everywhere: no lock
   // across a host-blocking driver call), then retires them.

@@ -102,6 +102,8 @@ std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::s
   return os.str();
 }
 
+// Counts the out-of-memory, drops both locks (slk may be null), logs and throws; `note` ends the
+// message. `held`: the stream state whose lock the caller holds, as for oom_message_locked.
 void caching_allocator::impl::throw_out_of_memory_locked(
     device_lock& dlk, detail::unique_lock<stream_lock>* slk, std::size_t size, std::size_t rounded,
     stream_handle stream, const stream_state* held, const std::string& note)

@@ -36,6 +36,7 @@ std::uint64_t register_fork_handler() {
 
 }  // namespace
 
+// Registers the fork handler once.
 std::uint64_t caching_allocator::impl::current_fork_generation() { return register_fork_handler(); }
 
 bool caching_allocator::impl::inherited() const noexcept {

@@ -31,6 +31,7 @@ callback_scope::callback_scope() noexcept { ++t_callback_depth; }
 callback_scope::~callback_scope() { --t_callback_depth; }
 bool callback_scope::active() noexcept { return t_callback_depth != 0; }
 
+// The host free's counters (st's lock held).
 void caching_allocator::impl::count_free_locked(stream_state& st, const block* b) {
   st.stats.allocated_bytes.sub(static_cast<std::int64_t>(b->size));
   st.stats.requested_bytes.sub(static_cast<std::int64_t>(b->requested));
@@ -39,6 +40,7 @@ void caching_allocator::impl::count_free_locked(stream_state& st, const block* b
   st.cur_requested.store(st.stats.requested_bytes.current, std::memory_order_relaxed);
 }
 
+// b in st.active (it stays there if parked).
 void caching_allocator::impl::free_same_stream_locked(stream_state& st, block* b) {
   // No event: straight to the quick cache, staying in st.active (or out of it, to the free lists).
   if (trace_.load(std::memory_order_relaxed)) {
@@ -54,6 +56,7 @@ void caching_allocator::impl::free_same_stream_locked(stream_state& st, block* b
   }
 }
 
+// reuse_fence:all_streams. A host free: b leaves st.active for st.unfenced, recording nothing.
 void caching_allocator::impl::free_unfenced_locked(stream_state& st, block* b) {
   // reuse_fence:all_streams: no event now. One fence, recorded when st next reuses memory it
   // cannot find free (fence_host_frees_locked), covers every host free made before it: an event
@@ -71,6 +74,8 @@ void caching_allocator::impl::free_unfenced_locked(stream_state& st, block* b) {
   st.unfenced.push_back(b);
 }
 
+// The reuse fence of st's unfenced host frees: st waits, on the device, for every other known
+// stream (one event each) and the tombstones; then the blocks go back to st's pools.
 void caching_allocator::impl::fence_host_frees_locked(stream_state& st) {
   if (st.unfenced.empty() || capturing())
     return;  // a stream wait on an outside event breaks a capture
@@ -104,6 +109,7 @@ void caching_allocator::impl::fence_host_frees_locked(stream_state& st) {
   st.cur_pending.store(st.stats.pending_bytes.current, std::memory_order_relaxed);
 }
 
+// The same for a destroyed stream st.
 void caching_allocator::impl::fence_dead_stream_frees_locked(stream_state& st) {
   // st is destroyed: no stream can wait for the fence, so each block becomes an ordinary
   // pending block (events.cpp) with one event per live known stream and the tombstones, retired
@@ -138,6 +144,10 @@ void caching_allocator::impl::fence_dead_stream_frees_locked(stream_state& st) {
   }
 }
 
+// The free dispatch of every path: true when b went back without events (a host free fenced
+// at its reuse, reuse_fence:all_streams, or a same-stream free); false when it needs events,
+// then recorded by free_with_events_locked (false: a stream this thread does not know and no
+// device lock; b stays active) or deferred (defer_fence_locked).
 bool caching_allocator::impl::free_without_events_locked(stream_state& st, block* b,
                                                          const stream_handle* stream) {
   // The one dispatch of a free, for the fast path, the device-locked path and held frees: a
@@ -178,6 +188,7 @@ void caching_allocator::impl::free_found_locked(stream_state& st, block* b,
   if (!free_without_events_locked(st, b, stream)) free_with_events_locked(st, b, stream, true);
 }
 
+// b's owner stream lock held (and mu_ when device_locked); see caching_allocator.cpp.
 bool caching_allocator::impl::record_use_events_locked(block* b, const stream_handle* stream,
                                                        bool device_locked) {
   // One event per stream that may still use b: its record_stream uses and, for a stream-ordered
@@ -266,6 +277,8 @@ void caching_allocator::impl::commit_free_locked(stream_state& st, block* b,
   st.pending.push_back(b);
 }
 
+// A host free with uses on other streams, with no backend call: b goes pending with no events
+// and onto releases_.unfenced (mu_ and st's lock held).
 void caching_allocator::impl::defer_fence_locked(stream_state& st, block* b,
                                                  const stream_handle* stream) {
   // As commit_free_locked, without the events: the stream of a stream-ordered free becomes one
@@ -285,6 +298,7 @@ void caching_allocator::impl::defer_fence_locked(stream_state& st, block* b,
   releases_.unfenced.push_back(b);
 }
 
+// Records the events of releases_.unfenced's blocks (nothing while a capture is underway).
 void caching_allocator::impl::fence_unfenced_locked() {
   if (releases_.unfenced.empty() || capturing()) return;  // no event is recorded during a capture
   std::size_t done = 0;

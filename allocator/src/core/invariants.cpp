@@ -34,6 +34,7 @@ struct caching_allocator::impl::census {
               active_map_blocks = 0;
 };
 
+// A block's state against where it is.
 void caching_allocator::impl::check_block_locked(const block* b, census& c) const {
   const segment* seg = b->seg;
   const bool in_mapped = detail::free_lists::contains(b);
@@ -80,6 +81,7 @@ void caching_allocator::impl::check_block_locked(const block* b, census& c) cons
   c.held_blocks += b->free_held ? 1 : 0;
 }
 
+// A segment's tiling and mapping.
 void caching_allocator::impl::check_segment_locked(std::uintptr_t key, const segment* seg,
                                                    census& c) const {
   if (seg->base != key) fail("segment map key differs from its base");
@@ -105,6 +107,7 @@ void caching_allocator::impl::check_segment_locked(std::uintptr_t key, const seg
   c.reserved_bytes += static_cast<std::int64_t>(seg->mapped_bytes);
 }
 
+// A pool's free lists, unmapped set and quick cache.
 void caching_allocator::impl::check_pool_locked(const pool& p, census& c) const {
   c.free_list_blocks += p.mapped.size() + p.unmapped.size();
   p.mapped.for_each([&](const block* b) {
@@ -125,6 +128,7 @@ void caching_allocator::impl::check_pool_locked(const pool& p, census& c) const 
   c.quick_cache_blocks += in_quick;
 }
 
+// A stream's pools, active map and counters.
 void caching_allocator::impl::check_stream_locked(const stream_state& st, census& c) const {
   check_pool_locked(st.small_pool, c);
   check_pool_locked(st.large_pool, c);
@@ -164,6 +168,7 @@ void caching_allocator::impl::check_held_frees_locked(const census& c) const {
     fail("held frees disagree with the blocks marked held");
 }
 
+// The counts and the statistics agree.
 void caching_allocator::impl::check_census_locked(const census& c) const {
   if (c.free_list_blocks != c.free_blocks) fail("pools hold blocks that are not in any segment");
   if (c.quick_cache_blocks != c.quick_cached_blocks)
@@ -196,6 +201,7 @@ void caching_allocator::check_invariants() const {
   m.check_dead_streams_locked();
 }
 
+// Destroyed and retired stream states.
 void caching_allocator::impl::check_dead_streams_locked() const {
   // Each state's segment count; destroyed streams are in streams_.states and streams_.dead alike;
   // the tombstone is one event; retired states are out of streams_.states, own nothing, name no

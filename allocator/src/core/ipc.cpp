@@ -29,6 +29,8 @@ std::string dev_text(const device_backend& b) { return " on device " + std::to_s
 
 }  // namespace
 
+// A producer free of an exported block (b->ipc_exports != 0): held, b stays active and
+// allocated, until its last export ends (owner's lock held).
 void caching_allocator::impl::hold_exported_free_locked(stream_state& owner, block* b,
                                                         const stream_handle* stream) {
   (void)owner;
@@ -51,6 +53,9 @@ void caching_allocator::impl::end_export_locked(
   ipc_.exports.erase(it);
 }
 
+// Polls (never waits on) the released exports' and closing imports' events; ends the exports
+// whose consumer event completed and completes the held frees whose last export ended; closes
+// consumer mappings whose event completed. Nothing while a capture is underway.
 void caching_allocator::impl::poll_ipc_locked() {
   if (capturing()) return;  // no event query during a capture
   if (ipc_.waits_in_flight == 0) {
@@ -96,6 +101,8 @@ void caching_allocator::impl::poll_ipc_locked() {
   if (error) std::rethrow_exception(error);
 }
 
+// empty_cache wait mode: waits (mu_ dropped) on the consumer events of released exports of held
+// blocks, then polls.
 void caching_allocator::impl::wait_ipc_locked(device_lock& lk) {
   if (capturing()) return;
   std::vector<event_handle> waits;
@@ -121,6 +128,7 @@ void caching_allocator::impl::wait_ipc_locked(device_lock& lk) {
   poll_ipc_locked();
 }
 
+// At destruction (destruction.cpp).
 void caching_allocator::impl::destroy_ipc_locked(device_lock& lk) {
   // Consumer: released imports close behind their events (waited for, no lock held); imports
   // never released are closed after a device-wide synchronisation (nothing else orders them).
@@ -164,6 +172,7 @@ void caching_allocator::impl::destroy_ipc_locked(device_lock& lk) {
   ipc_.held.clear();
 }
 
+// For check_invariants (invariants.cpp).
 void caching_allocator::impl::check_ipc_locked() const {
   auto fail = [](const char* what) {
     throw std::logic_error(std::string("streamsafe: invariant violated: ") + what);

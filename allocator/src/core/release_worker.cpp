@@ -53,10 +53,21 @@ std::once_flag g_atfork_once;
 
 }  // namespace
 
+// pthread_atfork handlers: the forking thread takes (try_lock, bounded) the device lock of every
+// allocator with a running worker, so that no worker holds it in the child; at_exit stops every
+// worker, bounded, no join.
+struct caching_allocator::impl::process_hooks {
+  static void fork_prepare() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
+  static void fork_parent() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
+  static void fork_child() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
+  static void at_exit() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
+};
+
 std::int64_t caching_allocator::impl::current_pid() noexcept {
   return static_cast<std::int64_t>(::getpid());
 }
 
+// The option is on, the thread could start, and this is the process that made the allocator.
 bool caching_allocator::impl::worker_usable_locked() const {
   if (opts_.release_worker != release_worker_mode::on || worker_.failed || worker_.stop)
     return false;
@@ -68,6 +79,7 @@ bool caching_allocator::impl::worker_releases_locked(empty_cache_mode mode) cons
   return mode == empty_cache_mode::defer && worker_usable_locked();
 }
 
+// Starts the release worker if it is not running; false when it cannot run.
 bool caching_allocator::impl::ensure_worker_locked() {
   if (worker_.thread) return true;
   if (!worker_usable_locked()) return false;
@@ -75,9 +87,10 @@ bool caching_allocator::impl::ensure_worker_locked() {
     worker_.thread = std::make_unique<std::thread>([this] { worker_main(); });
     worker_.pid = current_pid();
     std::call_once(g_atfork_once, [] {
-      ::pthread_atfork(&impl::fork_prepare, &impl::fork_parent, &impl::fork_child);
-      std::atexit(
-          &impl::at_exit);  // after the CUDA runtime's own handler: runs before its teardown
+      ::pthread_atfork(&process_hooks::fork_prepare, &process_hooks::fork_parent,
+                       &process_hooks::fork_child);
+      std::atexit(&process_hooks::at_exit);  // after the CUDA runtime's own handler: runs before
+                                             // its teardown
     });
     std::lock_guard<std::mutex> rlk(registry().mu);
     registry().live.push_back(this);
@@ -92,6 +105,7 @@ bool caching_allocator::impl::ensure_worker_locked() {
   return true;
 }
 
+// Fences the whole batch and queues it for the worker; nothing is released on this thread.
 void caching_allocator::impl::hand_to_worker_locked(release_batch& batch) {
   if (batch.blocks.empty()) return;
   try {
@@ -105,6 +119,7 @@ void caching_allocator::impl::hand_to_worker_locked(release_batch& batch) {
   worker_.kick_now();
 }
 
+// One pass: every queued block whose own fence streams are idle now goes back (one batch).
 std::size_t caching_allocator::impl::worker_pass_locked(device_lock& lk) {
   detect_captures_locked(lk);
   if (capturing()) return 0;  // capture.cpp: no query, no release meanwhile
@@ -190,6 +205,8 @@ void caching_allocator::impl::worker_main() {
   }
 }
 
+// Wakes the worker and waits (mu_ dropped meanwhile) until a pass begun after the call has
+// ended; deadline null: no limit. True at once without a worker; false on timeout.
 bool caching_allocator::impl::wait_for_worker_locked(
     device_lock& lk, const std::chrono::steady_clock::time_point* deadline) {
   if (!worker_.thread || !worker_usable_locked()) return true;
@@ -239,7 +256,7 @@ void caching_allocator::impl::stop_worker() {
   t->join();
 }
 
-void caching_allocator::impl::fork_prepare() {
+void caching_allocator::impl::process_hooks::fork_prepare() {
   fork_registry& r = registry();
   r.mu.lock();
   for (void* p : r.live) {
@@ -254,16 +271,16 @@ void caching_allocator::impl::fork_prepare() {
   }
 }
 
-void caching_allocator::impl::fork_parent() {
+void caching_allocator::impl::process_hooks::fork_parent() {
   fork_registry& r = registry();
   for (void* p : r.held) static_cast<impl*>(p)->mu_.unlock();
   r.held.clear();
   r.mu.unlock();
 }
 
-void caching_allocator::impl::fork_child() { fork_parent(); }
+void caching_allocator::impl::process_hooks::fork_child() { fork_parent(); }
 
-void caching_allocator::impl::at_exit() {
+void caching_allocator::impl::process_hooks::at_exit() {
   // Process exit: allocators that are never destroyed (the process-wide ones) keep their worker
   // thread, which must make no driver call once the CUDA runtime unloads. Each worker is told to
   // stop and its driver call in flight, if any, is given a bounded time to end; no join (a thread

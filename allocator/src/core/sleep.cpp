@@ -79,6 +79,8 @@ void caching_allocator::impl::wait_tag_idle_locked(device_lock& lk, const tag_st
   driver_calls_.done.wait(lk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return t.busy == 0; });
 }
 
+// Offload: host memory for t's segments still to copy (sleep_.host, mu_ dropped), then their
+// copies on the copy stream behind their fences.
 void caching_allocator::impl::enqueue_offload_locked(device_lock& lk, tag_state& t) {
   // The pinned host memory first, for every segment still to copy, with mu_ dropped: a first
   // pause pins gigabytes (cudaHostAlloc, about 2 GB/s) and no other call of this allocator may
@@ -119,6 +121,7 @@ void caching_allocator::impl::enqueue_offload_locked(device_lock& lk, tag_state&
   }
 }
 
+// Polls only.
 bool caching_allocator::impl::pause_ready_locked(const paused_segment& ps) {
   if (ps.copied != 0) return backend_.query_event(ps.copied);
   for (const auto& e : ps.fence) {
@@ -130,6 +133,7 @@ bool caching_allocator::impl::pause_ready_locked(const paused_segment& ps) {
   return true;
 }
 
+// Waits (mu_ dropped) for the fences or copies of t's segments still mapped; returns them.
 std::vector<caching_allocator::impl::paused_segment*> caching_allocator::impl::wait_pause_locked(
     device_lock& lk, tag_state& t) {
   std::vector<paused_segment*> ready;
@@ -159,6 +163,7 @@ std::vector<caching_allocator::impl::paused_segment*> caching_allocator::impl::w
   return ready;
 }
 
+// The hooks, then the unmaps of `ready` (mu_ dropped), then their bookkeeping.
 std::size_t caching_allocator::impl::unmap_paused_locked(
     device_lock& lk, tag_state& t, const std::vector<paused_segment*>& ready) {
   std::vector<sleep_hook_event> hooks;
@@ -217,6 +222,7 @@ void caching_allocator::impl::release_pause_events_locked(paused_segment& ps) {
   ps.copied = 0;
 }
 
+// Unmaps (hooks first, mu_ dropped) the segments of t that are ready; wait: waits for them.
 std::size_t caching_allocator::impl::advance_pause_locked(device_lock& lk, tag_state& t,
                                                           bool wait) {
   if (t.phase != tag_phase::pausing || capturing()) return 0;
@@ -243,6 +249,7 @@ std::size_t caching_allocator::impl::advance_pause_locked(device_lock& lk, tag_s
   return released;
 }
 
+// Every tag being paused.
 std::size_t caching_allocator::impl::advance_pauses_locked(device_lock& lk) {
   std::size_t released = 0;
   std::vector<tag_state*> pausing;
@@ -318,6 +325,7 @@ pause_status caching_allocator::pause(std::string_view tag, pause_mode mode) {
   return pause(tag, mode, impl_->opts_.empty_cache);
 }
 
+// pause: the tag's segments marked paused, their runs and fence streams; the fences recorded.
 std::vector<caching_allocator::impl::paused_segment> caching_allocator::impl::collect_pause_locked(
     tag_id tag, pause_mode mode, const std::string& where) {
   // The fence streams: the empty_cache scope; for `device` every known stream (polled in defer

@@ -34,6 +34,11 @@ std::uint64_t detail::this_thread_number() noexcept {
   return me;
 }
 
+// Every stream the core keeps state for, uses, fences and events is named by a key: the handle
+// itself, or for a handle the backend marks as per-thread (a different stream in every host
+// thread) the calling thread's per-thread key. The public calls translate their stream argument
+// with key_of; st.handle, pool::stream, segment::stream and block uses hold keys. Throws
+// std::invalid_argument for a per-thread handle above k_per_thread_max_handle.
 stream_handle caching_allocator::impl::key_of(stream_handle stream) const {
   if (!backend_.stream_is_per_thread(stream)) return stream;
   if (stream > detail::k_per_thread_max_handle) {
@@ -45,6 +50,15 @@ stream_handle caching_allocator::impl::key_of(stream_handle stream) const {
   return detail::per_thread_key(stream);
 }
 
+// The backend calls on a key. A per-thread key is named to the backend by its handle on its own
+// thread only; from another thread (which cannot name that stream) the legacy default stream (0)
+// stands in: the legacy stream is ordered both ways with every blocking stream, and every
+// per-thread default stream is one (CUDA Driver API, "Stream synchronization behavior": an action
+// in the legacy stream first waits on all blocking streams, then they wait on it). So an event
+// recorded on 0 completes after all the work enqueued so far on every per-thread stream, and a
+// wait of 0 orders their later work behind it. record_event_on returns the stream the event was
+// recorded on (the key, or 0): the stream under which process_events_locked may use stream order
+// to prove it.
 stream_handle caching_allocator::impl::record_event_on(event_handle e, stream_handle key) {
   if (!detail::is_per_thread_key(key)) {
     backend_.record_event(e, key);
@@ -65,6 +79,7 @@ void caching_allocator::impl::stream_wait_on(stream_handle key, event_handle e) 
   else backend_.stream_wait_event(0, e);  // the per-thread stream's later work waits behind 0
 }
 
+// Another thread's per-thread stream: an event recorded on 0, queried.
 bool caching_allocator::impl::query_stream_of(stream_handle key) {
   if (!detail::is_per_thread_key(key)) return backend_.query_stream(key);
   if (detail::own_per_thread_key(key))
@@ -73,6 +88,7 @@ bool caching_allocator::impl::query_stream_of(stream_handle key) {
   return backend_.device_backend::query_stream(0);
 }
 
+// Another thread's per-thread stream: false.
 bool caching_allocator::impl::stream_capturing(stream_handle key) noexcept {
   if (!detail::is_per_thread_key(key)) return backend_.stream_is_capturing(key);
   // Another thread's per-thread stream cannot be asked about; its capture is seen when that
@@ -81,6 +97,7 @@ bool caching_allocator::impl::stream_capturing(stream_handle key) noexcept {
          backend_.stream_is_capturing(detail::per_thread_handle_of(key));
 }
 
+// cache_key: the handle the threads' stream caches look the state up by (0: `key`).
 caching_allocator::impl::stream_state& caching_allocator::impl::new_state_locked(
     stream_handle key, stream_handle handle, stream_handle cache_key) {
   if (cache_key == 0) cache_key = key;
@@ -115,11 +132,13 @@ caching_allocator::impl::stream_state& caching_allocator::impl::new_state_locked
   return *streams_.states.emplace(key, std::move(state)).first->second;
 }
 
+// A tombstone back to the event pool, unless a pending block or an unlocked wait refers to one.
 void caching_allocator::impl::drop_tombstone_locked(event_handle e) {
   if (tombstone_refs_.load(std::memory_order_acquire) == 0) put_event(e);
   else streams_.superseded_tombstones.push_back(e);
 }
 
+// Queries the tombstone; once complete, retires it and every destroyed stream owning nothing.
 void caching_allocator::impl::retire_dead_streams_locked() {
   if (capturing()) return;  // no event query during a graph capture
   if (!streams_.tombstones.empty()) {
@@ -175,6 +194,7 @@ void caching_allocator::impl::retire_dead_streams_locked() {
   streams_.dead.resize(kept);
 }
 
+// `stream` is a key (key_of): a handle, or a per-thread stream's key.
 caching_allocator::impl::stream_state& caching_allocator::impl::get_or_create_stream_locked(
     stream_handle stream) {
   auto it = streams_.states.find(stream);
@@ -231,6 +251,7 @@ caching_allocator::impl::stream_state& caching_allocator::impl::state_for(stream
   return st;
 }
 
+// The stream state owning the segment that holds ptr, or null (mu_ held).
 caching_allocator::impl::stream_state* caching_allocator::impl::owner_locked(const void* ptr) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   auto it = streams_.segments.upper_bound(addr);

@@ -101,6 +101,7 @@ caching_allocator::impl::tag_state& caching_allocator::impl::tag_state_locked(ta
   return *slot;
 }
 
+// The pool of st for (small, tag), created if missing; throws tag_paused while refused.
 pool& caching_allocator::impl::pool_for_locked(stream_state& st, bool small, tag_id tag,
                                                std::size_t size) {
   if (tag == 0) return pool_of(st, small);

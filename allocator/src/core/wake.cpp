@@ -24,6 +24,8 @@ pause_status caching_allocator::resume(std::string_view tag, stream_handle also_
   return resume_impl(tag, &also_order);
 }
 
+// resume: maps ps's given-back runs and restores its copies; false (nothing changed) when the
+// memory is not there.
 bool caching_allocator::impl::resume_segment_locked(tag_state& t, paused_segment& ps,
                                                     resume_work& w) {
   segment* seg = ps.seg;
@@ -115,6 +117,7 @@ void caching_allocator::impl::set_phase_after_resume_locked(tag_state& t,
   if (next == tag_phase::active) t.refused.store(false, std::memory_order_release);
 }
 
+// The resume of t on this thread (also of one handed to the worker); throws out_of_memory.
 void caching_allocator::impl::resume_tag_locked(device_lock& lk, tag_state& t,
                                                 const stream_handle* also,
                                                 const std::string& where) {
@@ -150,6 +153,7 @@ void caching_allocator::impl::resume_tag_locked(device_lock& lk, tag_state& t,
   }
 }
 
+// The worker: the resumes handed to it.
 std::size_t caching_allocator::impl::advance_resumes_locked(device_lock& lk) {
   std::vector<tag_state*> resuming;
   for (auto& [id, t] : sleep_.tags) {
