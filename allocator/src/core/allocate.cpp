@@ -27,7 +27,7 @@
 //      release in flight and one more retry; then out_of_memory.
 // Locks: steps 1-2 are the fast path, under s's stream lock alone. Steps 3-4 (allocate_slow)
 // take the device lock (mu_) first, then s's lock, dropping s's lock around releases.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "format.hpp"
 #include "logging.hpp"
 #include "size_classes.hpp"
@@ -78,8 +78,8 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
   // The device-wide peaks: with one stream its own peak is the device's; with more, any
   // allocation may set a device-wide peak while no stream passes its own.
   if (st.stats.allocated_bytes.current > old_peak ||
-      stream_count_.load(std::memory_order_relaxed) > 1)
-    sample_peaks();
+      sampling_.count.load(std::memory_order_relaxed) > 1)
+    sampling_.sample();
   t_cache.last_used = {id_, st.handle, &st};
   trace(trace_action::alloc, b->addr, size, st.handle);
   if (trace_log_)
@@ -100,7 +100,7 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   detect_captures_locked(dlk);
   if (capturing()) return allocate_during_capture_locked(dlk, size, rounded, small, st.handle);
   fence_unfenced_locked();  // frees made without a backend call (free.cpp)
-  if (empty_cache_requested_ || wants_collection_locked(rounded)) {
+  if (releases_.empty_cache_requested || wants_collection_locked(rounded)) {
     // garbage_collection_threshold / max_cached_bytes, or an empty_cache asked for in a stream
     // callback: give back what is safe now, never waiting, in either empty_cache mode (the
     // host waits only in the out-of-memory retry below).
@@ -112,9 +112,9 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   // reusable behind one fence (free.cpp) rather than the pool growing.
   if (!st.unfenced.empty()) fence_host_frees_locked(st);
   block* b = find_block_locked(st, p, rounded, false);
-  if (!b && !deferred_.empty()) b = reclaim_queued_locked(p, rounded);
+  if (!b && !releases_.deferred.empty()) b = reclaim_queued_locked(p, rounded);
   const bool worker = worker_releases_locked(opts_.empty_cache);  // no unmap on this thread
-  if (!b && !deferred_.empty() && !worker) {
+  if (!b && !releases_.deferred.empty() && !worker) {
     // Releases queued earlier whose fences have completed go back before the pool grows (a
     // refused segment queued at one growth would otherwise stay reserved through the next).
     // Never waits.
@@ -143,7 +143,7 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   } else if (!b) {
     b = grow_locked(p, rounded);  // both locks held since the search above: straight to growth
   }
-  if (!b && !deferred_.empty() && !worker) {
+  if (!b && !releases_.deferred.empty() && !worker) {
     slk.unlock();
     finish_deferred(dlk, false);
     slk.lock();
@@ -160,7 +160,7 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
     slk.lock();
     b = find_block_locked(st, p, rounded);
   }
-  if (!b && worker && (!deferred_.empty() || stats_.release_worker_bytes != 0)) {
+  if (!b && worker && (!releases_.deferred.empty() || stats_.release_worker_bytes != 0)) {
     // Nothing else serves it: wait (no lock held) for a pass of the release worker over what
     // was just queued and for its release in flight, then retry. Never waits on a fence.
     slk.unlock();
@@ -181,7 +181,7 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
                        std::to_string(m.backend_.device()) + ", stream " + hex(stream) +
                        ": the size must be positive");
   }
-  if (size_bytes > detail::k_max_request_bytes || size_bytes > m.limit_bytes_) {
+  if (size_bytes > detail::k_max_request_bytes || size_bytes > m.limits_.limit_bytes) {
     device_lock dlk(m.mu_);
     m.throw_out_of_memory_locked(dlk, nullptr, size_bytes, size_bytes, stream, nullptr,
                                  "; the request exceeds the device's memory limit");
@@ -205,7 +205,7 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
     // k_pending_batch more have queued up, or when nothing else fits.
     if (st.pending.size() >= st.process_at && !callback_scope::active())
       m.process_events_locked(st);
-    pool* p = tag == 0 ? &impl::pool_of(st, small) : impl::tagged_pool(st, small, tag);
+    pool* p = tag == 0 ? &pool_of(st, small) : tagged_pool(st, small, tag);
     block* b = p ? m.take_cached_fit_locked(*p, rounded) : nullptr;
     if (p && !b && !st.pending.empty() && !callback_scope::active()) {
       m.process_events_locked(st);

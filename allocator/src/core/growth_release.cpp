@@ -10,7 +10,7 @@
 // mode (wait: the host waits on it; defer: what is busy is queued and the growth goes on). Below
 // the peak growth costs nothing. Measured on the tuning half of the corpus (docs/observability.md,
 // "Memory efficiency on the corpus").
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "logging.hpp"
 #include "size_classes.hpp"
 
@@ -31,7 +31,7 @@ std::size_t caching_allocator::impl::expandable_growth_excess_locked(const pool&
   const block* choice = p.expandable ? choose_unmapped_locked(p, rounded, map_bytes) : nullptr;
   *extended = nullptr;
   if (!choice) {
-    map_bytes = detail::round_up(rounded, small_chunk_bytes_);  // a fresh range
+    map_bytes = detail::round_up(rounded, limits_.small_chunk_bytes);  // a fresh range
   } else if (const block* prev = choice->prev;
              prev && prev->state == block_state::free && prev->mapped) {
     *extended = prev;
@@ -48,7 +48,7 @@ bool caching_allocator::impl::expandable_growth_raises_peak_locked(const pool& p
   // Reserved but not allocated, less the block the growth extends: an upper bound of the whole
   // free chunks elsewhere (other pools' blocks are not looked at without their locks).
   std::int64_t allocated = 0;
-  for (auto& [s, state] : streams_)
+  for (auto& [s, state] : streams_.states)
     allocated += state->cur_allocated.load(std::memory_order_relaxed);
   const std::int64_t idle = stats_.reserved_bytes.current - allocated -
                             static_cast<std::int64_t>(extended ? extended->size : 0);
@@ -75,7 +75,7 @@ std::size_t caching_allocator::impl::release_idle_chunks_before_growth(device_lo
   // Every whole free chunk run is detached; the smallest are kept, chunk by chunk, up to the
   // excess, and the rest is merged back into its pool.
   release_batch all;
-  for (auto& [base, seg] : segments_) {
+  for (auto& [base, seg] : streams_.segments) {
     stream_state& owner = state_of(*seg->owner);
     if (!seg->expandable || seg->paused || (small && seg->small) ||
         (owner.graph != 0 && !owner.graph_released))

@@ -13,7 +13,7 @@
 // taken (their reuse would need that stream's order). A batch left with no block is dropped and
 // its fence events go back to the pool, as the release worker does with a batch it emptied.
 // Locks: mu_ and the growing pool's stream lock, as for growth.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "format.hpp"
 #include "logging.hpp"
 
@@ -27,8 +27,8 @@ block* caching_allocator::impl::reclaim_queued_locked(pool& p, std::size_t round
     return b && b->state == block_state::free && b->mapped ? b->size : 0;
   };
   block* best = nullptr;
-  auto from = deferred_.end();
-  for (auto it = deferred_.begin(); it != deferred_.end(); ++it) {
+  auto from = releases_.deferred.end();
+  for (auto it = releases_.deferred.begin(); it != releases_.deferred.end(); ++it) {
     for (block* b : it->blocks) {
       if (b->seg->owner != &p || b->seg->paused) continue;
       // Expandable: a chunk run merges back with the free pieces around it. cuda_malloc: a whole
@@ -47,12 +47,12 @@ block* caching_allocator::impl::reclaim_queued_locked(pool& p, std::size_t round
   auto& blocks = from->blocks;
   blocks.erase(std::find(blocks.begin(), blocks.end(), best));
   from->bytes -= best->size;
-  deferred_bytes_ -= best->size;
+  releases_.deferred_bytes -= best->size;
   if (blocks.empty()) {
     for (auto& e : from->fence) {
       if (e.stream != detail::k_tombstone_stream) put_event(e.event);
     }
-    deferred_.erase(from);
+    releases_.deferred.erase(from);
   }
   stats_.release_reclaimed_bytes += best->size;
   detail::log().debug(

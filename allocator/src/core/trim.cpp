@@ -2,7 +2,7 @@
 // everything above a number of free bytes to keep (trim). Both collect what empty_cache would
 // (release.cpp) and release it the same way (fenced; wait, defer or the release worker), only
 // less of it; what is not chosen goes straight back to its pool.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "logging.hpp"
 
 #include <algorithm>
@@ -29,12 +29,12 @@ std::size_t caching_allocator::trim(std::size_t bytes_to_keep) {
   if (m.capturing()) return 0;
   m.prepare_release_locked();
   std::int64_t allocated = 0;
-  for (auto& [s, st] : m.streams_) {
+  for (auto& [s, st] : m.streams_.states) {
     allocated += st->cur_allocated.load(std::memory_order_relaxed) +
                  st->cur_pending.load(std::memory_order_relaxed);
   }
   const std::int64_t cached = m.stats_.reserved_bytes.current - allocated -
-                              static_cast<std::int64_t>(m.deferred_bytes_);
+                              static_cast<std::int64_t>(m.releases_.deferred_bytes);
   if (cached <= static_cast<std::int64_t>(bytes_to_keep)) return 0;
   auto need = static_cast<std::size_t>(cached) - bytes_to_keep;
   impl::release_batch all = m.collect_releasable_locked();
