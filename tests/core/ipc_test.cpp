@@ -323,8 +323,7 @@ TEST_CASE("a consumer allocator destroyed closes its imports behind their events
 // Field case: a consumer released its import (the producer then ended the export at that first
 // release and handed the block out again) and imported the same handle a second time; the
 // second import read the producer's new data. An export is imported at most once per consumer.
-TEST_CASE("an export cannot be imported again after its import was released",
-          "[core][ipc][race]") {
+TEST_CASE("an export cannot be imported again after its import was released", "[core][ipc][race]") {
   EACH_BACKEND(backend);
   ipc_env env(make_options(backend));
   auto& dev = env.dev;

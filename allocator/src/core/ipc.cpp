@@ -307,8 +307,7 @@ imported_block caching_allocator::import_block(const ipc_handle& handle) {
   // An export imported here before, open, closing or closed, is refused: the producer ends the
   // export at the first import's release and may hand the block out again, so a second import
   // would read memory that is no longer the export's.
-  const std::pair<std::uint64_t, std::uint64_t> key{parts.header.producer,
-                                                    parts.header.export_id};
+  const std::pair<std::uint64_t, std::uint64_t> key{parts.header.producer, parts.header.export_id};
   if (m.ipc_.imported.count(key) != 0) {
     throw ipc_error("streamsafe: import_block" + dev_text(m.backend_) + ": export " +
                     std::to_string(parts.header.export_id) +
