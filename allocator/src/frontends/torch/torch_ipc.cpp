@@ -123,8 +123,8 @@ void torch_allocator::end_exports(void* ptr) {
 std::shared_ptr<void> torch_allocator::getIpcDevPtr(std::string handle) {
   wire_header w{};
   streamsafe::ipc_handle h;
-  TORCH_CHECK(unwrap(handle, w, h),
-              "streamsafe: CUDA IPC (getIpcDevPtr): the handle (", handle.size(),
+  TORCH_CHECK(unwrap(handle, w, h), "streamsafe: CUDA IPC (getIpcDevPtr): the handle (",
+              handle.size(),
               " bytes) was not made by streamsafe; the producer process uses another CUDA "
               "allocator (PyTorch's own?): install streamsafe in both processes, or in neither");
   const c10::DeviceIndex device = c10::cuda::current_device();
@@ -141,9 +141,8 @@ std::shared_ptr<void> torch_allocator::getIpcDevPtr(std::string handle) {
   streamsafe::imported_block b;
   guarded("CUDA IPC import (getIpcDevPtr)", [&] { b = ss_->import_block(h, device); });
   // Should the control block's allocation throw, shared_ptr's constructor calls the deleter.
-  std::shared_ptr<void> sp(b.ptr, [this, d = static_cast<int>(device)](void* p) {
-    release_ipc_import(p, d);
-  });
+  std::shared_ptr<void> sp(
+      b.ptr, [this, d = static_cast<int>(device)](void* p) { release_ipc_import(p, d); });
   std::lock_guard<std::mutex> lock(ipc_mu_);
   ipc_imports_[key] = sp;
   return sp;

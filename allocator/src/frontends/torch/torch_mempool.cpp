@@ -61,8 +61,8 @@ std::shared_ptr<torch_allocator::pool_instance> torch_allocator::make_instance(
   o.release_worker = streamsafe::release_worker_mode::off;
   streamsafe::cuda::platform p = streamsafe::cuda::platform::cuda();
   auto inner = p.make_backend;
-  p.make_backend = [inner, allocator, this](int d, const streamsafe::options& opts)
-      -> std::unique_ptr<device_backend> {
+  p.make_backend = [inner, allocator, this](
+                       int d, const streamsafe::options& opts) -> std::unique_ptr<device_backend> {
     return std::make_unique<limited_backend>(
         std::make_unique<pluggable_backend>(inner(d, opts), allocator),
         &limit_bytes_[static_cast<std::size_t>(d)], &backed_bytes_[static_cast<std::size_t>(d)],
@@ -153,8 +153,8 @@ void torch_allocator::forget_pool_live(void* p) {
   n_pool_live_.store(static_cast<int>(pool_live_.size()), std::memory_order_release);
 }
 
-void* torch_allocator::instance_malloc(pool_instance& inst, std::size_t n,
-                                       c10::DeviceIndex device, cudaStream_t stream) {
+void* torch_allocator::instance_malloc(pool_instance& inst, std::size_t n, c10::DeviceIndex device,
+                                       cudaStream_t stream) {
   try {
     return inst.alloc->allocate(n, device, stream);
   } catch (const std::bad_alloc& e) {
@@ -162,8 +162,7 @@ void* torch_allocator::instance_malloc(pool_instance& inst, std::size_t n,
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "streamsafe: allocation of ", n, " bytes in the memory pool (",
                 inst.id.first, ", ", inst.id.second, ") of allocator ",
-                inst.allocator ? inst.allocator->name() : std::string("?"),
-                " failed: ", e.what());
+                inst.allocator ? inst.allocator->name() : std::string("?"), " failed: ", e.what());
   }
   return nullptr;  // not reached: both handlers throw
 }
