@@ -308,3 +308,70 @@ TEST_CASE("a consumer allocator destroyed closes its imports behind their events
   INFO(fault_text(dev));
   CHECK(dev.fault_count() == 0);
 }
+
+// Field case: a consumer released its import (the producer then ended the export at that first
+// release and handed the block out again) and imported the same handle a second time; the
+// second import read the producer's new data. An export is imported at most once per consumer.
+TEST_CASE("an export cannot be imported again after its import was released", "[core][ipc][race]") {
+  EACH_BACKEND(backend);
+  ipc_env env(make_options(backend));
+  auto& dev = env.dev;
+  void* a = env.producer.allocate(k_bytes, env.ps);
+  dev.launch(env.ps, 10, {writes(a, k_bytes, 7)}, "producer fills");
+  dev.run_until_idle();
+  const ipc_handle h = env.producer.export_block(a);
+
+  const imported_block first = env.consumer.import_block(h);
+  dev.launch(env.cs, 10, {reads(first.ptr, k_bytes)}, "consumer's first read");
+  env.producer.notify_import_released(env.consumer.release_import(first.ptr, env.cs));
+  dev.run_until_idle();
+  env.consumer.reclaim();  // the first import's view closes behind its event
+  env.producer.reclaim();  // the export ends
+  CHECK(env.producer.ipc_status().exports == 0);
+  CHECK(env.consumer.ipc_status().closing == 0);
+
+  // The producer frees the block and hands it out again.
+  env.producer.deallocate(a);
+  void* b = env.producer.allocate(k_bytes, env.ps);
+  CHECK(b == a);
+  dev.launch(env.ps, k_read_us, {writes(b, k_bytes, 9)}, "producer writes its new block");
+
+  // The handle imported a second time would read the producer's new block under its writes.
+  CHECK_THROWS_WITH(env.consumer.import_block(h), Catch::Contains("imported here already"));
+  CHECK(env.consumer.ipc_status().imports == 0);
+  CHECK(dev.open_import_count() == 0);
+  dev.run_until_idle();
+  env.producer.deallocate(b);
+  env.producer.check_invariants();
+  env.consumer.check_invariants();
+  INFO(fault_text(dev));
+  CHECK(dev.fault_count() == 0);
+}
+
+// A front end with its own release protocol (PyTorch counts a sent tensor's consumers) ends an
+// export with the message ipc_release_of builds; the hold still waits for the consumer's event.
+TEST_CASE("ipc_release_of ends an export behind the consumer's event", "[core][ipc]") {
+  EACH_BACKEND(backend);
+  ipc_env env(make_options(backend));
+  auto& dev = env.dev;
+  void* a = env.producer.allocate(k_bytes, env.ps);
+  const ipc_handle h = env.producer.export_block(a);
+  const imported_block imp = env.consumer.import_block(h);
+  dev.launch(env.cs, k_read_us, {reads(imp.ptr, k_bytes)}, "consumer read");
+  (void)env.consumer.release_import(imp.ptr, env.cs);  // the message is not sent back
+  env.producer.notify_import_released(ipc_release_of(h));
+  env.producer.deallocate(a);
+  void* b = env.producer.allocate(k_bytes, env.ps);
+  CHECK(b != a);  // held behind the consumer's pending read
+  CHECK(env.producer.ipc_status().held_frees == 1);
+  dev.run_until_idle();
+  env.producer.reclaim();
+  env.consumer.reclaim();
+  CHECK(env.producer.ipc_status().exports == 0);
+  CHECK(env.producer.ipc_status().held_frees == 0);
+  CHECK_THROWS_AS(ipc_release_of(ipc_handle{}), ipc_error);
+  env.producer.deallocate(b);
+  env.producer.check_invariants();
+  INFO(fault_text(dev));
+  CHECK(dev.fault_count() == 0);
+}

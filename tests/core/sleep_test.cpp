@@ -408,3 +408,29 @@ TEST_CASE("Destroying the allocator with a tag paused or pausing is clean", "[co
   CHECK(dev.fault_count() == 0);
   CHECK(dev.host_bytes_in_use() == 0);
 }
+
+// PyTorch's empty_cache() leaves a live MemPool's cache alone (a MemPool outside a capture is a
+// tag in the extension): empty_cache_untagged releases the untagged cache only.
+TEST_CASE("empty_cache_untagged releases untagged cached memory and leaves every tag's",
+          "[core][sleep]") {
+  const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
+  options o = make_options(backend, fence_scope::all_streams, empty_cache_mode::wait);
+  o.release_worker = release_worker_mode::off;
+  sim_env env(o);
+  const auto s = env.dev.create_stream();
+  void* a = nullptr;
+  {
+    tag_scope scope("pool");
+    a = env.alloc.allocate(64 * MiB, s);
+  }
+  void* b = env.alloc.allocate(64 * MiB, s);
+  env.alloc.deallocate(a);
+  env.alloc.deallocate(b);
+  const std::size_t released = env.alloc.empty_cache_untagged();
+  CHECK(released >= 64 * MiB);
+  CHECK(env.alloc.tag_status("pool").reserved_bytes >= 64 * MiB);
+  CHECK(env.alloc.empty_cache_untagged() == 0);
+  CHECK(env.alloc.empty_cache("pool") >= 64 * MiB);
+  CHECK(env.alloc.stats().reserved_bytes.current == 0);
+  env.alloc.check_invariants();
+}

@@ -12,14 +12,20 @@
 
 namespace streamsafe {
 
-statistics caching_allocator::stats() const {
-  const impl& m = *impl_;
-  detail::lock_guard<detail::mutex> dlk(m.mu_);
+namespace {
+
+// The statistics of `m` with the device lock held; lock_stream(st) returns what keeps st's lock
+// held while its counters are read (a lock, or nothing when the caller holds every stream lock,
+// as snapshot() does: then the statistics and the walk are one consistent state).
+template <class Impl, class LockStream>
+statistics collect_stats(const Impl& m,
+                         LockStream&& lock_stream) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
   statistics s = m.stats_;
   s.release_queued_bytes = m.releases_.bytes();
   std::int64_t inactive_split = 0;
   for (auto& [h, st] : m.streams_.states) {
-    detail::lock_guard<stream_lock> slk(st->mu);
+    const auto held = lock_stream(*st);
+    (void)held;
     auto add = [](stat& to, const stat& from) {
       to.current += from.current;
       to.allocated += from.allocated;
@@ -39,24 +45,37 @@ statistics caching_allocator::stats() const {
     s.stream_waits += st->stats.stream_waits;
   }
   for (auto& [base, seg] : m.streams_.segments) {
-    detail::lock_guard<stream_lock> slk(state_of(*seg->owner).mu);
-    for (const block* b = seg->first; b; b = b->next) {
+    const auto held = lock_stream(detail::state_of(*seg->owner));
+    (void)held;
+    for (const auto* b = seg->first; b; b = b->next) {
       if ((b->state == block_state::free || b->state == block_state::quick_cached) && b->mapped &&
           (b->prev || b->next)) {
         inactive_split += static_cast<std::int64_t>(b->size);
       }
     }
   }
-  // Device-wide peaks: sampled at every allocation that may set one (allocate.cpp).
+  // Device-wide peaks: sampled at every allocation that may set one (allocate.cpp). The count
+  // peaks are per-stream maxima, so at least the device-wide current count.
   s.allocated_bytes.peak = std::max(
       {s.allocated_bytes.peak, s.allocated_bytes.current, m.sampling_.peak_allocated.load()});
   s.active_bytes.peak = std::max(
       {s.active_bytes.peak, s.active_bytes.current, m.sampling_.peak_active.load()});
   s.requested_bytes.peak = std::max(
       {s.requested_bytes.peak, s.requested_bytes.current, m.sampling_.peak_requested.load()});
+  for (stat* x : {&s.allocation, &s.active, &s.segment, &s.reserved_bytes})
+    x->peak = std::max(x->peak, x->current);
   s.inactive_split_bytes.current = inactive_split;
   s.inactive_split_bytes.peak = std::max(s.inactive_split_bytes.peak, inactive_split);
   return s;
+}
+
+}  // namespace
+
+statistics caching_allocator::stats() const {
+  const impl& m = *impl_;
+  detail::lock_guard<detail::mutex> dlk(m.mu_);
+  return collect_stats(m,
+                       [](impl::stream_state& st) { return std::unique_lock<stream_lock>(st.mu); });
 }
 
 void caching_allocator::reset_peak_stats() {
@@ -133,12 +152,13 @@ const trace_recorder* caching_allocator::trace() const noexcept {
 memory_snapshot caching_allocator::snapshot() const {
   const impl& m = *impl_;
   memory_snapshot snap;
-  snap.stats = stats();  // then the walk, under all locks (the two may differ by concurrent calls)
   snap.device = m.backend_.device();
   snap.time_us = trace_recorder::now_us();
   detail::lock_guard<detail::mutex> dlk(m.mu_);
   std::vector<std::unique_lock<stream_lock>> locks;
   for (auto& [h, st] : m.streams_.states) locks.emplace_back(st->mu);
+  // The statistics under the same locks as the walk: one state.
+  snap.stats = collect_stats(m, [](impl::stream_state&) { return 0; });
   for (auto& [base, seg] : m.streams_.segments) {
     segment_snapshot ss;
     ss.address = seg->base;

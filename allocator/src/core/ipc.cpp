@@ -313,15 +313,15 @@ imported_block caching_allocator::import_block(const ipc_handle& handle) {
                     ": a CUDA graph capture is underway");
   }
   m.poll_ipc_locked();
-  const auto same = [&](const detail::ipc_import_record& rec) {
-    return rec.producer == parts.header.producer && rec.export_id == parts.header.export_id;
-  };
-  bool twice = std::any_of(m.ipc_.closing.begin(), m.ipc_.closing.end(), same);
-  for (const auto& [addr, rec] : m.ipc_.imports) twice = twice || same(rec);
-  if (twice) {
+  // An export imported here before, open, closing or closed, is refused: the producer ends the
+  // export at the first import's release and may hand the block out again, so a second import
+  // would read memory that is no longer the export's.
+  const std::pair<std::uint64_t, std::uint64_t> key{parts.header.producer, parts.header.export_id};
+  if (m.ipc_.imported.count(key) != 0) {
     throw ipc_error("streamsafe: import_block" + dev_text(m.backend_) + ": export " +
                     std::to_string(parts.header.export_id) +
-                    " is imported here already (each export has one consumer: export again)");
+                    " is imported here already (each export has one consumer and one import, "
+                    "also after its release: export again)");
   }
   device_backend::ipc_memory mem;
   mem.bytes = parts.memory;
@@ -350,7 +350,15 @@ imported_block caching_allocator::import_block(const ipc_handle& handle) {
   rec.export_id = parts.header.export_id;
   rec.producer_device = parts.header.device;
   rec.event = e;
-  m.ipc_.imports[addr] = rec;
+  try {
+    m.ipc_.imported.insert(key);
+    m.ipc_.imports[addr] = rec;
+  } catch (...) {
+    m.ipc_.imported.erase(key);
+    m.backend_.close_ipc_event(e);
+    m.backend_.close_imported_memory(addr);
+    throw;
+  }
   detail::log().debug("device {}: imported export {} of process {} at {:#x} ({} bytes)",
                       m.backend_.device(), rec.export_id, parts.header.producer_pid, addr,
                       rec.size);
@@ -403,6 +411,15 @@ int ipc_handle_device(const ipc_handle& handle) {
 
 int ipc_release_device(const ipc_release& release) {
   return detail::parse_ipc_release(release, "ipc_release_device").device;
+}
+
+ipc_release ipc_release_of(const ipc_handle& handle) {
+  const detail::ipc_handle_parts parts = detail::parse_ipc_handle(handle, "ipc_release_of");
+  detail::ipc_release_header r;
+  r.producer = parts.header.producer;
+  r.export_id = parts.header.export_id;
+  r.device = parts.header.device;
+  return detail::make_ipc_release(r);
 }
 
 caching_allocator::ipc_counts caching_allocator::ipc_status() const {

@@ -10,8 +10,13 @@
 namespace streamsafe {
 
 std::size_t caching_allocator::empty_cache(std::string_view tag) {
+  return empty_cache_of_tag(tag_of(tag));  // config_error for a bad name
+}
+
+std::size_t caching_allocator::empty_cache_untagged() { return empty_cache_of_tag(0); }
+
+std::size_t caching_allocator::empty_cache_of_tag(tag_id id) {
   impl& m = *impl_;
-  const tag_id id = tag_of(tag);                            // config_error for a bad name
   if (m.inherited() || callback_scope::active()) return 0;  // as empty_cache()
   device_lock lk(m.mu_);
   m.detect_captures_locked(lk);
