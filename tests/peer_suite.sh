@@ -9,7 +9,7 @@
 #
 # PEER_DIR: the folder holding torch_memory_tests.py (default .device-deps/peer, else
 # ../shared/peer). OUT_DIR: where each run's log goes (default $OUT if set, else /tmp/peer_suite).
-# Per run timeout: PEER_TIMEOUT seconds (default 200). Exit status 0 when every run completed
+# Per run timeout: PEER_TIMEOUT seconds (default 200); PEER_RUNS picks the runs. Exit status 0 when every run completed
 # (whatever the tests said); the comparison is the output.
 set -u
 peer=${1:-}
@@ -37,9 +37,15 @@ run() {  # run NAME [ENV...]
     sed -E 's/^([A-Z]+) test_cuda.py::([^ ]+).*/\2 \1/' | sort -u >"$out/$name.results"
 }
 
-run pytorch
-run streamsafe_cuda_malloc STREAMSAFE_INSTALL=1 STREAMSAFE_ALLOC_CONF=backend:cuda_malloc
-run streamsafe_expandable STREAMSAFE_INSTALL=1 STREAMSAFE_ALLOC_CONF=backend:expandable
+# PEER_RUNS: which runs, in order (default all three).
+for r in ${PEER_RUNS:-pytorch streamsafe_cuda_malloc streamsafe_expandable}; do
+  case $r in
+    pytorch) run pytorch ;;
+    streamsafe_cuda_malloc) run "$r" STREAMSAFE_INSTALL=1 STREAMSAFE_ALLOC_CONF=backend:cuda_malloc ;;
+    streamsafe_expandable) run "$r" STREAMSAFE_INSTALL=1 STREAMSAFE_ALLOC_CONF=backend:expandable ;;
+    *) echo "peer_suite: unknown run $r (pytorch, streamsafe_cuda_malloc, streamsafe_expandable)"; exit 2 ;;
+  esac
+done
 
 python3 - "$out" <<'EOF'
 import os, sys
