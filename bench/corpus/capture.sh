@@ -7,7 +7,10 @@
 # Usage: bash bench/corpus/capture.sh [--out DIR] [--jobs N] [--budget SECONDS]
 #                                     [--per-run SECONDS] [--only NAME,NAME] [--keep-pickles]
 #   --out DIR       results (default corpus_capture): traces/NAME.TAG.csv.gz, pytorch_ratios.csv,
-#                   capture.log (one line per run: ok, or why not), logs/NAME.TAG.log
+#                   corpus_rows.csv (the rows for ratios.csv of every workload captured both ways:
+#                   the split ratios.csv gives it, else the one workloads.py declares, else
+#                   held-out; ceilings left empty), capture.log (one line per run: ok, or why
+#                   not), logs/NAME.TAG.log
 #   --jobs N        runs at a time on the one GPU (default 4; each process has its own caching
 #                   allocator, so the peaks do not depend on it)
 #   --budget S      no run starts after S seconds (default 900), and none outlives them
@@ -33,7 +36,7 @@ while [ $# -gt 0 ]; do
     --per-run) per_run=$2; shift 2 ;;
     --only) only=$2; shift 2 ;;
     --keep-pickles) keep_pickles=1; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "capture.sh: unknown argument $1" >&2; exit 1 ;;
   esac
 done
@@ -93,10 +96,10 @@ for name in $names; do
   for tag in default expandable; do echo "$name $tag"; done
 done | xargs -P "$jobs" -L 1 bash -c 'run_one "$0" "$1"'
 
-# PyTorch's own peaks, one row per run that finished.
-"$python" - "$out" <<'EOF'
+# PyTorch's own peaks, one row per run that finished; and the rows for ratios.csv.
+"$python" - "$out" "$here/ratios.csv" <<'EOF'
 import csv, glob, json, os, sys
-out = sys.argv[1]
+out, ratios_path = sys.argv[1], sys.argv[2]
 fields = ["workload", "tag", "alloc_conf", "max_memory_reserved", "max_memory_allocated", "ratio",
           "requested_peak", "num_device_alloc", "num_device_free", "num_alloc_retries", "trace_entries", "segment_maps",
           "seconds", "history_context", "torch", "device"]
@@ -111,6 +114,42 @@ with open(os.path.join(out, "pytorch_ratios.csv"), "w", newline="") as f:
     w.writeheader()
     w.writerows(rows)
 print(f"capture: {len(rows)} runs recorded in {out}/pytorch_ratios.csv")
+
+# Rows in ratios.csv's format for every workload captured with both settings. The split of a
+# workload already listed stays; a new one takes its declared split, else held-out (never tuning
+# by default: a workload added after the defaults were chosen is one they were not chosen on).
+with open(ratios_path, newline="") as f:
+    listed = {r["trace"]: r for r in csv.DictReader(l for l in f if not l.startswith("#"))}
+runs = {}
+for path in sorted(glob.glob(os.path.join(out, "raw", "*.json"))):
+    with open(path) as f:
+        r = json.load(f)
+    runs.setdefault(r["workload"], {})[r["tag"]] = r
+ratio_fields = ["trace", "split", "pytorch_default_reserved", "pytorch_default_allocated", "pytorch_default_ratio",
+                "pytorch_expandable_reserved", "pytorch_expandable_allocated", "pytorch_expandable_ratio",
+                "ceiling_expandable", "ceiling_cuda_malloc"]
+proposed = []
+for name, tags in sorted(runs.items()):
+    if "default" not in tags or "expandable" not in tags:
+        print(f"capture: {name}: not captured both ways; no ratios.csv row")
+        continue
+    d, e = tags["default"], tags["expandable"]
+    split = listed[name]["split"] if name in listed else (d.get("split") or "held-out")
+    proposed.append({"trace": name, "split": split,
+                     "pytorch_default_reserved": d["max_memory_reserved"],
+                     "pytorch_default_allocated": d["max_memory_allocated"],
+                     "pytorch_default_ratio": f"{d['max_memory_reserved'] / max(1, d['max_memory_allocated']):.4f}",
+                     "pytorch_expandable_reserved": e["max_memory_reserved"],
+                     "pytorch_expandable_allocated": e["max_memory_allocated"],
+                     "pytorch_expandable_ratio": f"{e['max_memory_reserved'] / max(1, e['max_memory_allocated']):.4f}",
+                     "ceiling_expandable": "", "ceiling_cuda_malloc": ""})
+with open(os.path.join(out, "corpus_rows.csv"), "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=ratio_fields, lineterminator="\n")
+    w.writeheader()
+    w.writerows(proposed)
+new = [r["trace"] + " (" + r["split"] + ")" for r in proposed if r["trace"] not in listed]
+print(f"capture: {len(proposed)} rows for ratios.csv in {out}/corpus_rows.csv"
+      + (f"; not yet in ratios.csv: {', '.join(new)}" if new else ""))
 EOF
 ok=$(grep -c ': ok in' "$out/capture.log" || true)
 failed=$(grep -c 'FAILED\|not run' "$out/capture.log" || true)

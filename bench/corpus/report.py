@@ -14,7 +14,7 @@ The traces are bench/traces/corpus/NAME.csv.gz; ratios.csv beside this file list
 with its split (tuning or held-out), PyTorch's peaks from capture.sh (default settings and
 expandable_segments:True) and the ceilings --check holds. The replay runs on the simulated
 device (its ratios equal --gpu's); events/s is allocator CPU time on this machine, the best of
---passes. Targets (issue 13): expandable <= min(PyTorch expandable, 1.01), cuda_malloc <=
+--passes. Targets: expandable <= min(PyTorch expandable, 1.01), cuda_malloc <=
 min(PyTorch default, 1.05); they are printed as met or missed, and only the ceilings fail
 --check.
 """

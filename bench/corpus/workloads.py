@@ -10,9 +10,13 @@ DIR/NAME.TAG.pickle gets torch.cuda.memory._snapshot() and DIR/NAME.TAG.json PyT
 peaks (max_memory_reserved, max_memory_allocated, the requested peak). The allocator settings
 come from PYTORCH_CUDA_ALLOC_CONF, which capture.sh sets; TAG only names the files.
 
-Every model is built here from plain torch modules (the Llama one from a transformers config;
-no weights, no network). Sizes are chosen to run in seconds on an H200 and to give traces of
-tens of thousands of events; shapes vary per step from a seeded generator.
+Every model is built here from plain torch modules (the Llama and GPT-2 ones from transformers
+configs; no weights, no network). Sizes are chosen to run in seconds on an H200 and to give traces
+of tens of thousands of events; shapes vary per step from a seeded generator.
+
+A workload may declare its split of the corpus (`split="held-out"`): capture.sh writes it into the
+rows it proposes for ratios.csv (corpus_rows.csv), and a workload without a row in ratios.csv and
+without a declared split is proposed as held-out. --list prints name, description and split.
 """
 
 import argparse
@@ -28,12 +32,16 @@ import time
 
 MAX_ENTRIES = 3_000_000  # the history ring; no workload here comes near it
 
-WORKLOADS = {}  # name -> (function, one-line description)
+WORKLOADS = {}  # name -> (function, one-line description, declared split or "")
+SPLITS = ("tuning", "held-out")  # as bench/corpus/ratios.csv and report.py
 
 
-def workload(description):
+def workload(description, split=""):
+    if split and split not in SPLITS:
+        raise ValueError(f"split {split!r} is not one of {SPLITS}")
+
     def register(fn):
-        WORKLOADS[fn.__name__] = (fn, description)
+        WORKLOADS[fn.__name__] = (fn, description, split)
         return fn
 
     return register
@@ -63,14 +71,18 @@ def build_gpt(torch, vocab, d, layers, heads, max_seq=1024, checkpoint=False):
             b, t, c = x.shape
             q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
             q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in (q, k, v))
+            mask = None
             if cache is not None:
                 if cache[0] is not None:
                     # The dynamic cache of text generation: a new, longer tensor per token.
                     k = torch.cat([cache[0], k], dim=2)
                     v = torch.cat([cache[1], v], dim=2)
+                    if t > 1:  # several new tokens after a cached prefix (a later chat turn)
+                        s = k.shape[2]
+                        mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(diagonal=s - t)
                 cache[0], cache[1] = k, v
-            causal = cache is None or t > 1
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            causal = mask is None and (cache is None or t > 1)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
             return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
         def forward(self, x, cache=None):
@@ -477,6 +489,108 @@ def llama_hf_varlen(torch, rng, dev):
         del x, y, logits, loss
 
 
+# Generation workloads captured after the first twelve; held out from the tuning half.
+
+
+def _hf_generation_model(torch, cls, config, dev):
+    """A transformers causal LM from its config (random weights), bf16, SDPA attention, eval mode."""
+    try:
+        model = cls._from_config(config, attn_implementation="sdpa")
+    except (AttributeError, TypeError, ValueError):
+        model = cls(config)
+    model = model.to(device=dev, dtype=torch.bfloat16).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _left_padded_prompts(torch, lengths, dev):
+    """A batch of prompts of the given lengths, left-padded with token 0, and its attention mask."""
+    b, t = len(lengths), max(lengths)
+    ids = torch.randint(3, VOCAB, (b, t), device=dev)
+    mask = torch.ones(b, t, dtype=torch.long, device=dev)
+    for i, n in enumerate(lengths):
+        if n < t:
+            ids[i, : t - n] = 0
+            mask[i, : t - n] = 0
+    return ids, mask
+
+
+@workload("transformers LlamaForCausalLM from a config (8 layers, 1024 wide, GQA 16/4), bf16, generate() "
+          "with sampling (temperature, top-k, top-p) and a growing KV cache: 10 batches of 1-16 left-padded "
+          "prompts of 16-768 tokens, 16-96 new tokens each", split="held-out")
+def hf_sample_generate(torch, rng, dev):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = _hf_generation_model(torch, LlamaForCausalLM, config, dev)
+    with torch.no_grad():
+        for _ in range(10):
+            b = rng.choice([1, 2, 4, 8, 16])
+            ids, mask = _left_padded_prompts(torch, [rng.randint(16, 768) for _ in range(b)], dev)
+            new = rng.randint(16, 96)
+            # min_new_tokens = max_new_tokens: every request produces exactly `new` tokens, so the
+            # requests (and both captures) do not depend on which tokens were sampled.
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.8, top_k=50,
+                                 top_p=0.95, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+                                 eos_token_id=2)
+            del ids, mask, out
+
+
+@workload("transformers GPT2LMHeadModel from a config (8 layers, 768 wide), bf16, generate() with beam "
+          "search (2-6 beams, the KV cache reordered every token): 8 batches of 1-8 left-padded prompts of "
+          "16-384 tokens, 8-48 new tokens each", split="held-out")
+def hf_beam_search(torch, rng, dev):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_positions=1024, n_embd=768, n_layer=8, n_head=12,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = _hf_generation_model(torch, GPT2LMHeadModel, config, dev)
+    with torch.no_grad():
+        for _ in range(8):
+            b = rng.choice([1, 2, 4, 8])
+            ids, mask = _left_padded_prompts(torch, [rng.randint(16, 384) for _ in range(b)], dev)
+            new = rng.randint(8, 48)
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, num_beams=rng.choice([2, 4, 6]),
+                                 max_new_tokens=new, min_new_tokens=new, early_stopping=False, pad_token_id=0,
+                                 eos_token_id=2)
+            del ids, mask, out
+
+
+@workload("multi-turn chat on a GPT (6 layers, 1024 wide), bf16, KV cache kept across turns: 6 "
+          "conversations of batch 2-16, 2-5 turns each (a first prompt of 64-512 tokens, later turns of "
+          "16-256, prefilled onto the cache), 8-64 greedy reply tokens per turn", split="held-out")
+def chat_multiturn_generate(torch, rng, dev):
+    max_seq = 2048
+    model = build_gpt(torch, VOCAB, 1024, 6, 16, max_seq=max_seq).to(device=dev, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for _ in range(6):
+            b = rng.choice([2, 4, 8, 16])
+            caches = [[None, None] for _ in model.blocks]
+            pos, tok = 0, None
+            for turn in range(rng.randint(2, 5)):
+                n_user = rng.randint(64, 512) if turn == 0 else rng.randint(16, 256)
+                n_reply = rng.randint(8, 64)
+                if pos + 1 + n_user + n_reply > max_seq:
+                    break
+                user = torch.randint(0, VOCAB, (b, n_user), device=dev)
+                if tok is not None:  # the last reply token enters the cache with the next turn
+                    user = torch.cat([tok, user], dim=1)
+                logits = model(user, caches, pos)  # prefill of the turn onto the cached conversation
+                pos += user.shape[1]
+                tok = logits[:, -1:].argmax(-1)
+                reply = [tok]
+                for _ in range(n_reply - 1):
+                    logits = model(tok, caches, pos)
+                    pos += 1
+                    tok = logits[:, -1:].argmax(-1)
+                    reply.append(tok)
+                reply = torch.cat(reply, dim=1)
+                del user, logits, reply
+            del caches, tok
+
+
 # --------------------------------------------------------------------------------------------
 
 
@@ -497,7 +611,7 @@ def start_history(torch, dev):
 def run(name, out_dir, tag):
     import torch
 
-    fn, description = WORKLOADS[name]
+    fn, description, split = WORKLOADS[name]
     dev = "cuda:0"
     torch.cuda.set_device(0)
     torch.manual_seed(1234)
@@ -519,6 +633,7 @@ def run(name, out_dir, tag):
         "workload": name,
         "tag": tag,
         "description": description,
+        "split": split,
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0),
@@ -544,13 +659,14 @@ def run(name, out_dir, tag):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", nargs="?", help="workload name (--list shows them)")
-    ap.add_argument("--list", action="store_true", help="print the workloads, one per line: name, description")
+    ap.add_argument("--list", action="store_true",
+                    help="print the workloads, one per line: name, description, declared split (tab-separated)")
     ap.add_argument("--out", default=".", help="directory for NAME.TAG.pickle and NAME.TAG.json")
     ap.add_argument("--tag", default="default", help="names the capture (default, expandable)")
     args = ap.parse_args()
     if args.list:
-        for name, (_, description) in WORKLOADS.items():
-            print(f"{name}\t{description}")
+        for name, (_, description, split) in WORKLOADS.items():
+            print(f"{name}\t{description}\t{split}")
         return 0
     if args.name not in WORKLOADS:
         ap.error(f"unknown workload {args.name!r}; --list shows them")

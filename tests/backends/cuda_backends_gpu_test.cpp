@@ -1,9 +1,6 @@
 // Tests of the two CUDA device backends (cuda_malloc_backend, expandable_backend), the device
-// guard and the driver-free GPU discovery. Tests tagged [gpu] need a GPU and skip themselves,
-// with a message, where there is none; the one untagged test runs everywhere and checks that a
-// machine without a GPU (or without a driver) is handled without a crash. The test binary
-// itself starting on a machine without a driver shows that nothing CUDA-related runs at
-// static-init time and that nothing links libcuda.
+// guard and the driver-free GPU discovery, on the GPU: each test skips itself, with a message,
+// where there is none. A machine without a GPU or a driver: cuda_backends_test.cpp.
 //
 // Thread safety: the tests run one at a time; the host-function gate below is the only shared
 // state.
@@ -93,34 +90,6 @@ bool all_bytes_are(const void* device_ptr, std::size_t size, unsigned char value
 }
 
 }  // namespace
-
-TEST_CASE(
-    "device_count returns zero without a GPU and the CUDA backends refuse a missing "
-    "device with backend_error instead of crashing",
-    "[backends]") {
-  const int count = streamsafe::cuda::device_count();
-  REQUIRE(count == streamsafe::test::gpu_count());
-  // Without a driver the runtime's initialisation error stays sticky (every call, even
-  // cudaGetLastError, returns cudaErrorInsufficientDriver); with a GPU the error slot is clean.
-  if (count > 0) REQUIRE(cudaGetLastError() == cudaSuccess);
-  REQUIRE_THROWS_AS(cuda_malloc_backend(-1), backend_error);
-  REQUIRE_THROWS_AS(cuda_malloc_backend(count), backend_error);
-  REQUIRE_THROWS_AS(expandable_backend(count), backend_error);
-  if (count == 0) {
-    REQUIRE_THROWS_AS(cuda_malloc_backend(0), backend_error);
-    REQUIRE_THROWS_AS(expandable_backend(0), backend_error);
-  }
-  // The driver entry points load on demand, or fail with a message saying why.
-  try {
-    streamsafe::cuda::driver::load();
-    REQUIRE(streamsafe::cuda::driver::available());
-  } catch (const backend_error& error) {
-    REQUIRE_FALSE(streamsafe::cuda::driver::available());
-    REQUIRE(std::string(error.what()).find("cuMemCreate") != std::string::npos);
-    REQUIRE(std::string(streamsafe::cuda::driver::error_name(CUDA_ERROR_OUT_OF_MEMORY)).size() > 0);
-  }
-  if (count > 0) REQUIRE(cudaGetLastError() == cudaSuccess);
-}
 
 TEMPLATE_TEST_CASE(
     "A CUDA backend hands out segments that the device can write and the host "

@@ -301,7 +301,7 @@ TEST_CASE(
 TEST_CASE(
     "K8, expandable, empty_cache:wait: a request at the limit takes cached chunks behind a "
     "device-side wait and never waits on the host for a held collective",
-    "[core][cases][K8][expandable]") {
+    "[core][expandable][cases][K8]") {
   blocking_device d(
       k8_options(backend_kind::expandable, fence_scope::used_streams, empty_cache_mode::wait), 0);
   const auto s = d.dev.create_stream();

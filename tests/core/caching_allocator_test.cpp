@@ -423,8 +423,8 @@ TEST_CASE(
     void* a = env.alloc.allocate(30 * MiB, s1);
     env.dev.launch(s1, 100, {writes(a, 30 * MiB)});
     env.alloc.deallocate(a);   // 30 MiB cached on s1, unusable by s2
-    env.dev.run_until_idle();  // the trim releases only what is safe now: it never waits (issue 14
-                               // item 3)
+    env.dev.run_until_idle();  // the trim releases only what is safe now: it never waits on a fence
+                               // nobody asked for
     void* b = env.alloc.allocate(30 * MiB, s2);
     CHECK(env.alloc.stats().reserved_bytes.current == 30 * MiB);  // s1's segment went back first
     CHECK(env.dev.counters().segment_frees == 1);
@@ -434,4 +434,42 @@ TEST_CASE(
   }
   REQUIRE_THROWS_WITH(options::parse("garbage_collection_threshold:1.5"),
                       Catch::Contains("fraction"));
+}
+
+// Field case: the block-count peaks were the largest per-stream peak, below the device's
+// current count when two streams hold blocks; and snapshot() read its statistics in a call of
+// its own before the walk.
+TEST_CASE(
+    "Count peaks are never below the device's current counts; a snapshot's statistics "
+    "match its walk",
+    "[core][snapshot]") {
+  sim_env env(make_options(backend_kind::cuda_malloc));
+  const auto s1 = env.dev.create_stream();
+  const auto s2 = env.dev.create_stream();
+  std::vector<void*> blocks;
+  for (int i = 0; i < 3; ++i) blocks.push_back(env.alloc.allocate(MiB, s1));
+  for (int i = 0; i < 2; ++i) blocks.push_back(env.alloc.allocate(4 * MiB, s2));
+  const statistics st = env.alloc.stats();
+  CHECK(st.allocation.current == 5);
+  CHECK(st.allocation.peak >= 5);
+  CHECK(st.active.peak >= st.active.current);
+  CHECK(st.segment.peak >= st.segment.current);
+
+  const memory_snapshot snap = env.alloc.snapshot();
+  std::int64_t active = 0, allocated = 0, reserved = 0;
+  for (const auto& seg : snap.segments) {
+    reserved += static_cast<std::int64_t>(seg.mapped_bytes);
+    for (const auto& b : seg.blocks) {
+      if (b.state == snapshot_block_state::active) {
+        ++active;
+        allocated += static_cast<std::int64_t>(b.size_bytes);
+      }
+    }
+  }
+  CHECK(snap.stats.allocation.current == active);
+  CHECK(snap.stats.allocated_bytes.current == allocated);
+  CHECK(snap.stats.reserved_bytes.current == reserved);
+  CHECK(snap.stats.allocation.peak >= snap.stats.allocation.current);
+  for (void* p : blocks) env.alloc.deallocate(p);
+  env.alloc.check_invariants();
 }

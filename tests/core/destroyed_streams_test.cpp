@@ -1,4 +1,4 @@
-// Destroyed streams are forgotten (issue 14 item 4, case K6 at scale), on the simulated
+// Destroyed streams are forgotten (case K6 at scale), on the simulated
 // device: after notify_stream_destroyed a stream's state goes once its last event completes,
 // its cached blocks serve other streams (behind that event) and are releasable, and every
 // per-call cost (event queries, live events, stream waits) follows the live streams, not every
@@ -50,7 +50,7 @@ TEST_CASE(
     "After 2,000 destroyed streams, one empty_cache queries and keeps events for the live streams "
     "only and "
     "releases the dead streams' pools",
-    "[destroyed-streams][K6]") {
+    "[core][destroyed-streams][K6]") {
   sim_env env;
   const auto live = env.dev.create_stream();
   env.alloc.deallocate(env.alloc.allocate(4 * KiB, live));
@@ -73,7 +73,7 @@ TEST_CASE(
     "The dead streams' cached memory serves a live stream at the limit, with stream waits and "
     "queries for "
     "the live streams only",
-    "[destroyed-streams][K6]") {
+    "[core][destroyed-streams][K6]") {
   options o;
   o.memory_limit_bytes = 2000 * 2 * MiB;  // exactly the dead pools: no growth possible
   sim_env env(o);
@@ -120,7 +120,7 @@ TEST_CASE(
 TEST_CASE(
     "Control: 200 streams that are never announced destroyed keep their pools, as they may still "
     "run",
-    "[destroyed-streams][K6]") {
+    "[core][destroyed-streams][K6]") {
   // The other side of the rule: without notify_stream_destroyed a stream is live, its
   // pool's segments are fenced on it and released by empty_cache only behind that fence.
   sim_env env;
@@ -142,7 +142,7 @@ TEST_CASE(
 
 TEST_CASE(
     "100,000 streams created, used and destroyed: streams, events and reserved memory stay bounded",
-    "[destroyed-streams][K6][soak]") {
+    "[core][destroyed-streams][K6][soak]") {
   options o;
   o.memory_limit_bytes = 256 * MiB;
   sim_env env(o);
@@ -179,7 +179,7 @@ TEST_CASE(
 TEST_CASE(
     "Destroyed streams' states are retired and reused while other threads allocate on their own "
     "streams",
-    "[destroyed-streams][K6][threads]") {
+    "[core][destroyed-streams][threads][K6]") {
   // Each thread churns short-lived streams and keeps one stream of its own; the states of the
   // dead ones are retired and handed to new streams while the threads' stream caches still
   // point at them (run under TSan and ASan).

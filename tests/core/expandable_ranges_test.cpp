@@ -1,5 +1,5 @@
-// The expandable backend runs out of memory only when the memory is not there (issue 14 item
-// 2), on the simulated device: a request that does not fit in the holes of a (stream, pool)'s
+// The expandable backend runs out of memory only when the memory is not there, on
+// the simulated device: a request that does not fit in the holes of a (stream, pool)'s
 // reserved address range is served after a safe release and remapping (a second range, or
 // moving the mapped chunks), as the cuda_malloc backend serves it.
 #include "support/sim_fixture.hpp"
@@ -44,7 +44,7 @@ struct holes_env : sim_env {
 TEST_CASE(
     "Expandable, 1 GiB limit: five 200 MiB blocks, free the 2nd and 4th, empty_cache, 300 MiB is "
     "served",
-    "[expandable-ranges][expandable]") {
+    "[core][expandable]") {
   holes_env env(backend_kind::expandable);
   CHECK(env.alloc.stats().allocated_bytes.current == static_cast<std::int64_t>(600 * MiB));
   void* p = nullptr;
@@ -73,7 +73,7 @@ TEST_CASE(
     "Control: cuda_malloc, 1 GiB limit: five 200 MiB blocks, free the 2nd and 4th, empty_cache, "
     "300 MiB is "
     "served",
-    "[expandable-ranges]") {
+    "[core][expandable]") {
   holes_env env(backend_kind::cuda_malloc);
   void* p = env.alloc.allocate(300 * MiB, env.s);
   CHECK(p != nullptr);
@@ -82,7 +82,7 @@ TEST_CASE(
 }
 
 TEST_CASE("Expandable, 1 GiB limit: a request beyond the memory really free is still out_of_memory",
-          "[expandable-ranges][expandable]") {
+          "[core][expandable]") {
   holes_env env(backend_kind::expandable);
   CHECK_THROWS_AS(env.alloc.allocate(500 * MiB, env.s), out_of_memory);  // 600 + 500 > 1024
   env.alloc.check_invariants();
@@ -92,7 +92,7 @@ TEST_CASE(
     "Expandable, long random runs with many sizes never run out of memory while allocated + "
     "request stays "
     "under the limit minus the stated slack",
-    "[expandable-ranges][expandable]") {
+    "[core][expandable]") {
   // Slack: two mapping chunks (20 MiB each) per live block plus two, for chunks shared with
   // live neighbours, and 8 MiB for the small pool. Sizes 1-300 MiB (large pool) and some
   // 4 KiB-1 MiB (small pool), 3,000 operations per seed, up to 12 live blocks.
@@ -141,7 +141,7 @@ TEST_CASE(
 TEST_CASE(
     "Expandable: idle mapped chunks are unmapped before a large growth past the peak that they "
     "cover",
-    "[expandable-ranges][expandable][corpus-policy]") {
+    "[core][expandable][corpus-policy]") {
   // A 100 MiB, B 20 MiB, C 100 MiB; A and C freed: 200 MiB idle. 150 MiB would map 60 MiB more
   // after C (peak 280 MiB); unmapping A and C first keeps the peak at 220 MiB.
   sim_env env(make_options(backend_kind::expandable));
@@ -164,7 +164,7 @@ TEST_CASE(
 }
 
 TEST_CASE("Expandable: a growth maps what the request lacks, the last chunk cut to the granularity",
-          "[expandable-ranges][expandable][corpus-policy]") {
+          "[core][expandable][corpus-policy]") {
   sim_env env(make_options(backend_kind::expandable));  // 20 MiB chunks in large pools
   auto s = env.dev.create_stream();
   void* a = env.alloc.allocate(30 * MiB, s);  // a 20 MiB chunk and a 10 MiB one, not two of 20
@@ -185,7 +185,7 @@ TEST_CASE(
     "expandable_peak_chunk_mb:2: a growth past the high-water mark of reserved bytes maps 2 MiB "
     "chunks, memory mapped again below it 20 MiB chunks, and reset_peak_stats does not move the "
     "mark",
-    "[expandable-ranges][expandable][corpus-policy]") {
+    "[core][expandable][corpus-policy]") {
   sim_env env(options::parse("backend:expandable,expandable_peak_chunk_mb:2"));
   auto s = env.dev.create_stream();
   void* a = env.alloc.allocate(100 * MiB, s);  // 0 -> 100 MiB: past the mark, fifty 2 MiB chunks
@@ -219,7 +219,7 @@ TEST_CASE(
 TEST_CASE(
     "expandable_peak_chunk_mb:2, defer mode: the next step reclaims the last step's chunks still "
     "queued for release and maps nothing",
-    "[expandable-ranges][expandable][corpus-policy]") {
+    "[core][expandable][corpus-policy]") {
   sim_env env(options::parse("backend:expandable,empty_cache:defer,expandable_peak_chunk_mb:2"));
   auto s = env.dev.create_stream();
   auto t = env.dev.create_stream();
@@ -246,7 +246,7 @@ TEST_CASE(
 }
 
 TEST_CASE("expandable_peak_chunk_mb: parsed in MiB, a multiple of 2, at most the chunk in effect",
-          "[expandable-ranges][expandable][corpus-policy][config]") {
+          "[core][expandable][corpus-policy][config]") {
   CHECK(options{}.expandable_peak_chunk_bytes == 20 * MiB);  // off: one chunk size
   CHECK(options::parse("expandable_peak_chunk_mb:4").expandable_peak_chunk_bytes == 4 * MiB);
   CHECK_THAT(options::parse("expandable_peak_chunk_mb:4").to_string(),
@@ -272,7 +272,7 @@ TEST_CASE("expandable_peak_chunk_mb: parsed in MiB, a multiple of 2, at most the
 TEST_CASE(
     "Expandable: before a growth past the peak, the smallest idle runs are unmapped, only as many "
     "bytes as the growth exceeds the peak by (also after reset_peak_stats)",
-    "[expandable-ranges][expandable][corpus-policy]") {
+    "[core][expandable][corpus-policy]") {
   const bool reset = GENERATE(false, true);
   INFO("reset_peak_stats after empty_cache: " << reset);
   sim_env env(make_options(backend_kind::expandable));

@@ -3,6 +3,7 @@
 // field_cases_frontends_test.cpp. K13 runs on the simulated device's peer access sets, K18 on
 // its pinned host memory.
 #include "support/forwarding_device.hpp"
+#include "support/sim_faults.hpp"
 #include "support/sim_fixture.hpp"
 
 #if defined(__has_feature)
@@ -35,10 +36,6 @@ using namespace streamsafe;
 using namespace streamsafe::test;
 
 namespace {
-
-const char* name_of(backend_kind b) {
-  return b == backend_kind::expandable ? "expandable" : "cuda_malloc";
-}
 
 std::uint64_t driver_calls(const sim::counters& c) {
   return c.segment_allocs + c.segment_frees + c.maps + c.unmaps;
@@ -116,7 +113,7 @@ TEST_CASE(
     "K12: 2,000 requests growing by 64 KiB under a 512 MiB cap: no out_of_memory, reserved about "
     "twice the "
     "largest request, driver calls per step tend to zero",
-    "[cases][K12]") {
+    "[core][cases][K12]") {
   const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
   const k12_variant variant = GENERATE(k12_variant::plain, k12_variant::live_block);
   INFO("backend " << name_of(backend)
@@ -136,7 +133,7 @@ TEST_CASE(
     "K12: each growing step captured in a graph, replayed once and released: no out_of_memory, "
     "nothing a "
     "graph references released",
-    "[cases][K12][graph]") {
+    "[core][graph][cases][K12]") {
   const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
   INFO("backend " << name_of(backend));
   const auto r = run_k12(backend, k12_variant::graphs);
@@ -207,7 +204,7 @@ std::size_t run_k13(k13_env& env, bool omit_peer) {
 TEST_CASE(
     "K13: every chunk of an expandable segment carries the same peer access, first mapping or "
     "remapping; a device without peer capability does not fail a map",
-    "[cases][K13]") {
+    "[core][cases][K13]") {
   k13_env env(k13_env::config());
   CHECK(run_k13(env, false) == 0);
   const auto faults = env.dev.faults();
@@ -219,7 +216,7 @@ TEST_CASE(
 TEST_CASE(
     "Control (K13): a remapping that leaves a peer out is seen by the check and by the access "
     "sets",
-    "[cases][K13]") {
+    "[core][cases][K13]") {
   k13_env env(k13_env::config());
   CHECK(run_k13(env, true) > 0);
   const auto faults = env.dev.faults();
@@ -233,7 +230,7 @@ TEST_CASE(
 
 TEST_CASE(
     "K14: a free goes to the allocator instance that made the block, whatever instance is asked",
-    "[cases][K14]") {
+    "[core][cases][K14]") {
   sim::simulated_device dev(sim_config());
   caching_allocator whole(dev, make_options(backend_kind::cuda_malloc));
   caching_allocator expandable(dev, make_options(backend_kind::expandable));
@@ -373,7 +370,7 @@ TEST_CASE(
     "K15: a forked child neither frees, unmaps nor synchronises the parent's memory and handles, "
     "and exits "
     "normally",
-    "[cases][K15][fork]") {
+    "[core][fork][cases][K15]") {
   fork_env env;
   const auto status = run_in_child([&] {
     env.alloc
@@ -395,7 +392,7 @@ TEST_CASE(
 
 TEST_CASE(
     "Control: the same empty_cache in the parent makes the release calls the child must not make",
-    "[cases][K15][fork]") {
+    "[core][fork][cases][K15]") {
   fork_env env;
   const auto frees = env.dev.counters().segment_frees;
   env.alloc->empty_cache();
@@ -406,7 +403,7 @@ TEST_CASE(
 TEST_CASE(
     "K15: a child forked while a parent thread holds an allocator lock does not hang in the "
     "allocator",
-    "[cases][K15][fork]") {
+    "[core][fork][cases][K15]") {
   fork_env env;
   env.backend.block_growth();
   std::thread grower([&] {
@@ -441,7 +438,7 @@ TEST_CASE(
     "K15: a process exits with status 0 from a non-main thread with 200 blocks cached over 3 "
     "streams just "
     "after a hold was opened",
-    "[cases][K15][fork]") {
+    "[core][fork][cases][K15]") {
 #if defined(__SANITIZE_ADDRESS__) || STREAMSAFE_TEST_ASAN
   // LeakSanitizer's check at exit() stops the other threads with ptrace; called from a thread
   // that is not the forked child's main thread, it does not return in this sandbox (the child
@@ -480,7 +477,7 @@ TEST_CASE(
 // events complete.
 TEST_CASE(
     "K18: pinned host memory freed under a pending copy is not handed out again before the copy",
-    "[cases][K18]") {
+    "[core][cases][K18]") {
   const bool record = GENERATE(false, true);
   CAPTURE(record);
   sim::simulated_device dev(sim_config());
@@ -532,7 +529,7 @@ TEST_CASE(
 }
 
 TEST_CASE("K18 control: a host free that forgets the copy's stream lets the block be overwritten",
-          "[cases][K18]") {
+          "[core][cases][K18]") {
   sim::simulated_device dev(sim_config());
   caching_allocator host(*dev.host_backend(), options{});
   caching_allocator device(dev, options{});

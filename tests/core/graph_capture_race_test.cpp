@@ -6,6 +6,7 @@
 // thread calls empty_cache, reclaim, allocate and free on stream t during the capture and
 // after it; the allocator's invariants are checked after every step of the capturing thread.
 #include "support/forwarding_device.hpp"
+#include "support/sim_faults.hpp"
 #include "support/sim_fixture.hpp"
 
 #include <catch2/catch.hpp>
@@ -20,12 +21,6 @@ using namespace streamsafe;
 using namespace streamsafe::test;
 
 namespace {
-
-std::string fault_text(const sim::simulated_device& dev) {
-  std::string text;
-  for (const auto& f : dev.faults()) text += f.message + "\n";
-  return text;
-}
 
 sim::device_config cuda_free_config() {
   sim::device_config c = sim_config();

@@ -3,6 +3,7 @@
 // event-query call (the simulated device records a capture_violation and invalidates the
 // capture for any), serves the capture only from capture-safe memory or throws out_of_memory,
 // and keeps memory the graph may touch away from other users until the graph is released.
+#include "support/sim_faults.hpp"
 #include "support/sim_fixture.hpp"
 
 #include <catch2/catch.hpp>
@@ -17,18 +18,6 @@ using namespace streamsafe;
 using namespace streamsafe::test;
 
 namespace {
-
-std::size_t count_faults(const sim::simulated_device& dev, sim::fault_kind kind) {
-  std::size_t n = 0;
-  for (const auto& f : dev.faults()) n += f.kind == kind ? 1 : 0;
-  return n;
-}
-
-std::string fault_text(const sim::simulated_device& dev) {
-  std::string text;
-  for (const auto& f : dev.faults()) text += f.message + "\n";
-  return text;
-}
 
 // The backend calls that are illegal while a stream captures.
 struct unsafe_calls {
@@ -46,15 +35,6 @@ struct unsafe_calls {
            device_syncs == o.device_syncs;
   }
 };
-
-const char* name_of(backend_kind b) {
-  return b == backend_kind::expandable ? "expandable" : "cuda_malloc";
-}
-
-// Runs the test once per backend (Catch2 GENERATE), naming it in failure messages.
-#define EACH_BACKEND(backend)                                                                 \
-  const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable); \
-  INFO("backend " << name_of(backend))
 
 // The allocator over a simulated device, with the stream s that captures and a second stream,
 // `other`, that the allocator knows (it holds a small block there).

@@ -1,9 +1,10 @@
-// Frees during a CUDA graph capture of blocks that belong to another graph's private pool
-// (issue 14 item 1), on the simulated device. The rule under test: a free during a capture of
+// Frees during a CUDA graph capture of blocks that belong to another graph's private pool,
+// on the simulated device. The rule under test: a free during a capture of
 // memory the capture may use is held until that graph is released, whichever pool the block
 // belongs to (the stream's ordinary pool or an earlier graph's private pool); memory a graph
 // may still replay over is never unmapped; releasing a graph whose pool still holds live blocks
 // is reported.
+#include "support/sim_faults.hpp"
 #include "support/sim_fixture.hpp"
 
 #include <spdlog/sinks/base_sink.h>
@@ -20,26 +21,6 @@ using namespace streamsafe;
 using namespace streamsafe::test;
 
 namespace {
-
-std::size_t count_faults(const sim::simulated_device& dev, sim::fault_kind kind) {
-  std::size_t n = 0;
-  for (const auto& f : dev.faults()) n += f.kind == kind ? 1 : 0;
-  return n;
-}
-
-std::string fault_text(const sim::simulated_device& dev) {
-  std::string text;
-  for (const auto& f : dev.faults()) text += f.message + "\n";
-  return text;
-}
-
-const char* name_of(backend_kind b) {
-  return b == backend_kind::expandable ? "expandable" : "cuda_malloc";
-}
-
-#define EACH_BACKEND(backend)                                                                 \
-  const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable); \
-  INFO("backend " << name_of(backend))
 
 // The "streamsafe" logger's messages of level warn and above, while the capture lives (its
 // other sinks are detached meanwhile, so that nothing reaches stderr).
@@ -115,7 +96,7 @@ struct graphs_env : sim_env {
 
 TEST_CASE(
     "A block of graph 1's pool freed during graph 2's capture is held until graph 2 is released",
-    "[graph-pools][graph]") {
+    "[core][graph]") {
   EACH_BACKEND(backend);
   graphs_env env(backend);
   env.begin();
@@ -147,7 +128,7 @@ TEST_CASE(
 TEST_CASE(
     "After graph 1 is released, empty_cache leaves mapped the graph-1 block that graph 2 replays "
     "over",
-    "[graph-pools][graph]") {
+    "[core][graph]") {
   EACH_BACKEND(backend);
   graphs_env env(backend);
   env.begin();
@@ -179,7 +160,7 @@ TEST_CASE(
 TEST_CASE(
     "Control: the same sequence with W from the stream's ordinary pool is held and the replay is "
     "safe",
-    "[graph-pools][graph]") {
+    "[core][graph]") {
   EACH_BACKEND(backend);
   graphs_env env(backend);
   void* w = env.alloc.allocate(64 * MiB, env.s);  // before any capture: s's own pool
@@ -208,7 +189,7 @@ TEST_CASE(
 TEST_CASE(
     "Control: a graph replayed over memory released under it faults as access_unmapped on the "
     "simulated device",
-    "[graph-pools][graph]") {
+    "[core][graph]") {
   // Shows that the replay checks above can fail: the user frees a block graph 2 reads after its
   // capture (which the allocator cannot see), empty_cache releases it, the replay faults.
   EACH_BACKEND(backend);
@@ -231,7 +212,7 @@ TEST_CASE(
 TEST_CASE(
     "Releasing a graph whose private pool still holds a live block is reported, and the block "
     "stays usable",
-    "[graph-pools][graph]") {
+    "[core][graph]") {
   EACH_BACKEND(backend);
   graphs_env env(backend);
   env.begin();
@@ -268,7 +249,7 @@ TEST_CASE(
 }
 
 TEST_CASE("Control: the log capture of these tests sees the allocator's warnings",
-          "[graph-pools]") {
+          "[core][graph]") {
   log_capture log;
   REQUIRE(log.attached());
   sim_env env(make_options(backend_kind::cuda_malloc,
@@ -280,7 +261,7 @@ TEST_CASE(
     "A block allocated in a capture, live at its end and freed after it, serves no one but its "
     "graph until "
     "the graph is released",
-    "[graph-pools][graph]") {
+    "[core][graph]") {
   EACH_BACKEND(backend);
   graphs_env env(backend);
   env.begin();
@@ -309,7 +290,7 @@ TEST_CASE(
 }
 
 TEST_CASE("A later capture on the same stream is not served from an earlier graph's pool",
-          "[graph-pools][graph]") {
+          "[core][graph]") {
   // Pools are private to one graph: streamsafe has no way to share a pool between graphs
   // (PyTorch's torch.cuda.graph(pool=...)); a block of graph 1's pool freed after its capture
   // must not serve graph 2, whose replays may overlap graph 1's.
@@ -341,7 +322,7 @@ TEST_CASE("A later capture on the same stream is not served from an earlier grap
 TEST_CASE(
     "A capture sharing graph 1's pool reuses the block graph 1 freed, and the pool goes back with "
     "its last graph",
-    "[graph-pools][graph][shared-pool]") {
+    "[core][graph]") {
   // torch.cuda.graph(pool=g1.pool()): the graphs replay one after another, never concurrently.
   EACH_BACKEND(backend);
   graphs_env env(backend);
@@ -379,7 +360,7 @@ TEST_CASE(
     "Graphs captured, replayed and released in a loop give back their pools' memory and address "
     "ranges "
     "before the next capture",
-    "[graph-pools][graph]") {
+    "[core][graph]") {
   EACH_BACKEND(backend);
   options o = make_options(backend);
   o.memory_limit_bytes = 256 * MiB;

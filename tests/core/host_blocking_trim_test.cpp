@@ -1,5 +1,5 @@
 // allocate and deallocate never block the host on a fence for a release nobody asked for
-// (issue 14 item 3), on the simulated device: with max_cached_bytes or
+// (the opportunistic trim), on the simulated device: with max_cached_bytes or
 // garbage_collection_threshold set and empty_cache:wait (the default), the opportunistic trim
 // inside allocate releases what is safe now and leaves the rest. The calling thread holds a
 // stream busy (a collective it must itself release, as when one thread drives several GPUs):
@@ -69,7 +69,7 @@ TEST_CASE(
     "With max_cached_bytes or garbage_collection_threshold and empty_cache:wait, an allocation "
     "that grows "
     "does not wait on a busy stream's fence",
-    "[trim][blocking]") {
+    "[core][blocking]") {
   const bool gc = GENERATE(false, true);
   INFO((gc ? "garbage_collection_threshold:0.25, limit 1 GiB" : "max_cached_bytes:64 MiB"));
   trim_env env(gc ? with_gc_threshold() : with_max_cached());
@@ -97,7 +97,7 @@ TEST_CASE(
     "With max_cached_bytes and empty_cache:wait, frees that bring the cache over the cap do not "
     "wait on a "
     "busy stream's fence",
-    "[trim][blocking]") {
+    "[core][blocking]") {
   trim_env env(with_max_cached(), 4);
   const auto r = returns_within(
       [&] {
@@ -117,7 +117,7 @@ TEST_CASE(
 TEST_CASE(
     "Control: an explicit empty_cache in wait mode under the hold blocks, and the watchdog catches "
     "it",
-    "[trim][blocking]") {
+    "[core][blocking]") {
   trim_env env(with_max_cached());
   const auto r = returns_within([&] { env.alloc.empty_cache(); }, std::chrono::milliseconds(500),
                                 [&] { env.open(); });

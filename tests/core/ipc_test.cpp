@@ -1,10 +1,11 @@
-// Interprocess export and import of blocks (issue 14 item 7), on the simulated device: a producer
+// Interprocess export and import of blocks, on the simulated device: a producer
 // allocator exports a block, a consumer allocator on the same device imports it (a view at the
 // same address) and reads it on its own stream. The rules under test: the producer's free of an
 // exported block is held until every export has been released AND the consumer's event has
 // completed, so that neither a reallocation nor empty_cache (wait or defer, either backend)
 // touches the bytes under the consumer's pending read; allocate and deallocate never wait;
 // misuse is a clear error.
+#include "support/sim_faults.hpp"
 #include "support/sim_fixture.hpp"
 
 #include <catch2/catch.hpp>
@@ -15,20 +16,6 @@ using namespace streamsafe;
 using namespace streamsafe::test;
 
 namespace {
-
-std::string fault_text(const sim::simulated_device& dev) {
-  std::string text;
-  for (const auto& f : dev.faults()) text += f.message + "\n";
-  return text;
-}
-
-const char* name_of(backend_kind b) {
-  return b == backend_kind::expandable ? "expandable" : "cuda_malloc";
-}
-
-#define EACH_BACKEND(backend)                                                                 \
-  const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable); \
-  INFO("backend " << name_of(backend))
 
 // A producer and a consumer allocator on one simulated device, each with its own stream.
 struct ipc_env {
@@ -47,7 +34,8 @@ constexpr std::uint64_t k_read_us = 1000;  // the consumer's long read
 
 }  // namespace
 
-TEST_CASE("a producer free of an exported block is held until the consumer is done", "[ipc]") {
+TEST_CASE("a producer free of an exported block is held until the consumer is done",
+          "[core][ipc]") {
   EACH_BACKEND(backend);
   ipc_env env(make_options(backend));
   auto& dev = env.dev;
@@ -101,7 +89,8 @@ TEST_CASE("a producer free of an exported block is held until the consumer is do
   CHECK(dev.fault_count() == 0);
 }
 
-TEST_CASE("empty_cache does not release an exported block under the consumer's read", "[ipc]") {
+TEST_CASE("empty_cache does not release an exported block under the consumer's read",
+          "[core][ipc]") {
   EACH_BACKEND(backend);
   const empty_cache_mode mode = GENERATE(empty_cache_mode::wait, empty_cache_mode::defer);
   INFO("mode " << (mode == empty_cache_mode::wait ? "wait" : "defer"));
@@ -136,7 +125,7 @@ TEST_CASE("empty_cache does not release an exported block under the consumer's r
   CHECK(dev.fault_count() == 0);
 }
 
-TEST_CASE("allocate and deallocate never wait on a consumer event", "[ipc]") {
+TEST_CASE("allocate and deallocate never wait on a consumer event", "[core][ipc]") {
   EACH_BACKEND(backend);
   ipc_env env(make_options(backend, fence_scope::all_streams, empty_cache_mode::defer));
   auto& dev = env.dev;
@@ -164,7 +153,7 @@ TEST_CASE("allocate and deallocate never wait on a consumer event", "[ipc]") {
   dev.run_until_idle();
 }
 
-TEST_CASE("every export of a block must end before its free completes", "[ipc]") {
+TEST_CASE("every export of a block must end before its free completes", "[core][ipc]") {
   ipc_env env(make_options(backend_kind::expandable));
   auto& dev = env.dev;
   caching_allocator second(dev, make_options(backend_kind::expandable));
@@ -189,7 +178,7 @@ TEST_CASE("every export of a block must end before its free completes", "[ipc]")
   CHECK(dev.fault_count() == 0);
 }
 
-TEST_CASE("a stream-ordered free of an exported block completes on its stream", "[ipc]") {
+TEST_CASE("a stream-ordered free of an exported block completes on its stream", "[core][ipc]") {
   EACH_BACKEND(backend);
   ipc_env env(make_options(backend));
   auto& dev = env.dev;
@@ -208,7 +197,7 @@ TEST_CASE("a stream-ordered free of an exported block completes on its stream", 
   CHECK(dev.fault_count() == 0);
 }
 
-TEST_CASE("revoke_exports ends exports whose consumer never released", "[ipc]") {
+TEST_CASE("revoke_exports ends exports whose consumer never released", "[core][ipc]") {
   ipc_env env(make_options(backend_kind::cuda_malloc));
   void* a = env.producer.allocate(MiB, env.ps);
   (void)env.consumer.import_block(env.producer.export_block(a));  // the consumer then "dies"
@@ -222,7 +211,7 @@ TEST_CASE("revoke_exports ends exports whose consumer never released", "[ipc]") 
   env.producer.check_invariants();
 }
 
-TEST_CASE("IPC misuse is a clear error", "[ipc]") {
+TEST_CASE("IPC misuse is a clear error", "[core][ipc]") {
   ipc_env env(make_options(backend_kind::expandable));
   auto& P = env.producer;
   auto& C = env.consumer;
@@ -300,7 +289,7 @@ TEST_CASE("IPC misuse is a clear error", "[ipc]") {
   C.check_invariants();
 }
 
-TEST_CASE("a consumer allocator destroyed closes its imports behind their events", "[ipc]") {
+TEST_CASE("a consumer allocator destroyed closes its imports behind their events", "[core][ipc]") {
   sim::simulated_device dev(sim_config());
   caching_allocator producer(dev, make_options(backend_kind::expandable));
   const stream_handle ps = dev.create_stream(), cs = dev.create_stream();
@@ -316,6 +305,73 @@ TEST_CASE("a consumer allocator destroyed closes its imports behind their events
   producer.notify_import_released(r);
   producer.deallocate(a);
   producer.empty_cache();
+  INFO(fault_text(dev));
+  CHECK(dev.fault_count() == 0);
+}
+
+// Field case: a consumer released its import (the producer then ended the export at that first
+// release and handed the block out again) and imported the same handle a second time; the
+// second import read the producer's new data. An export is imported at most once per consumer.
+TEST_CASE("an export cannot be imported again after its import was released", "[core][ipc][race]") {
+  EACH_BACKEND(backend);
+  ipc_env env(make_options(backend));
+  auto& dev = env.dev;
+  void* a = env.producer.allocate(k_bytes, env.ps);
+  dev.launch(env.ps, 10, {writes(a, k_bytes, 7)}, "producer fills");
+  dev.run_until_idle();
+  const ipc_handle h = env.producer.export_block(a);
+
+  const imported_block first = env.consumer.import_block(h);
+  dev.launch(env.cs, 10, {reads(first.ptr, k_bytes)}, "consumer's first read");
+  env.producer.notify_import_released(env.consumer.release_import(first.ptr, env.cs));
+  dev.run_until_idle();
+  env.consumer.reclaim();  // the first import's view closes behind its event
+  env.producer.reclaim();  // the export ends
+  CHECK(env.producer.ipc_status().exports == 0);
+  CHECK(env.consumer.ipc_status().closing == 0);
+
+  // The producer frees the block and hands it out again.
+  env.producer.deallocate(a);
+  void* b = env.producer.allocate(k_bytes, env.ps);
+  CHECK(b == a);
+  dev.launch(env.ps, k_read_us, {writes(b, k_bytes, 9)}, "producer writes its new block");
+
+  // The handle imported a second time would read the producer's new block under its writes.
+  CHECK_THROWS_WITH(env.consumer.import_block(h), Catch::Contains("imported here already"));
+  CHECK(env.consumer.ipc_status().imports == 0);
+  CHECK(dev.open_import_count() == 0);
+  dev.run_until_idle();
+  env.producer.deallocate(b);
+  env.producer.check_invariants();
+  env.consumer.check_invariants();
+  INFO(fault_text(dev));
+  CHECK(dev.fault_count() == 0);
+}
+
+// A front end with its own release protocol (PyTorch counts a sent tensor's consumers) ends an
+// export with the message ipc_release_of builds; the hold still waits for the consumer's event.
+TEST_CASE("ipc_release_of ends an export behind the consumer's event", "[core][ipc]") {
+  EACH_BACKEND(backend);
+  ipc_env env(make_options(backend));
+  auto& dev = env.dev;
+  void* a = env.producer.allocate(k_bytes, env.ps);
+  const ipc_handle h = env.producer.export_block(a);
+  const imported_block imp = env.consumer.import_block(h);
+  dev.launch(env.cs, k_read_us, {reads(imp.ptr, k_bytes)}, "consumer read");
+  (void)env.consumer.release_import(imp.ptr, env.cs);  // the message is not sent back
+  env.producer.notify_import_released(ipc_release_of(h));
+  env.producer.deallocate(a);
+  void* b = env.producer.allocate(k_bytes, env.ps);
+  CHECK(b != a);  // held behind the consumer's pending read
+  CHECK(env.producer.ipc_status().held_frees == 1);
+  dev.run_until_idle();
+  env.producer.reclaim();
+  env.consumer.reclaim();
+  CHECK(env.producer.ipc_status().exports == 0);
+  CHECK(env.producer.ipc_status().held_frees == 0);
+  CHECK_THROWS_AS(ipc_release_of(ipc_handle{}), ipc_error);
+  env.producer.deallocate(b);
+  env.producer.check_invariants();
   INFO(fault_text(dev));
   CHECK(dev.fault_count() == 0);
 }

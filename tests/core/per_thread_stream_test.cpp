@@ -1,18 +1,16 @@
-// cudaStreamPerThread passed to the core caching_allocator directly (issue 14 item 6), on the
+// cudaStreamPerThread passed to the core caching_allocator directly, on the
 // simulated device. The handle (2) names a different stream in every host thread; the backend
 // marks it (device_backend::stream_is_per_thread). The core must either give it a per-thread
 // identity (a block freed by one thread's per-thread stream reaches another thread's only
 // behind an ordering) or refuse it with std::invalid_argument naming cudaStreamPerThread. The
 // tests accept either fix. per_thread_device models the CUDA meaning of the handle: every call
 // that names stream 2 acts on the calling thread's own simulated stream.
-#include "support/forwarding_device.hpp"
+#include "support/per_thread_device.hpp"
+#include "support/sim_faults.hpp"
 #include "support/sim_fixture.hpp"
 
 #include <catch2/catch.hpp>
 
-#include <atomic>
-#include <map>
-#include <mutex>
 #include <string>
 #include <thread>
 
@@ -20,70 +18,6 @@ using namespace streamsafe;
 using namespace streamsafe::test;
 
 namespace {
-
-constexpr stream_handle k_per_thread = 2;  // cudaStreamPerThread
-
-class per_thread_device final : public forwarding_device {
- public:
-  using forwarding_device::forwarding_device;
-  // The calling thread's per-thread stream (created on first use). Threads are told apart by a
-  // number of their own: std::thread::id values are reused once a thread has been joined.
-  stream_handle own_stream() {
-    static std::atomic<int> next_thread{0};
-    thread_local const int me = next_thread.fetch_add(1);
-    std::lock_guard<std::mutex> lk(mu_);
-    auto [it, fresh] = streams_.try_emplace(me, 0);
-    if (fresh) it->second = dev_.create_stream();
-    return it->second;
-  }
-  // The legacy default stream (0) is ordered both ways with every blocking stream, and every
-  // per-thread stream is one: an action on 0 first waits for the per-thread streams' work so
-  // far, and their later work waits for it (CUDA's "Stream synchronization behavior"). The core
-  // relies on it to fence another thread's per-thread stream, which only that thread can name.
-  void record_event(event_handle e, stream_handle s) override {
-    if (s == 0) legacy_waits_for_blocking();
-    dev_.record_event(e, resolve(s));
-    if (s == 0) blocking_wait_for(e);
-  }
-  void stream_wait_event(stream_handle s, event_handle e) override {
-    if (s == 0) legacy_waits_for_blocking();
-    dev_.stream_wait_event(resolve(s), e);
-    if (s == 0) blocking_wait_for(e);
-  }
-  bool query_stream(stream_handle s) override { return dev_.query_stream(resolve(s)); }
-  std::uint64_t legacy_actions() const { return legacy_actions_; }
-  bool stream_is_capturing(stream_handle s) noexcept override {
-    return dev_.stream_is_capturing(resolve(s));
-  }
-  bool stream_is_per_thread(stream_handle s) const noexcept override { return s == k_per_thread; }
-
- private:
-  stream_handle resolve(stream_handle s) { return s == k_per_thread ? own_stream() : s; }
-  void legacy_waits_for_blocking() {
-    std::lock_guard<std::mutex> lk(mu_);
-    ++legacy_actions_;
-    for (auto& [thread, stream] : streams_) {
-      auto [it, fresh] = marks_.try_emplace(stream, 0);
-      if (fresh) it->second = dev_.create_event();
-      dev_.record_event(it->second, stream);
-      dev_.stream_wait_event(0, it->second);
-    }
-  }
-  void blocking_wait_for(event_handle e) {
-    std::lock_guard<std::mutex> lk(mu_);
-    for (auto& [thread, stream] : streams_) dev_.stream_wait_event(stream, e);
-  }
-  std::mutex mu_;
-  std::map<int, stream_handle> streams_;
-  std::map<stream_handle, event_handle> marks_;  // one event per per-thread stream
-  std::uint64_t legacy_actions_ = 0;
-};
-
-struct per_thread_env {
-  sim::simulated_device dev{sim_config()};
-  per_thread_device backend{dev};
-  caching_allocator alloc{backend, options{}};
-};
 
 bool names_per_thread(const std::string& what) {
   return what.find("cudaStreamPerThread") != std::string::npos ||
@@ -96,7 +30,7 @@ TEST_CASE(
     "cudaStreamPerThread in the core: a block one thread's per-thread stream still writes is not "
     "handed to "
     "another thread's per-thread stream without an ordering (or the handle is refused)",
-    "[per-thread-stream]") {
+    "[core][per-thread-stream]") {
   per_thread_env env;
   void* p = nullptr;
   std::string refused;
@@ -144,7 +78,7 @@ TEST_CASE(
     "Control: two threads sharing one explicit stream handle while working on different streams "
     "race on the "
     "simulated device",
-    "[per-thread-stream]") {
+    "[core][per-thread-stream]") {
   // What the core does with cudaStreamPerThread today, written out with real handles: both
   // threads' blocks are keyed by one handle, their work runs on two streams.
   sim_env env;
@@ -164,7 +98,7 @@ TEST_CASE(
 }
 
 TEST_CASE("Control: the same two threads on their own explicit streams do not race",
-          "[per-thread-stream]") {
+          "[core][per-thread-stream]") {
   sim_env env;
   const auto a = env.dev.create_stream();
   const auto b = env.dev.create_stream();
@@ -182,30 +116,10 @@ TEST_CASE("Control: the same two threads on their own explicit streams do not ra
 
 // ---- cudaStreamPerThread in the core: each thread's per-thread stream is its own stream -------
 
-namespace {
-
-std::string fault_text(const sim::simulated_device& dev) {
-  std::string text;
-  for (const auto& f : dev.faults()) text += f.message + "\n";
-  return text;
-}
-
-// No fault while the hold keeps a stream busy, none once it opens and everything has run.
-void check_no_fault_around(sim::simulated_device& dev, std::uint64_t hold) {
-  INFO(fault_text(dev));
-  CHECK(dev.fault_count() == 0);
-  dev.open(hold);
-  dev.run_until_idle();
-  INFO(fault_text(dev));
-  CHECK(dev.fault_count() == 0);
-}
-
-}  // namespace
-
 TEST_CASE(
     "cudaStreamPerThread in the core: a use recorded from another thread is that thread's "
     "per-thread stream, and a host free from the allocating thread fences it",
-    "[per-thread-stream]") {
+    "[core][per-thread-stream]") {
   // A allocates on its per-thread stream; B reads the block on B's per-thread stream and says
   // so (record_stream(p, cudaStreamPerThread) on B); A frees it. A's next allocation must not
   // write it before B's read: the use names B's stream, which only B can name to the driver,
@@ -235,7 +149,7 @@ TEST_CASE(
 TEST_CASE(
     "cudaStreamPerThread in the core: a stream-ordered free on another thread's per-thread "
     "stream orders the allocating thread's reuse after it",
-    "[per-thread-stream]") {
+    "[core][per-thread-stream]") {
   per_thread_env env;
   std::uint64_t hold = 0;
   std::thread a([&] {
@@ -260,7 +174,7 @@ TEST_CASE(
 TEST_CASE(
     "cudaStreamPerThread in the core: a host free from another thread returns the block to "
     "the allocating thread's per-thread stream only",
-    "[per-thread-stream]") {
+    "[core][per-thread-stream]") {
   per_thread_env env;
   void* p = nullptr;
   std::uint64_t hold = 0;
@@ -290,7 +204,7 @@ TEST_CASE(
 TEST_CASE(
     "cudaStreamPerThread in the core: empty_cache on another thread fences every thread's "
     "per-thread stream",
-    "[per-thread-stream]") {
+    "[core][per-thread-stream]") {
   sim::simulated_device dev{sim_config()};
   per_thread_device backend{dev};
   caching_allocator alloc{backend, make_options(backend_kind::cuda_malloc, fence_scope::all_streams,
@@ -321,7 +235,7 @@ TEST_CASE(
 TEST_CASE(
     "cudaStreamPerThread in the core: a segment moved from one thread's per-thread stream to "
     "another's is ordered after the first",
-    "[per-thread-stream]") {
+    "[core][per-thread-stream]") {
   // A 48 MiB device: B's 32 MiB request fits only in A's free segment, which moves to B's pool
   // behind a fence on A's stream (recorded on the legacy stream: B cannot name A's stream).
   sim::simulated_device dev{sim_config(48 * MiB)};

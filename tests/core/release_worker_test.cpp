@@ -103,7 +103,7 @@ struct worker_env {
 }  // namespace
 
 TEST_CASE("release_worker is an option: on, off, auto (the default; the core treats it as off)",
-          "[core][release_worker]") {
+          "[core][worker]") {
   CHECK(options{}.release_worker == release_worker_mode::automatic);
   CHECK(options::parse("release_worker:on").release_worker == release_worker_mode::on);
   CHECK(options::parse("release_worker:off").release_worker == release_worker_mode::off);
@@ -123,7 +123,7 @@ TEST_CASE("release_worker is an option: on, off, auto (the default; the core tre
 TEST_CASE(
     "release_worker:on: empty_cache in defer mode makes no unmap or free_segment call on the "
     "calling thread",
-    "[core][release_worker]") {
+    "[core][worker]") {
   const backend_kind backend = GENERATE(backend_kind::expandable, backend_kind::cuda_malloc);
   INFO(to_string(backend));
   SECTION("control: with the worker off the calling thread releases") {
@@ -178,7 +178,7 @@ TEST_CASE(
     "release_worker:on keeps the fence scope's safety: no release under pending work on a fenced "
     "stream; "
     "the allocation_stream scope (control) faults",
-    "[core][release_worker]") {
+    "[core][worker]") {
   const backend_kind backend = GENERATE(backend_kind::expandable, backend_kind::cuda_malloc);
   const fence_scope scope = GENERATE(fence_scope::all_streams, fence_scope::allocation_stream);
   INFO(to_string(backend) << " " << to_string(scope));
@@ -211,7 +211,7 @@ TEST_CASE(
     "release_worker:on: an allocation at the memory limit waits for the release in flight; one "
     "that fits "
     "does not wait",
-    "[core][release_worker]") {
+    "[core][worker]") {
   const backend_kind backend = GENERATE(backend_kind::expandable, backend_kind::cuda_malloc);
   INFO(to_string(backend));
   options o = worker_options(backend);
@@ -257,7 +257,7 @@ TEST_CASE(
     "release_worker:on: an allocation that needs memory behind a pending fence throws "
     "out_of_memory "
     "without waiting on the fence (K8)",
-    "[core][release_worker]") {
+    "[core][worker]") {
   options o = worker_options(backend_kind::expandable);
   o.memory_limit_bytes = 256 * MiB;
   worker_env env(o);
@@ -285,7 +285,7 @@ TEST_CASE(
 TEST_CASE(
     "release_worker:on: a failed driver call in the worker puts the memory back and the worker "
     "goes on",
-    "[core][release_worker]") {
+    "[core][worker]") {
   worker_env env(worker_options(backend_kind::expandable));
   const auto s = env.dev.create_stream();
   env.alloc->deallocate(env.alloc->allocate(64 * MiB, s));
@@ -306,7 +306,7 @@ TEST_CASE(
 TEST_CASE(
     "release_worker:on: the worker makes no query or release while a CUDA graph capture is "
     "underway",
-    "[core][release_worker]") {
+    "[core][worker]") {
   worker_env env(worker_options(backend_kind::expandable));
   const auto capturing = env.dev.create_stream();
   const auto s = env.dev.create_stream();
@@ -334,7 +334,7 @@ TEST_CASE(
 TEST_CASE(
     "release_worker:on: destroying the allocator with queued work and with a release in flight is "
     "clean",
-    "[core][release_worker]") {
+    "[core][worker]") {
   const backend_kind backend = GENERATE(backend_kind::expandable, backend_kind::cuda_malloc);
   INFO(to_string(backend));
   SECTION("queued behind a fence") {
@@ -370,7 +370,7 @@ TEST_CASE(
 TEST_CASE(
     "release_worker:on: a child forked while the worker polls has no worker, and neither hangs nor "
     "joins it",
-    "[core][release_worker][fork]") {
+    "[core][worker][fork]") {
   worker_env env(worker_options(backend_kind::expandable));
   const auto s = env.dev.create_stream();
   void* p = env.alloc->allocate(64 * MiB, s);
@@ -412,7 +412,7 @@ TEST_CASE(
 
 TEST_CASE(
     "A growth takes memory back from the release queue of its own pool instead of mapping more",
-    "[core][release_worker]") {
+    "[core][worker]") {
   // empty_cache in defer mode right after a step, while the step's kernels still run: the
   // memory waits in the release queue for its fence. The next step's allocation on the same
   // stream gets that memory back (stream order makes it safe there, as before empty_cache)

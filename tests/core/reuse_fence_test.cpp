@@ -1,9 +1,10 @@
-// The reuse fence (issue 14 item 5), on the simulated device: a block read on a side stream
+// The reuse fence, on the simulated device: a block read on a side stream
 // without record_stream (a device-to-host copy, a collective on a third stream), freed from the
 // host and handed back to its allocation stream at once, races with the pending read. Under
 // the option reuse_fence:all_streams a host free is fenced against every stream the allocator
 // knows before its block is reused, one event per stream covering a whole batch of frees.
 // Without the option (the default) the race shows: that is the control.
+#include "support/sim_faults.hpp"
 #include "support/sim_fixture.hpp"
 
 #include <catch2/catch.hpp>
@@ -15,12 +16,6 @@ using namespace streamsafe;
 using namespace streamsafe::test;
 
 namespace {
-
-std::size_t count_faults(const sim::simulated_device& dev, sim::fault_kind kind) {
-  std::size_t n = 0;
-  for (const auto& f : dev.faults()) n += f.kind == kind ? 1 : 0;
-  return n;
-}
 
 options reuse_fenced() {
   options o;
@@ -58,7 +53,7 @@ std::size_t unrecorded_side_read_then_reuse(const options& o, bool* reused = nul
 }  // namespace
 
 TEST_CASE("reuse_fence:all_streams parses and is written back by options::to_string",
-          "[reuse-fence][options]") {
+          "[core][reuse-fence][config]") {
   const options o = reuse_fenced();
   CHECK_THAT(o.to_string(), Catch::Contains("reuse_fence:all_streams"));
   CHECK_NOTHROW(options::parse(o.to_string()));
@@ -68,14 +63,14 @@ TEST_CASE(
     "Under reuse_fence:all_streams a host-freed block read on a side stream without record_stream "
     "is not "
     "reused before the read",
-    "[reuse-fence]") {
+    "[core][reuse-fence]") {
   bool reused = false;
   CHECK(unrecorded_side_read_then_reuse(reuse_fenced(), &reused) == 0);
   INFO("reused the same block: " << reused);
 }
 
 TEST_CASE("Control: by default the same reuse races with the unrecorded side-stream read",
-          "[reuse-fence]") {
+          "[core][reuse-fence]") {
   bool reused = false;
   CHECK(unrecorded_side_read_then_reuse(options{}, &reused) == 1);
   CHECK(reused);
@@ -83,7 +78,7 @@ TEST_CASE("Control: by default the same reuse races with the unrecorded side-str
 
 TEST_CASE(
     "Under reuse_fence:all_streams one event per known stream covers a batch of 100 host frees",
-    "[reuse-fence]") {
+    "[core][reuse-fence]") {
   sim_env env(reuse_fenced());
   const auto s = env.dev.create_stream();
   const auto t = env.dev.create_stream();
@@ -110,7 +105,7 @@ TEST_CASE(
   env.alloc.check_invariants();
 }
 
-TEST_CASE("Control: by default same-stream host frees record no event", "[reuse-fence]") {
+TEST_CASE("Control: by default same-stream host frees record no event", "[core][reuse-fence]") {
   sim_env env;
   const auto s = env.dev.create_stream();
   const auto t = env.dev.create_stream();
@@ -127,7 +122,7 @@ TEST_CASE(
     "Under reuse_fence:all_streams a host free on the device-locked path (the thread allocated "
     "last on "
     "another stream) waits for the reuse fence too",
-    "[reuse-fence]") {
+    "[core][reuse-fence]") {
   // The free's fast path serves only blocks of the stream this thread allocated from last; here
   // the last allocation is on t, so the free of s's block takes the path under the device lock.
   sim_env env(reuse_fenced());

@@ -3,7 +3,9 @@
 // safety property has a control that breaks it with the unsafe fence scope
 // (allocation_stream), so that the check is seen to fail where the fence is missing.
 #include "support/forwarding_device.hpp"
+#include "support/sim_faults.hpp"
 #include "support/sim_fixture.hpp"
+#include "support/tagged_blocks.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -17,43 +19,9 @@ using namespace streamsafe;
 using namespace streamsafe::test;
 using namespace std::chrono_literals;
 
-namespace {
-
-options expandable(fence_scope scope = fence_scope::all_streams,
-                   empty_cache_mode mode = empty_cache_mode::wait) {
-  options o = make_options(backend_kind::expandable, scope, mode);
-  o.release_worker = release_worker_mode::off;
-  return o;
-}
-
-std::size_t faults_of(const sim::simulated_device& dev, sim::fault_kind kind) {
-  std::size_t n = 0;
-  for (const auto& f : dev.faults()) n += f.kind == kind ? 1 : 0;
-  return n;
-}
-
-// A tag's blocks on stream s: weights (written with `value`) and a gradient buffer.
-struct tagged_blocks {
-  void* weights = nullptr;
-  void* grads = nullptr;
-};
-
-tagged_blocks allocate_tagged(caching_allocator& a, sim::simulated_device& dev, stream_handle s,
-                              std::uint8_t value) {
-  tag_scope scope("train");
-  tagged_blocks t;
-  t.weights = a.allocate(48 * MiB, s);
-  t.grads = a.allocate(3 * MiB, s);
-  dev.launch(s, 5, {writes(t.weights, 48 * MiB, value)}, "init weights");
-  dev.run_until_idle();
-  return t;
-}
-
-}  // namespace
-
 TEST_CASE("Tags: memory allocated under a tag_scope comes from the tag's own segments",
-          "[sleep][tags]") {
-  sim_env env(expandable());
+          "[core][sleep]") {
+  sim_env env(sleep_options());
   const auto s = env.dev.create_stream();
   void* untagged = env.alloc.allocate(1 * MiB, s);
   void* tagged = nullptr;
@@ -91,11 +59,11 @@ TEST_CASE("Tags: memory allocated under a tag_scope comes from the tag's own seg
 }
 
 TEST_CASE("pause(discard) gives a tag's chunks back only after a side stream's pending read",
-          "[sleep][pause]") {
+          "[core][sleep]") {
   const bool unsafe = GENERATE(false, true);
   CAPTURE(unsafe);
-  sim_env env(expandable(unsafe ? fence_scope::allocation_stream : fence_scope::all_streams,
-                         empty_cache_mode::defer));
+  sim_env env(sleep_options(unsafe ? fence_scope::allocation_stream : fence_scope::all_streams,
+                            empty_cache_mode::defer));
   const auto s = env.dev.create_stream();
   const auto side = env.dev.create_stream();
   void* other = env.alloc.allocate(8 * MiB, s);  // untagged: must stay mapped
@@ -109,7 +77,7 @@ TEST_CASE("pause(discard) gives a tag's chunks back only after a side stream's p
   const pause_status st = env.alloc.pause("train", pause_mode::discard);
   if (unsafe) {
     // The fence covers only the allocation stream: the unmap runs under the pending read.
-    CHECK(faults_of(env.dev, sim::fault_kind::release_under_pending_work) > 0);
+    CHECK(count_faults(env.dev, sim::fault_kind::release_under_pending_work) > 0);
     env.dev.open(hold);
     env.dev.run_until_idle();
     return;
@@ -157,11 +125,11 @@ TEST_CASE("pause(discard) gives a tag's chunks back only after a side stream's p
 }
 
 TEST_CASE("pause(offload) copies after the pending write and resume restores before new work",
-          "[sleep][offload]") {
+          "[core][sleep]") {
   const bool unsafe = GENERATE(false, true);
   CAPTURE(unsafe);
-  sim_env env(expandable(unsafe ? fence_scope::allocation_stream : fence_scope::all_streams,
-                         empty_cache_mode::defer));
+  sim_env env(sleep_options(unsafe ? fence_scope::allocation_stream : fence_scope::all_streams,
+                            empty_cache_mode::defer));
   const auto s = env.dev.create_stream();
   const auto side = env.dev.create_stream();
   const tagged_blocks t = allocate_tagged(env.alloc, env.dev, s, 3);
@@ -175,7 +143,7 @@ TEST_CASE("pause(offload) copies after the pending write and resume restores bef
   env.dev.run_until_idle();
   if (unsafe) {
     // The copy stream was not ordered after the side stream: the copy raced the write.
-    CHECK(faults_of(env.dev, sim::fault_kind::cross_stream_race) > 0);
+    CHECK(count_faults(env.dev, sim::fault_kind::cross_stream_race) > 0);
     return;
   }
   CHECK(env.alloc.tag_status("train").phase == tag_phase::paused);
@@ -188,7 +156,7 @@ TEST_CASE("pause(offload) copies after the pending write and resume restores bef
   // A stream the resume did not order races the restore (the caller's job: resume(tag, stream)).
   const auto unordered = env.dev.create_stream();
   env.dev.launch(unordered, 1, {writes(t.weights, 4096, 5)}, "unordered write");
-  CHECK(faults_of(env.dev, sim::fault_kind::cross_stream_race) > 0);
+  CHECK(count_faults(env.dev, sim::fault_kind::cross_stream_race) > 0);
   env.dev.run_until_idle();
   env.dev.clear_faults();
   CHECK(env.dev.value_at(addr(t.weights) + 4096) == std::optional<std::uint8_t>(9));
@@ -209,8 +177,8 @@ TEST_CASE("pause(offload) copies after the pending write and resume restores bef
 }
 
 TEST_CASE("pause in wait mode returns with everything back; frees during the pause work",
-          "[sleep][pause]") {
-  sim_env env(expandable());
+          "[core][sleep]") {
+  sim_env env(sleep_options());
   const auto s = env.dev.create_stream();
   const auto side = env.dev.create_stream();
   const tagged_blocks t = allocate_tagged(env.alloc, env.dev, s, 4);
@@ -241,19 +209,20 @@ TEST_CASE("pause in wait mode returns with everything back; frees during the pau
   env.alloc.check_invariants();
 }
 
-TEST_CASE("pause is refused where it cannot be safe or cannot keep addresses", "[sleep][errors]") {
+TEST_CASE("pause is refused where it cannot be safe or cannot keep addresses",
+          "[core][sleep][bad-input]") {
   SECTION("cuda_malloc backend") {
     sim_env env(make_options(backend_kind::cuda_malloc));
     CHECK_THROWS_AS(env.alloc.pause("train", pause_mode::discard), config_error);
   }
   SECTION("inside a stream callback") {
-    sim_env env(expandable());
+    sim_env env(sleep_options());
     callback_scope cb;
     CHECK_THROWS_AS(env.alloc.pause("train", pause_mode::discard), std::logic_error);
     CHECK_THROWS_AS(env.alloc.resume("train"), std::logic_error);
   }
   SECTION("during a graph capture") {
-    sim_env env(expandable());
+    sim_env env(sleep_options());
     const auto s = env.dev.create_stream();
     {
       tag_scope scope("train");
@@ -267,8 +236,8 @@ TEST_CASE("pause is refused where it cannot be safe or cannot keep addresses", "
   }
 }
 
-TEST_CASE("Sleep hooks see every range before its unmap and after its map", "[sleep][hooks]") {
-  sim_env env(expandable());
+TEST_CASE("Sleep hooks see every range before its unmap and after its map", "[core][sleep]") {
+  sim_env env(sleep_options());
   const auto s = env.dev.create_stream();
   const tagged_blocks t = allocate_tagged(env.alloc, env.dev, s, 1);
   std::vector<sleep_hook_event> seen;
@@ -296,7 +265,8 @@ TEST_CASE("Sleep hooks see every range before its unmap and after its map", "[sl
   env.alloc.deallocate(t.grads);
 }
 
-TEST_CASE("The release worker makes a deferred pause off the caller's thread", "[sleep][worker]") {
+TEST_CASE("The release worker makes a deferred pause off the caller's thread",
+          "[core][sleep][worker]") {
   class unmap_watch final : public forwarding_device {
    public:
     explicit unmap_watch(sim::simulated_device& d)
@@ -312,7 +282,7 @@ TEST_CASE("The release worker makes a deferred pause off the caller's thread", "
   };
   sim::simulated_device dev(sim_config());
   unmap_watch watch(dev);
-  options o = expandable(fence_scope::all_streams, empty_cache_mode::defer);
+  options o = sleep_options(fence_scope::all_streams, empty_cache_mode::defer);
   o.release_worker = release_worker_mode::on;
   caching_allocator alloc(watch, o);
   const auto s = dev.create_stream();
@@ -352,8 +322,9 @@ TEST_CASE("The release worker makes a deferred pause off the caller's thread", "
   alloc.deallocate(t.grads);
 }
 
-TEST_CASE("resume_async without a worker is resume on the caller's thread", "[sleep][worker]") {
-  sim_env env(expandable());
+TEST_CASE("resume_async without a worker is resume on the caller's thread",
+          "[core][sleep][worker]") {
+  sim_env env(sleep_options());
   const auto s = env.dev.create_stream();
   const tagged_blocks t = allocate_tagged(env.alloc, env.dev, s, 6);
   env.alloc.pause("train", pause_mode::offload);
@@ -368,8 +339,8 @@ TEST_CASE("resume_async without a worker is resume on the caller's thread", "[sl
 }
 
 TEST_CASE("resume out of memory keeps the tag paused; a later resume completes it",
-          "[sleep][oom]") {
-  sim_env env(expandable(), sim_config(512 * MiB));
+          "[core][sleep]") {
+  sim_env env(sleep_options(), sim_config(512 * MiB));
   const auto s = env.dev.create_stream();
   void* big = nullptr;
   {
@@ -391,8 +362,8 @@ TEST_CASE("resume out of memory keeps the tag paused; a later resume completes i
 }
 
 TEST_CASE("empty_cache(tag) releases only that tag's free memory; trim keeps what is asked",
-          "[sleep][trim]") {
-  sim_env env(expandable());
+          "[core][sleep]") {
+  sim_env env(sleep_options());
   const auto s = env.dev.create_stream();
   void* a = nullptr;
   void* b = nullptr;
@@ -418,11 +389,11 @@ TEST_CASE("empty_cache(tag) releases only that tag's free memory; trim keeps wha
   env.alloc.check_invariants();
 }
 
-TEST_CASE("Destroying the allocator with a tag paused or pausing is clean", "[sleep]") {
+TEST_CASE("Destroying the allocator with a tag paused or pausing is clean", "[core][sleep]") {
   sim::simulated_device dev(sim_config());
   const auto s = dev.create_stream();
   {
-    caching_allocator alloc(dev, expandable(fence_scope::all_streams, empty_cache_mode::defer));
+    caching_allocator alloc(dev, sleep_options(fence_scope::all_streams, empty_cache_mode::defer));
     const tagged_blocks t = allocate_tagged(alloc, dev, s, 1);
     alloc.pause("train", pause_mode::offload, empty_cache_mode::wait);
     {
@@ -436,4 +407,30 @@ TEST_CASE("Destroying the allocator with a tag paused or pausing is clean", "[sl
   dev.run_until_idle();
   CHECK(dev.fault_count() == 0);
   CHECK(dev.host_bytes_in_use() == 0);
+}
+
+// PyTorch's empty_cache() leaves a live MemPool's cache alone (a MemPool outside a capture is a
+// tag in the extension): empty_cache_untagged releases the untagged cache only.
+TEST_CASE("empty_cache_untagged releases untagged cached memory and leaves every tag's",
+          "[core][sleep]") {
+  const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
+  options o = make_options(backend, fence_scope::all_streams, empty_cache_mode::wait);
+  o.release_worker = release_worker_mode::off;
+  sim_env env(o);
+  const auto s = env.dev.create_stream();
+  void* a = nullptr;
+  {
+    tag_scope scope("pool");
+    a = env.alloc.allocate(64 * MiB, s);
+  }
+  void* b = env.alloc.allocate(64 * MiB, s);
+  env.alloc.deallocate(a);
+  env.alloc.deallocate(b);
+  const std::size_t released = env.alloc.empty_cache_untagged();
+  CHECK(released >= 64 * MiB);
+  CHECK(env.alloc.tag_status("pool").reserved_bytes >= 64 * MiB);
+  CHECK(env.alloc.empty_cache_untagged() == 0);
+  CHECK(env.alloc.empty_cache("pool") >= 64 * MiB);
+  CHECK(env.alloc.stats().reserved_bytes.current == 0);
+  env.alloc.check_invariants();
 }

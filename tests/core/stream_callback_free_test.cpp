@@ -1,4 +1,4 @@
-// Case K16 and issue 14 item 3: a free from inside a stream callback (cudaLaunchHostFunc), on
+// Case K16: a free from inside a stream callback (cudaLaunchHostFunc), on
 // the simulated device. The simulated device has no host functions; host_function models one:
 // a hold on S stands for the callback's place in S's queue (S's later work waits for it), the
 // callback runs on its own thread once S's earlier work completed, and S goes on when it
@@ -162,7 +162,7 @@ callback_result launch_host_func(callback_env& env, stream_handle s,
 TEST_CASE(
     "K16: a host free from a stream callback of a block used only on its stream makes no backend "
     "call",
-    "[cases][K16][callback]") {
+    "[core][callback][cases][K16]") {
   callback_env env;
   void* p = env.alloc.allocate(8 * MiB, env.s);
   env.dev.launch(env.s, 10, {writes(p, 8 * MiB, 0x16)}, "kernel uses p");
@@ -181,7 +181,7 @@ TEST_CASE(
     "K16: a host free from a stream callback of a block with a recorded use on another stream "
     "makes no "
     "backend call, and the block is reused only behind that use",
-    "[cases][K16][callback]") {
+    "[core][callback][cases][K16]") {
   callback_env env;
   void* p = env.alloc.allocate(8 * MiB, env.s);
   auto ev = env.dev.create_event();
@@ -207,7 +207,7 @@ TEST_CASE(
 
 TEST_CASE(
     "K16: a stream-ordered free on another stream from a stream callback makes no backend call",
-    "[cases][K16][callback]") {
+    "[core][callback][cases][K16]") {
   callback_env env;
   void* p = env.alloc.allocate(8 * MiB, env.s);
   env.dev.launch(env.s, 10, {writes(p, 8 * MiB)}, "kernel uses p");
@@ -224,7 +224,7 @@ TEST_CASE(
 }
 
 TEST_CASE("K16: empty_cache from a stream callback returns at once and makes no backend call",
-          "[cases][K16][callback]") {
+          "[core][callback][cases][K16]") {
   callback_env env;
   env.alloc.deallocate(env.alloc.allocate(64 * MiB, env.s));
   void* p = env.alloc.allocate(8 * MiB, env.s);
@@ -250,7 +250,7 @@ TEST_CASE(
     "K16: an allocation that needs growth from a stream callback fails fast and leaves the "
     "allocator "
     "consistent",
-    "[cases][K16][callback]") {
+    "[core][callback][cases][K16]") {
   callback_env env;
   void* p = env.alloc.allocate(8 * MiB, env.s);
   const auto start = std::chrono::steady_clock::now();
@@ -270,7 +270,7 @@ TEST_CASE(
 TEST_CASE(
     "K16: in a callback_scope, an allocation that needs growth throws at once and makes no backend "
     "call",
-    "[cases][K16][callback]") {
+    "[core][callback][cases][K16]") {
   callback_env env;
   void* p = env.alloc.allocate(8 * MiB, env.s);
   void* small = nullptr;
@@ -293,7 +293,7 @@ TEST_CASE(
 TEST_CASE(
     "K16: a callback frees while another thread waits in empty_cache on the callback's stream: no "
     "deadlock",
-    "[cases][K16][callback]") {
+    "[core][callback][cases][K16]") {
   callback_env env;
   env.alloc.deallocate(env.alloc.allocate(64 * MiB, env.s));
   void* p = env.alloc.allocate(8 * MiB, env.s);
@@ -325,7 +325,7 @@ TEST_CASE(
 }
 
 TEST_CASE("Control: callback_backend fails a backend call made from a stream callback",
-          "[cases][K16][callback]") {
+          "[core][callback][cases][K16]") {
   callback_env env;
   const auto r = launch_host_func(env, env.s, [&] { env.backend.create_event(); });
   CHECK(r.returned);
@@ -337,7 +337,7 @@ TEST_CASE(
     "A free with a recorded use, from an ordinary thread whose last allocation was on a third "
     "stream, records "
     "its events at the free (only a thread that never allocated here is treated as a callback)",
-    "[core][K16][callback]") {
+    "[core][callback][K16]") {
   // The PyTorch pattern behind this test: x allocated on s, y = f(x) allocated on t (so t is the
   // thread's last stream), x.record_stream(t), del x. The free takes the device-locked path; the
   // thread has allocated from the allocator, so it is not a stream callback and the use's event

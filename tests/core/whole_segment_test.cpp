@@ -3,6 +3,7 @@
 // than a large request stays whole for a request of its own size; remainders of split segments
 // and segments close in size still serve any request; at the memory limit the rule gives way.
 #include "support/sim_fixture.hpp"
+#include "support/whole_segments.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -11,29 +12,6 @@
 
 using namespace streamsafe;
 using namespace streamsafe::test;
-
-namespace {
-
-options with_ratio(std::size_t ratio, std::size_t limit_bytes = 0) {
-  options o;
-  o.whole_segment_split_ratio = ratio;
-  o.memory_limit_bytes = limit_bytes;
-  return o;
-}
-
-bool inside(const void* p, const void* seg, std::size_t seg_bytes) {
-  return addr(p) >= addr(seg) && addr(p) < addr(seg) + seg_bytes;
-}
-
-// Two segments of `bytes` each, allocated on s and freed: whole, idle, cached.
-void cache_two_segments(sim_env& env, stream_handle s, std::size_t bytes) {
-  void* a = env.alloc.allocate(bytes, s);
-  void* b = env.alloc.allocate(bytes, s);
-  env.alloc.deallocate(a);
-  env.alloc.deallocate(b);
-}
-
-}  // namespace
 
 namespace {
 
@@ -105,8 +83,8 @@ TEST_CASE(
     void* activation = env.alloc.allocate(12 * MiB, s);  // 212 MiB would pass the 200 MiB peak
     CHECK(env.dev.fault_count() == 0);                   // nothing released under the kernel
     if (c == "empty_cache:wait" || c == "empty_cache:defer") {
-      // An allocation never waits on a fence outside its out-of-memory retry, in either mode
-      // (issue 14 item 3): the segment is queued behind the fence, and the pool grows meanwhile.
+      // An allocation never waits on a fence outside its out-of-memory retry, in either mode:
+      // the segment is queued behind the fence, and the pool grows meanwhile.
       CHECK(env.dev.counters().segment_frees == 0);
       CHECK(env.alloc.pending_release_bytes() == 200 * MiB);
       env.dev.run_until_idle();
@@ -229,7 +207,7 @@ TEST_CASE(
 TEST_CASE(
     "Whole free segments too small for a request go back before a growth past the peak, when they "
     "cover it",
-    "[segment-fit][corpus-policy]") {
+    "[core][segment-fit][corpus-policy]") {
   sim_env env(with_ratio(8));
   auto s = env.dev.create_stream();
   cache_two_segments(env, s, 30 * MiB);  // two idle 30 MiB segments, each too small for 50 MiB
@@ -243,7 +221,7 @@ TEST_CASE(
 }
 
 TEST_CASE("Control: whole_segment_split_ratio:0 keeps the idle segments and grows past the peak",
-          "[segment-fit][corpus-policy]") {
+          "[core][segment-fit][corpus-policy]") {
   sim_env env(with_ratio(0));
   auto s = env.dev.create_stream();
   cache_two_segments(env, s, 30 * MiB);
@@ -255,7 +233,7 @@ TEST_CASE("Control: whole_segment_split_ratio:0 keeps the idle segments and grow
 
 TEST_CASE(
     "Idle whole segments of a quarter of the new segment go back before a growth past the peak",
-    "[segment-fit][corpus-policy]") {
+    "[core][segment-fit][corpus-policy]") {
   sim_env env(with_ratio(8));
   auto s = env.dev.create_stream();
   cache_two_segments(env, s,
@@ -272,7 +250,7 @@ TEST_CASE(
 TEST_CASE(
     "Below the high-water mark of reserved bytes idle whole segments stay, also after "
     "reset_peak_stats",
-    "[segment-fit][corpus-policy]") {
+    "[core][segment-fit][corpus-policy]") {
   sim_env env(with_ratio(8));
   auto s = env.dev.create_stream();
   env.alloc.deallocate(env.alloc.allocate(100 * MiB, s));
@@ -289,7 +267,7 @@ TEST_CASE(
 }
 
 TEST_CASE("Idle whole segments under a quarter of the new segment stay cached",
-          "[segment-fit][corpus-policy]") {
+          "[core][segment-fit][corpus-policy]") {
   sim_env env(with_ratio(8));
   auto s = env.dev.create_stream();
   void* a = env.alloc.allocate(12 * MiB, s);
@@ -304,7 +282,7 @@ TEST_CASE("Idle whole segments under a quarter of the new segment stay cached",
 TEST_CASE(
     "A growth past the peak takes another stream's whole free segment, behind an event wait, "
     "instead of a new one",
-    "[segment-fit][corpus-policy]") {
+    "[core][segment-fit][corpus-policy]") {
   sim_env env(with_ratio(8));
   auto s1 = env.dev.create_stream();
   auto s2 = env.dev.create_stream();

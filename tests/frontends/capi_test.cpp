@@ -1,8 +1,7 @@
 // Tests of the C API (streamsafe.h, libstreamsafe_c.so). The library keeps one process
 // allocator, so the host tests share it: the first one switches it to two simulated devices
 // (use_simulated()), and every test frees what it allocates and compares statistics by
-// difference. The [gpu] test runs the C example program on the GPU in a child process, where the
-// library's allocator is a real one.
+// difference. The C example program on the GPU: examples_gpu_test.cpp.
 #include "support/gpu.hpp"
 
 #include <streamsafe/streamsafe.h>
@@ -193,22 +192,6 @@ TEST_CASE("Every C API status has a name", "[capi]") {
   }
   CHECK(std::string(streamsafe_status_string(STREAMSAFE_ERROR_STATE)) == "STREAMSAFE_ERROR_STATE");
 }
-
-#ifdef STREAMSAFE_C_EXAMPLE_PATH
-TEST_CASE("On the GPU, the C example program passes all its checks", "[gpu][capi]") {
-  STREAMSAFE_REQUIRE_GPU();
-  const std::string cmd = std::string("'") + STREAMSAFE_C_EXAMPLE_PATH + "' 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  REQUIRE(pipe != nullptr);
-  std::string output;
-  char buf[512];
-  while (std::fgets(buf, sizeof buf, pipe)) output += buf;
-  const int status = pclose(pipe);
-  INFO(output);
-  CHECK(status == 0);
-  CHECK_THAT(output, Catch::Contains("on the GPU") && Catch::Contains("all checks passed"));
-}
-#endif
 
 TEST_CASE(
     "The C API announces a graph capture, ends it and releases the graph; misuse is an invalid "

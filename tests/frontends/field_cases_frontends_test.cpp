@@ -37,7 +37,7 @@ bool on_device(simulated_platform& platform, const void* ptr, std::size_t n, int
 TEST_CASE(
     "K17: the cuda::mr adapter for device 1 asked first, then device 0's: each returns its own "
     "device's memory",
-    "[cases][K17][adapters]") {
+    "[adapters][cases][K17]") {
   simulated_platform platform{2};
   simulated_platform::set_current_device(0);
   streamsafe::cuda::allocator alloc{options{}, platform.make_platform()};
@@ -62,7 +62,7 @@ TEST_CASE(
     "K17: two threads construct adapters for two devices at once and allocate 100 blocks each: no "
     "block of "
     "the other device",
-    "[cases][K17][adapters]") {
+    "[adapters][cases][K17]") {
   simulated_platform platform{2};
   streamsafe::cuda::allocator alloc{options{}, platform.make_platform()};
   std::vector<void*> blocks[2];

@@ -1,4 +1,4 @@
-// IPC through cuda::allocator (issue 14 item 7) on simulated devices: export routed to the owning
+// IPC through cuda::allocator on simulated devices: export routed to the owning
 // device, import on a named device, the release routed back to the producer's device by the
 // message, and the producer's free held until the consumer's read has completed.
 #include "support/sim_fixture.hpp"

@@ -1296,7 +1296,7 @@ class program {
     require(alloc_->held_free_count() == 0, "held frees left after every graph was released");
   }
 
-  // IPC (issue 14 item 7): a live block exported to a consumer allocator on this device and read
+  // IPC: a live block exported to a consumer allocator on this device and read
   // on the consumer's stream; the producer frees it before or after the consumer's release, then
   // reallocates its size (allocate_on checks the new block overlaps no live block: the held one
   // stays in live_) and calls empty_cache(defer). The free stays held until the consumer's read

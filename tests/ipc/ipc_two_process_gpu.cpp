@@ -1,4 +1,4 @@
-// Two processes share a block through streamsafe's IPC (issue 14 item 7), on a real GPU.
+// Two processes share a block through streamsafe's IPC, on a real GPU.
 //
 // The producer (this process) forks and re-executes itself as the consumer, connected by a
 // Unix-domain socket pair. Each round: the producer allocates and fills a block, exports it and

@@ -1,33 +1,19 @@
 // streamsafe core: the allocation order.
 //
 // For a rounded request on stream s (pool = s's small or large pool):
-//   1. a good fit among the pool's free blocks (segregated lists, free_lists.hpp), after an
-//      exact-size block from the quick cache; with the cuda_malloc backend a whole free segment
-//      far larger than a large request is skipped (segment_fit.hpp) for the best block that may
-//      be split;
-//   2. a block of the pool whose host free is done but whose other-stream uses are pending:
-//      first the pending blocks whose events have completed are retired (process_events_locked,
-//      which otherwise runs only when k_pending_batch more blocks are pending), then s waits
-//      on the events of the best pending block (stream_wait_event), the host never blocks;
-//   2b. (reuse_fence:all_streams, allocate_slow) the host frees since the last reuse fence:
-//      s waits on one event per other known stream for all of them (free.cpp);
-//   2c. memory of the pool waiting in the release queue for its fence (an empty_cache in defer
-//      mode while the stream still ran): taken back rather than grown for (release_reclaim.cpp);
-//   3. growth (growth.cpp): a new cudaMalloc segment, or more chunks mapped into s's expandable
-//      segment. First the queued releases whose fences have completed go back (never waiting);
-//      with cuda_malloc, s's whole free large segments get an idle fence to be proven idle by
-//      the next growth (release.cpp, K12); if the growth would raise peak reserved, idle memory
-//      is released first (the whole segments skipped in step 1 and those too small, or idle
-//      chunks of any pool, growth_release.cpp; proven ones at once, the rest fenced), and a
-//      cudaMalloc growth takes another stream's whole free segment that fits (as in step 4)
-//      before a new one; at the memory limit, a skipped whole segment is split after all;
-//   4. (out of memory) a whole free segment of another stream's pool, moved behind a fence
-//      that s waits on; then a safe release of the cache (fenced) and one retry; with the
-//      release worker on (release_worker.cpp), a wait for its pass over the queue and its
-//      release in flight and one more retry; then out_of_memory.
-// Locks: steps 1-2 are the fast path, under s's stream lock alone. Steps 3-4 (allocate_slow)
-// take the device lock (mu_) first, then s's lock, dropping s's lock around releases.
-#include "allocator_state.hpp"
+//   1. (the fast path, s's stream lock alone) a good fit among the pool's free blocks
+//      (segregated lists, free_lists.hpp), after an exact-size block from the quick cache; with
+//      the cuda_malloc backend a whole free segment far larger than a large request is skipped
+//      (segment_fit.hpp) for the best block that may be split; then, once the pending blocks
+//      whose events have completed are retired (process_events_locked), a block pending other
+//      streams' uses, behind a stream wait on its events, unless the growth policy's hint says
+//      the pool can grow without raising the peak (the slow path decides);
+//   2. (allocate_slow: mu_, then s's lock) the host frees since the last reuse fence
+//      (reuse_fence:all_streams: one wait of s per other known stream, free.cpp), the pool's
+//      free blocks again, then the growth policy: growth_policy.cpp, expand_pool_locked, which
+//      reclaims queued memory, grows, gives idle memory back before a growth past the peak and
+//      runs the out-of-memory retry; nullptr from it is out_of_memory.
+#include "allocator_impl.hpp"
 #include "format.hpp"
 #include "logging.hpp"
 #include "size_classes.hpp"
@@ -84,8 +70,8 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
   // The device-wide peaks: with one stream its own peak is the device's; with more, any
   // allocation may set a device-wide peak while no stream passes its own.
   if (st.stats.allocated_bytes.current > old_peak ||
-      stream_count_.load(std::memory_order_relaxed) > 1)
-    sample_peaks();
+      sampling_.count.load(std::memory_order_relaxed) > 1)
+    sampling_.sample();
   t_cache.last_used = {id_, st.handle, &st};
   trace(trace_action::alloc, b->addr, size, st.handle);
   if (trace_log_)
@@ -106,7 +92,7 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   detect_captures_locked(dlk);
   if (capturing()) return allocate_during_capture_locked(dlk, size, rounded, small, st.handle);
   fence_unfenced_locked();  // frees made without a backend call (free.cpp)
-  if (empty_cache_requested_ || wants_collection_locked(rounded)) {
+  if (releases_.empty_cache_requested || wants_collection_locked(rounded)) {
     // garbage_collection_threshold / max_cached_bytes, or an empty_cache asked for in a stream
     // callback: give back what is safe now, never waiting, in either empty_cache mode (the
     // host waits only in the out-of-memory retry below).
@@ -136,7 +122,7 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
                        std::to_string(m.backend_.device()) + ", stream " + hex(stream) +
                        ": the size must be positive");
   }
-  if (size_bytes > detail::k_max_request_bytes || size_bytes > m.limit_bytes_) {
+  if (size_bytes > detail::k_max_request_bytes || size_bytes > m.limits_.limit_bytes) {
     device_lock dlk(m.mu_);
     m.throw_out_of_memory_locked(dlk, nullptr, size_bytes, size_bytes, stream, nullptr,
                                  "; the request exceeds the device's memory limit");
@@ -160,7 +146,7 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
     // k_pending_batch more have queued up, or when nothing else fits.
     if (st.pending.size() >= st.process_at && !callback_scope::active())
       m.process_events_locked(st);
-    pool* p = tag == 0 ? &impl::pool_of(st, small) : impl::tagged_pool(st, small, tag);
+    pool* p = tag == 0 ? &pool_of(st, small) : tagged_pool(st, small, tag);
     block* b = p ? m.take_cached_fit_locked(*p, rounded) : nullptr;
     if (p && !b && !st.pending.empty() && !callback_scope::active()) {
       m.process_events_locked(st);

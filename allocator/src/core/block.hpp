@@ -14,7 +14,7 @@
 // free neighbours with the same mapped state never coexist (they are merged; quick_cached blocks
 // are not free in this sense); a block is in exactly one place (free lists, quick cache, active
 // map, pending list or a release batch).
-// Guarded by the lock of the stream that owns the block's segment (allocator_state.hpp).
+// Guarded by the lock of the stream that owns the block's segment (stream_state.hpp).
 #pragma once
 
 #include <streamsafe/backends/device_backend.hpp>
@@ -68,7 +68,8 @@ struct alignas(64) block {
   block* free_prev = nullptr;
   block* free_next = nullptr;
   std::int16_t free_class = -1;
-  bool free_held = false;  // active, but freed during a graph capture (capture.cpp: held_frees_)
+  bool free_held =
+      false;  // active, but freed during a graph capture (capture.cpp: capture_state::held_frees)
   // IPC (ipc.cpp): exports of this block not finished (open, or released with the consumer's
   // event not yet seen complete); while non-zero a free is held (ipc_held).
   std::uint32_t ipc_exports = 0;

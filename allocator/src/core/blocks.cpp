@@ -4,7 +4,7 @@
 // with the same mapped state never coexist; a free block is in its pool's free lists (mapped)
 // or unmapped set; a quick_cached block is in its pool's quick cache and its stream's active
 // map, in no free list. Every function here needs the lock of the stream that owns the pool.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "segment_fit.hpp"
 #include "size_classes.hpp"
 
@@ -46,6 +46,7 @@ block* caching_allocator::impl::best_fit(pool& p, std::size_t rounded) const {
   return b;
 }
 
+// max_split_size: b may not be split for a request of `rounded` bytes.
 bool caching_allocator::impl::split_limit_refuses(const pool& p, const block* b,
                                                   std::size_t rounded) const noexcept {
   if (p.small || opts_.max_split_size_bytes == 0 || b->seg->expandable) return false;
@@ -61,6 +62,7 @@ bool caching_allocator::impl::keeps_whole(const block* b, std::size_t rounded) c
                                      !b->prev && !b->next);
 }
 
+// b is given back before a growth past the peak (segment_fit.hpp's rule).
 bool caching_allocator::impl::idle_at_growth(const block* b, std::size_t rounded) const noexcept {
   // A whole free segment that the growth for `rounded` leaves unused: too small for it, or kept
   // whole by the rule. Given back before a growth past peak reserved (segment_fit.hpp).

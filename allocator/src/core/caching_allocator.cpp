@@ -9,12 +9,17 @@
 //   free.cpp         deallocate and record_stream
 //   release.cpp      giving memory back behind fences; release_worker.cpp its thread
 //   destruction.cpp  destroy_all; capture.cpp graph captures; fork.cpp a forked child
+//   tags.cpp, sleep.cpp, wake.cpp  tagged pools, pause and resume; ipc.cpp export and import
 //   diagnostics.cpp  out-of-memory and invalid-pointer errors
 //   introspection.cpp stats, snapshot, find_block; invariants.cpp check_invariants
-// State, invariants and the lock order: allocator_state.hpp and block.hpp. The constructor reads
-// the device's memory, takes no lock (nothing is shared yet); the destructor runs destroy_all
-// (destruction.cpp), which takes the device lock.
-#include "allocator_state.hpp"
+// State: allocator_state.hpp holds one member per concern, each a type of its own header with
+// its lock rule (stream_state.hpp, event_pool.hpp, release_queue.hpp, release_worker.hpp,
+// capture_state.hpp, sleep_state.hpp, ipc_registry.hpp, driver_calls.hpp, growth_state.hpp,
+// statistics_state.hpp), and the lock order; allocator_impl.hpp declares impl's functions;
+// block.hpp the block and segment invariants. The constructor reads the device's memory, takes
+// no lock (nothing is shared yet); the destructor runs destroy_all (destruction.cpp), which
+// takes the device lock.
+#include "allocator_impl.hpp"
 #include "logging.hpp"
 #include "size_classes.hpp"
 
@@ -31,17 +36,18 @@ std::atomic<std::uint64_t> next_allocator_id{
 }  // namespace
 
 caching_allocator::impl::impl(device_backend& backend, options opts)
-    : backend_(backend), opts_(opts), id_(next_allocator_id.fetch_add(1)),
-      fork_generation_(current_fork_generation()) {
+    : allocator_state(backend, opts,
+                      {next_allocator_id.fetch_add(1), current_fork_generation(), current_pid()}) {
   std::size_t free_bytes = 0;
-  backend_.memory_info(free_bytes, device_total_bytes_);
-  limit_bytes_ = device_total_bytes_;
+  backend_.memory_info(free_bytes, limits_.device_total_bytes);
+  limits_.limit_bytes = limits_.device_total_bytes;
   if (opts_.memory_limit_bytes != 0)
-    limit_bytes_ = std::min(limit_bytes_, opts_.memory_limit_bytes);
+    limits_.limit_bytes = std::min(limits_.limit_bytes, opts_.memory_limit_bytes);
   if (opts_.memory_fraction > 0) {
-    limit_bytes_ = std::min(
-        limit_bytes_,
-        static_cast<std::size_t>(opts_.memory_fraction * static_cast<double>(device_total_bytes_)));
+    limits_.limit_bytes = std::min(
+        limits_.limit_bytes,
+        static_cast<std::size_t>(opts_.memory_fraction *
+                                 static_cast<double>(limits_.device_total_bytes)));
   }
   if (opts_.backend == backend_kind::expandable) {
     if (!backend_.supports_expandable()) {
@@ -50,19 +56,20 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
               "streamsafe: backend:expandable needs virtual memory management, which the '") +
           backend_.name() + "' device backend does not offer");
     }
-    small_chunk_bytes_ = backend_.map_granularity_bytes();
-    large_chunk_bytes_ = detail::round_up(
-        std::max(opts_.expandable_chunk_bytes, small_chunk_bytes_), small_chunk_bytes_);
-    peak_chunk_bytes_ = std::min(
-        large_chunk_bytes_,
-        detail::round_up(std::max(opts_.expandable_peak_chunk_bytes, small_chunk_bytes_),
-                         small_chunk_bytes_));
-    if (opts_.expandable_peak_chunk_bytes > large_chunk_bytes_) {
+    limits_.small_chunk_bytes = backend_.map_granularity_bytes();
+    limits_.large_chunk_bytes = detail::round_up(
+        std::max(opts_.expandable_chunk_bytes, limits_.small_chunk_bytes),
+        limits_.small_chunk_bytes);
+    limits_.peak_chunk_bytes = std::min(
+        limits_.large_chunk_bytes,
+        detail::round_up(std::max(opts_.expandable_peak_chunk_bytes, limits_.small_chunk_bytes),
+                         limits_.small_chunk_bytes));
+    if (opts_.expandable_peak_chunk_bytes > limits_.large_chunk_bytes) {
       detail::log().warn(
           "expandable_peak_chunk_mb:{} is above expandable_chunk_mb:{}; growths past the "
           "high-water mark of reserved bytes use {} MiB chunks",
-          opts_.expandable_peak_chunk_bytes >> 20, large_chunk_bytes_ >> 20,
-          large_chunk_bytes_ >> 20);
+          opts_.expandable_peak_chunk_bytes >> 20, limits_.large_chunk_bytes >> 20,
+          limits_.large_chunk_bytes >> 20);
     }
   }
   if (opts_.release_fence == fence_scope::allocation_stream) {
@@ -73,7 +80,7 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
         "reproduce the race)");
   }
   detail::log().debug("device {}: {} backend, {}, limit {} bytes", backend_.device(),
-                      backend_.name(), opts_.to_string(), limit_bytes_);
+                      backend_.name(), opts_.to_string(), limits_.limit_bytes);
   trace_log_ = detail::log().should_log(spdlog::level::trace);
   if (opts_.trace_capacity != 0) {
     own_trace_ = std::make_unique<trace_recorder>(opts_.trace_capacity);

@@ -5,9 +5,9 @@
 // querying events; a capturing stream may not wait on an event recorded outside its capture.
 // A captured graph also replays later, any number of times, so memory its kernels touch must
 // not serve anyone else while it may replay. The rules kept here:
-//  * captures_ lists the captures underway: announced (notify_capture_begin) or detected on a
-//    slow path (backend_.stream_is_capturing of each known stream); captures_underway_ mirrors
-//    its size so that the fast paths test it without the device lock.
+//  * capture_.captures lists the captures underway: announced (notify_capture_begin) or
+//    detected on a slow path (backend_.stream_is_capturing of each known stream);
+//    captures_underway_ mirrors its size so that the fast paths test it without the device lock.
 //  * While any capture is underway: no fence, no release, no event query, no stream wait (the
 //    pending lists, the deferred queue and empty_cache wait; an empty_cache asked for runs in
 //    defer mode when the last capture ends); allocations are served only from memory that is
@@ -21,11 +21,11 @@
 //    every stream) only after notify_graph_released(id).
 //  * Frees during a capture that would need events (uses on other streams), and frees of
 //    memory from before the capture that the capture may touch (its stream or a recorded use is
-//    capturing), are held (block::free_held, held_frees_): the first kind completes when no
+//    capturing), are held (block::free_held, capture_.held_frees): the first kind completes when no
 //    capture is underway, the second when its graph is released, behind events on every stream
 //    (the graph may have replayed anywhere).
 // Every function here runs with the device lock (mu_) held.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "logging.hpp"
 
 #include <algorithm>
@@ -39,20 +39,13 @@ std::string stream_name(stream_handle s) { return "stream " + std::to_string(s);
 
 }  // namespace
 
-const caching_allocator::impl::capture_record* caching_allocator::impl::capture_of_locked(
-    stream_handle stream) const {
-  for (const auto& c : captures_) {
-    if (c.stream == stream) return &c;
-  }
-  return nullptr;
-}
-
 caching_allocator::impl::stream_state* caching_allocator::impl::graph_state_locked(
     std::uint64_t graph) {
-  auto it = streams_.find(graph_key(graph));
-  return it == streams_.end() ? nullptr : it->second.get();
+  auto it = streams_.states.find(detail::graph_key(graph));
+  return it == streams_.states.end() ? nullptr : it->second.get();
 }
 
+// share_pool_of: 0, or a graph whose private pool the capture allocates into (shared pools).
 std::uint64_t caching_allocator::impl::begin_capture_locked(stream_handle stream, bool detected,
                                                             std::uint64_t share_pool_of) {
   if (stream == 0) {
@@ -60,7 +53,7 @@ std::uint64_t caching_allocator::impl::begin_capture_locked(stream_handle stream
                                 std::to_string(backend_.device()) +
                                 ": the legacy default stream cannot capture a CUDA graph");
   }
-  if (const capture_record* c = capture_of_locked(stream)) {
+  if (const detail::capture_record* c = capture_.find(stream)) {
     throw std::invalid_argument("streamsafe: notify_capture_begin(" + stream_name(stream) +
                                 ") on device " + std::to_string(backend_.device()) +
                                 ": the stream is already capturing (graph " +
@@ -68,8 +61,8 @@ std::uint64_t caching_allocator::impl::begin_capture_locked(stream_handle stream
   }
   std::uint64_t pool_graph = 0;
   if (share_pool_of != 0) {
-    auto it = graphs_.find(share_pool_of);
-    if (it == graphs_.end() || graph_state_locked(it->second.pool)->graph_released) {
+    auto it = capture_.graphs.find(share_pool_of);
+    if (it == capture_.graphs.end() || graph_state_locked(it->second.pool)->graph_released) {
       throw std::invalid_argument(
           "streamsafe: notify_capture_begin(" + stream_name(stream) + ", share the pool of graph " +
           std::to_string(share_pool_of) + ") on device " + std::to_string(backend_.device()) +
@@ -80,31 +73,32 @@ std::uint64_t caching_allocator::impl::begin_capture_locked(stream_handle stream
   }
   get_or_create_stream_locked(
       stream);  // the capturing stream is known, for fences (before the capture counts)
-  const std::uint64_t graph = next_graph_id_++;
+  const std::uint64_t graph = capture_.next_graph_id++;
   if (pool_graph == 0) {
     pool_graph = graph;
-    stream_state& g = new_state_locked(graph_key(graph), stream);
+    stream_state& g = new_state_locked(detail::graph_key(graph), stream);
     g.graph = graph;
   }
   ++graph_state_locked(pool_graph)->pool_graphs;
-  graphs_[graph] = graph_record{pool_graph, false};
-  captures_.push_back({stream, graph, pool_graph, detected});
-  captures_underway_.store(static_cast<int>(captures_.size()), std::memory_order_release);
+  capture_.graphs[graph] = detail::graph_record{pool_graph, false};
+  capture_.captures.push_back({stream, graph, pool_graph, detected});
+  captures_underway_.store(static_cast<int>(capture_.captures.size()), std::memory_order_release);
   // A fast path that read "no capture" may be inside an event query: wait for it (it holds
   // its stream's lock); every later one sees the capture.
-  for (auto& [key, st] : streams_) {
+  for (auto& [key, st] : streams_.states) {
     detail::lock_guard<stream_lock> barrier(st->mu);
   }
   detail::log().debug(
       "device {}: CUDA graph capture {} on stream {:#x} ({}); {} capture(s) underway",
-      backend_.device(), graph, stream, detected ? "detected" : "announced", captures_.size());
+      backend_.device(), graph, stream, detected ? "detected" : "announced",
+      capture_.captures.size());
   return graph;
 }
 
 std::uint64_t caching_allocator::impl::end_capture_locked(device_lock& lk, stream_handle stream) {
-  auto it = std::find_if(captures_.begin(), captures_.end(),
-                         [&](const capture_record& c) { return c.stream == stream; });
-  if (it == captures_.end()) {
+  auto it = std::find_if(capture_.captures.begin(), capture_.captures.end(),
+                         [&](const detail::capture_record& c) { return c.stream == stream; });
+  if (it == capture_.captures.end()) {
     throw std::invalid_argument(
         "streamsafe: notify_capture_end(" + stream_name(stream) + ") on device " +
         std::to_string(backend_.device()) +
@@ -112,22 +106,23 @@ std::uint64_t caching_allocator::impl::end_capture_locked(device_lock& lk, strea
         "already seen ending)");
   }
   const std::uint64_t graph = it->graph;
-  captures_.erase(it);
-  captures_underway_.store(static_cast<int>(captures_.size()), std::memory_order_release);
+  capture_.captures.erase(it);
+  captures_underway_.store(static_cast<int>(capture_.captures.size()), std::memory_order_release);
   detail::log().debug(
       "device {}: CUDA graph capture {} on stream {:#x} ended; its private pool is kept until "
       "notify_graph_released({})",
       backend_.device(), graph, stream, graph);
-  if (captures_.empty()) after_captures_locked(lk);
+  if (capture_.captures.empty()) after_captures_locked(lk);
   return graph;
 }
 
+// Asks the backend about each known stream.
 void caching_allocator::impl::detect_captures_locked(device_lock& lk) {
   std::vector<stream_handle> began, ended;
-  for (auto& [key, st] : streams_) {
+  for (auto& [key, st] : streams_.states) {
     if (st->graph != 0 || st->handle == 0 || !st->alive.load(std::memory_order_acquire)) continue;
     const bool now = stream_capturing(st->handle);
-    const capture_record* c = capture_of_locked(st->handle);
+    const detail::capture_record* c = capture_.find(st->handle);
     if (now && !c) began.push_back(st->handle);
     if (!now && c && c->detected) ended.push_back(st->handle);
   }
@@ -142,14 +137,15 @@ void caching_allocator::impl::detect_captures_locked(device_lock& lk) {
   for (stream_handle s : ended) end_capture_locked(lk, s);
 }
 
+// The last capture ended: the requests put off meanwhile run.
 void caching_allocator::impl::after_captures_locked(device_lock& lk) {
   // Frees held until the end of every capture; frees held for a graph stay until its release.
   std::exception_ptr error = complete_held_frees_locked(0, {});
   std::vector<std::uint64_t> releases;
-  releases.swap(releases_after_capture_);
+  releases.swap(capture_.releases_after);
   for (std::uint64_t graph : releases) release_graph_locked(graph);
-  if (empty_cache_after_capture_ && !error) {
-    empty_cache_after_capture_ = false;
+  if (capture_.empty_cache_after && !error) {
+    capture_.empty_cache_after = false;
     release_cached(lk, empty_cache_mode::defer);
   }
   if (error) std::rethrow_exception(error);
@@ -160,12 +156,12 @@ std::exception_ptr caching_allocator::impl::complete_held_frees_locked(
   // Each held free of `graph` (0: of no graph) completes with `uses` added to its block's
   // uses; the first failure stops the rest, which stay held, and is returned for the caller to
   // rethrow once its own bookkeeping is done.
-  std::vector<held_free> held;
-  held.swap(held_frees_);
+  std::vector<detail::held_free> held;
+  held.swap(capture_.held_frees);
   std::exception_ptr error;
-  for (held_free& h : held) {
+  for (detail::held_free& h : held) {
     if (h.graph != graph || error) {
-      held_frees_.push_back(h);
+      capture_.held_frees.push_back(h);
       continue;
     }
     stream_state& owner = state_of(*h.b->seg->owner);
@@ -182,7 +178,7 @@ std::exception_ptr caching_allocator::impl::complete_held_frees_locked(
     } catch (...) {
       b->uses = before;
       b->free_held = true;  // still held: the next end of a capture (or release) retries
-      held_frees_.push_back(h);
+      capture_.held_frees.push_back(h);
       error = std::current_exception();
     }
   }
@@ -190,14 +186,14 @@ std::exception_ptr caching_allocator::impl::complete_held_frees_locked(
 }
 
 void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
-  auto rec = graphs_.find(graph);
-  if (rec == graphs_.end() || rec->second.released) {
+  auto rec = capture_.graphs.find(graph);
+  if (rec == capture_.graphs.end() || rec->second.released) {
     throw std::invalid_argument(
         "streamsafe: notify_graph_released(" + std::to_string(graph) + ") on device " +
         std::to_string(backend_.device()) +
         ": no such graph (ids come from notify_capture_begin; each is released once)");
   }
-  for (const auto& c : captures_) {
+  for (const auto& c : capture_.captures) {
     if (c.graph == graph) {
       throw std::invalid_argument("streamsafe: notify_graph_released(" + std::to_string(graph) +
                                   ") on device " + std::to_string(backend_.device()) +
@@ -206,15 +202,15 @@ void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
     }
   }
   if (capturing()) {  // fences would record events on capturing streams: after the captures
-    if (std::find(releases_after_capture_.begin(), releases_after_capture_.end(), graph) ==
-        releases_after_capture_.end()) {
-      releases_after_capture_.push_back(graph);
+    if (std::find(capture_.releases_after.begin(), capture_.releases_after.end(), graph) ==
+        capture_.releases_after.end()) {
+      capture_.releases_after.push_back(graph);
     }
     return;
   }
   // The graph may have replayed on any stream: its memory is fenced on every stream we know.
   std::vector<stream_handle> every;
-  for (auto& [key, st] : streams_) {
+  for (auto& [key, st] : streams_.states) {
     if (st->graph == 0 && st->alive.load(std::memory_order_acquire)) every.push_back(st->handle);
   }
   rec->second.released = true;
@@ -225,7 +221,7 @@ void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
     // A pool shared between graphs goes back when the last of them is released.
     g->graph_released = --g->pool_graphs == 0;
     if (g->graph_released) {
-      for (auto& [base, seg] : segments_) {
+      for (auto& [base, seg] : streams_.segments) {
         if (&state_of(*seg->owner) != g) continue;
         for (stream_handle s : every) note_use_locked(seg, s);
       }
@@ -254,6 +250,7 @@ void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
   if (error) std::rethrow_exception(error);
 }
 
+// A free while a capture is underway; true when it was handled (held or done).
 bool caching_allocator::impl::free_during_capture_locked(stream_state& owner, block* b,
                                                          const stream_handle* stream) {
   // One rule for every pool (a stream's own or a graph's private pool): the capture may use the
@@ -263,14 +260,14 @@ bool caching_allocator::impl::free_during_capture_locked(stream_state& owner, bl
   // graph is released: the graph may replay over it.
   const bool same_stream_only = b->uses.empty() && (!stream || *stream == b->seg->stream);
   std::uint64_t graph = 0;
-  const capture_record* c = capture_of_locked(b->seg->stream);
-  for (std::size_t i = 0; !c && i < b->uses.size(); ++i) c = capture_of_locked(b->uses[i]);
-  if (!c && stream) c = capture_of_locked(*stream);
+  const detail::capture_record* c = capture_.find(b->seg->stream);
+  for (std::size_t i = 0; !c && i < b->uses.size(); ++i) c = capture_.find(b->uses[i]);
+  if (!c && stream) c = capture_.find(*stream);
   if (c && graph_state_locked(c->pool) != &owner) graph = c->graph;
   if (graph == 0 && same_stream_only) return false;  // an ordinary same-stream free: no event
   b->free_held = true;
-  held_frees_.push_back({b, stream != nullptr, stream ? *stream : 0, graph});
-  ++capture_deferrals_;
+  capture_.held_frees.push_back({b, stream != nullptr, stream ? *stream : 0, graph});
+  ++capture_.deferrals;
   return true;
 }
 
@@ -278,7 +275,7 @@ void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, 
                                                               std::size_t rounded, bool small,
                                                               stream_handle stream) {
   stream_state* target = nullptr;
-  if (const capture_record* c = capture_of_locked(stream)) {
+  if (const detail::capture_record* c = capture_.find(stream)) {
     target = graph_state_locked(c->pool);
   } else {
     target = &get_or_create_stream_locked(stream);
@@ -295,9 +292,10 @@ void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, 
   return finish_allocation(*target, b, rounded, size);
 }
 
+// For out-of-memory messages.
 std::string caching_allocator::impl::capture_note_locked() const {
   std::string note = "; CUDA graph capture underway on";
-  for (const auto& c : captures_)
+  for (const auto& c : capture_.captures)
     note += " " + stream_name(c.stream) + " (graph " + std::to_string(c.graph) + ")";
   return note +
          ": cached memory is neither released nor moved between streams until the capture ends, "
@@ -307,6 +305,7 @@ std::string caching_allocator::impl::capture_note_locked() const {
 
 // ---- public interface ---------------------------------------------------------------------------
 
+// Before a capture begins: the free memory of released graphs' pools goes back behind its fence.
 void caching_allocator::impl::release_released_pools_locked(device_lock& lk, stream_handle stream) {
   // A capture cannot release memory (no fence, no free, no unmap until it ends) and is served
   // only from its graph's pool and new device memory; the free memory of released graphs'
@@ -317,9 +316,9 @@ void caching_allocator::impl::release_released_pools_locked(device_lock& lk, str
   // (notify_capture_begin called after cudaStreamBeginCapture): no event may be recorded then.
   if (capturing() || stream_capturing(stream)) return;
   bool any = false;
-  for (auto& [key, st] : streams_) any = any || (st->graph != 0 && st->graph_released);
+  for (auto& [key, st] : streams_.states) any = any || (st->graph != 0 && st->graph_released);
   if (!any) return;
-  for (auto& [key, st] : streams_) {
+  for (auto& [key, st] : streams_.states) {
     if (st->graph == 0 || !st->graph_released) continue;
     detail::lock_guard<stream_lock> slk(st->mu);
     if (!st->pending.empty()) process_events_locked(*st);
@@ -337,7 +336,7 @@ void caching_allocator::impl::release_released_pools_locked(device_lock& lk, str
   // graph's pool reserves a range as large as the memory limit, and a loop of graphs would
   // otherwise exhaust the address space.
   if (capturing()) return;  // a capture began while the fence wait had mu_ dropped
-  for (auto& [key, st] : streams_) {
+  for (auto& [key, st] : streams_.states) {
     if (st->graph == 0 || !st->graph_released) continue;
     detail::lock_guard<stream_lock> slk(st->mu);
     for (pool* p : {&st->small_pool, &st->large_pool}) {
@@ -354,7 +353,7 @@ void caching_allocator::impl::release_released_pools_locked(device_lock& lk, str
         continue;
       }
       p->unmapped.erase(seg->first);
-      segments_.erase(seg->base);
+      streams_.segments.erase(seg->base);
       recycle_block(*st, seg->first);
       p->expandable = nullptr;
       stats_.segment.decrease(1);
@@ -378,8 +377,8 @@ std::uint64_t caching_allocator::notify_capture_begin(stream_handle stream,
   const std::uint64_t graph = m.begin_capture_locked(stream, false, share_pool_of_graph);
   // A fence wait or release that started before the capture counted ends first.
   // (The predicate runs with mu_ held, which the analysis cannot see inside a lambda.)
-  m.driver_calls_done_.wait(
-      lk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return m.driver_calls_in_flight_ == 0; });
+  m.driver_calls_.done.wait(
+      lk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return m.driver_calls_.in_flight == 0; });
   return graph;
 }
 
@@ -400,7 +399,7 @@ bool caching_allocator::capture_underway() const noexcept { return impl_->captur
 
 std::size_t caching_allocator::held_free_count() const {
   detail::lock_guard<detail::mutex> lk(impl_->mu_);
-  return impl_->held_frees_.size();
+  return impl_->capture_.held_frees.size();
 }
 
 }  // namespace streamsafe

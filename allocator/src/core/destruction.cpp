@@ -3,8 +3,8 @@
 // the cache is released behind its fences (wait mode), expandable address ranges and every
 // event go back to the backend, and the host bookkeeping is deleted in every case, also after a
 // failed driver call (logged). Runs with no other thread in the allocator; takes mu_, the stream
-// locks and events_mu_ (a leaf) in that order.
-#include "allocator_state.hpp"
+// locks and the event pool's lock (a leaf) in that order.
+#include "allocator_impl.hpp"
 #include "logging.hpp"
 
 #include <algorithm>
@@ -12,30 +12,31 @@
 
 namespace streamsafe {
 
+// Waits, mu_ dropped, for every pending free's events, then retires them.
 void caching_allocator::impl::retire_all_pending_locked(device_lock& lk) {
   // The host waits on the pending frees' events with no lock held (as everywhere: no lock
   // across a host-blocking driver call), then retires them.
   fence_unfenced_locked();
   std::vector<event_handle> waits;
-  for (auto& [s, st] : streams_) {
+  for (auto& [s, st] : streams_.states) {
     detail::lock_guard<stream_lock> slk(st->mu);
     for (block* b : st->pending) {
       for (auto& e : b->events) waits.push_back(e.event);
     }
   }
   if (!waits.empty()) {
-    driver_call_scope in_flight(*this, lk);
+    driver_call_scope in_flight(driver_calls_, lk);
     for (event_handle e : waits) backend_.synchronize_event(e);
   }
-  for (auto& [s, st] : streams_) {
+  for (auto& [s, st] : streams_.states) {
     detail::lock_guard<stream_lock> slk(st->mu);
     while (!st->pending.empty()) retire_pending_locked(*st, st->pending.front());
   }
 }
 
 void caching_allocator::impl::destroy_events_locked() {
-  std::vector<event_handle> cached_events;  // the streams' event caches (events_mu_ is a leaf)
-  for (auto& [s, st] : streams_) {
+  std::vector<event_handle> cached_events;  // the streams' event caches (the pool's lock is a leaf)
+  for (auto& [s, st] : streams_.states) {
     detail::lock_guard<stream_lock> slk(st->mu);
     cached_events.insert(cached_events.end(), st->event_cache.begin(), st->event_cache.end());
     st->event_cache.clear();
@@ -43,19 +44,15 @@ void caching_allocator::impl::destroy_events_locked() {
     st->idle_fence.clear();
   }
   for (event_handle e : cached_events) backend_.destroy_event(e);
-  {
-    detail::lock_guard<detail::mutex> elk(events_mu_);
-    for (event_handle e : free_events_) backend_.destroy_event(e);
-    free_events_.clear();
-  }
-  for (auto& t : tombstones_) backend_.destroy_event(t.event);
-  tombstones_.clear();
-  for (event_handle e : superseded_tombstones_) backend_.destroy_event(e);
-  superseded_tombstones_.clear();
+  for (event_handle e : events_.drain()) backend_.destroy_event(e);
+  for (auto& t : streams_.tombstones) backend_.destroy_event(t.event);
+  streams_.tombstones.clear();
+  for (event_handle e : streams_.superseded_tombstones) backend_.destroy_event(e);
+  streams_.superseded_tombstones.clear();
 }
 
 void caching_allocator::impl::delete_host_bookkeeping() {
-  for (auto& [base, seg] : segments_) {
+  for (auto& [base, seg] : streams_.segments) {
     for (block* b = seg->first; b;) {
       block* next = b->next;
       delete b;
@@ -63,7 +60,7 @@ void caching_allocator::impl::delete_host_bookkeeping() {
     }
     delete seg;
   }
-  segments_.clear();
+  streams_.segments.clear();
   const auto delete_spares = [](stream_state& st) {
     for (block* b = st.spare; b;) {
       block* next = b->next;
@@ -72,8 +69,8 @@ void caching_allocator::impl::delete_host_bookkeeping() {
     }
     st.spare = nullptr;
   };
-  for (auto& [s, st] : streams_) delete_spares(*st);
-  for (auto& st : spare_states_) delete_spares(*st);  // retired streams' states (streams.cpp)
+  for (auto& [s, st] : streams_.states) delete_spares(*st);
+  for (auto& st : streams_.spare) delete_spares(*st);  // retired streams' states (streams.cpp)
 }
 
 void caching_allocator::impl::destroy_all() {
@@ -81,19 +78,19 @@ void caching_allocator::impl::destroy_all() {
   try {
     device_lock lk(mu_);
     // Destroyed during a capture, or with graphs not released: their memory goes back too.
-    captures_.clear();
+    capture_.captures.clear();
     captures_underway_.store(0, std::memory_order_release);
-    for (auto& [s, st] : streams_) st->graph_released = true;
+    for (auto& [s, st] : streams_.states) st->graph_released = true;
     destroy_sleep_state_locked(lk);  // sleep.cpp: pauses underway finish, offload copies go
     for (auto& [s, st] :
-         streams_) {  // reuse_fence:all_streams: unfenced host frees join the pending ones
+         streams_.states) {  // reuse_fence:all_streams: unfenced host frees join the pending ones
       detail::lock_guard<stream_lock> slk(st->mu);
       if (!st->unfenced.empty()) fence_host_frees_locked(*st);
     }
     retire_all_pending_locked(lk);
     release_cached(lk, empty_cache_mode::wait);
     std::size_t live = 0;  // active blocks (the active maps also hold quick-cached ones)
-    for (auto& [s, st] : streams_) {
+    for (auto& [s, st] : streams_.states) {
       st->active.for_each([&](const block* b) { live += b->state == block_state::active ? 1 : 0; });
     }
     if (live != 0) {
@@ -102,7 +99,7 @@ void caching_allocator::impl::destroy_all() {
           backend_.device(), live);
     }
     destroy_ipc_locked(lk);  // imports closed behind their events; export events destroyed
-    for (auto& [base, seg] : segments_) {
+    for (auto& [base, seg] : streams_.segments) {
       if (seg->expandable && seg->mapped_bytes == 0) {
         backend_.release_address_range(reinterpret_cast<void*>(seg->base), seg->size);
       }

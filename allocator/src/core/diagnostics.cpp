@@ -3,7 +3,7 @@
 // Nothing here changes the allocator's state beyond the out-of-memory counters. Locks: the
 // device lock (mu_) is held by every function here; largest_free_locked takes each stream lock
 // but that of `held`, which its caller holds.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "format.hpp"
 #include "logging.hpp"
 
@@ -34,10 +34,10 @@ const char* state_name(block_state s) {
 std::size_t caching_allocator::impl::largest_free_locked(const stream_state* held) const {
   std::size_t largest = 0;
   std::vector<tag_id> refused;
-  for (const auto& [id, t] : tags_) {
+  for (const auto& [id, t] : sleep_.tags) {
     if (t->refused.load(std::memory_order_acquire)) refused.push_back(id);
   }
-  for (auto& [s, state] : streams_) {
+  for (auto& [s, state] : streams_.states) {
     std::unique_lock<stream_lock> slk(state->mu, std::defer_lock);
     if (state.get() != held) slk.lock();
     for_each_pool(std::as_const(*state), [&](const pool& p) {
@@ -58,7 +58,7 @@ std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::s
   } catch (const std::exception&) {
   }
   std::int64_t allocated = 0;
-  for (auto& [s, state] : streams_)
+  for (auto& [s, state] : streams_.states)
     allocated += state->cur_allocated.load(std::memory_order_relaxed);
   std::ostringstream os;
   os << "streamsafe: out of memory on device " << backend_.device() << ": tried to allocate "
@@ -69,12 +69,12 @@ std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::s
      << detail::bytes_with_count(static_cast<std::size_t>(allocated)) << ", reserved "
      << detail::bytes_with_count(static_cast<std::size_t>(stats_.reserved_bytes.current))
      << ", largest free block " << detail::bytes_with_count(largest_free_locked(held)) << "; limit "
-     << detail::bytes_with_count(limit_bytes_);
-  if (deferred_bytes_ != 0) {
+     << detail::bytes_with_count(limits_.limit_bytes);
+  if (releases_.bytes() != 0) {
     // Which streams the queued releases still wait for (polled; a failing query names none).
     std::vector<stream_handle> busy;
     bool device_wide = false;
-    for (const release_batch& batch : deferred_) {
+    for (const release_batch& batch : releases_.deferred) {
       device_wide = device_wide || batch.device_sync;
       for (const auto& e : batch.fence) {
         bool done = true;
@@ -87,7 +87,7 @@ std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::s
           busy.push_back(e.stream);
       }
     }
-    os << "; " << detail::bytes_with_count(deferred_bytes_) << " waiting behind release fences";
+    os << "; " << detail::bytes_with_count(releases_.bytes()) << " waiting behind release fences";
     if (device_wide) {
       os << " (a device-wide fence)";
     } else if (!busy.empty()) {
@@ -102,6 +102,8 @@ std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::s
   return os.str();
 }
 
+// Counts the out-of-memory, drops both locks (slk may be null), logs and throws; `note` ends the
+// message. `held`: the stream state whose lock the caller holds, as for oom_message_locked.
 void caching_allocator::impl::throw_out_of_memory_locked(
     device_lock& dlk, detail::unique_lock<stream_lock>* slk, std::size_t size, std::size_t rounded,
     stream_handle stream, const stream_state* held, const std::string& note)
@@ -122,8 +124,8 @@ void caching_allocator::impl::throw_invalid_pointer_locked(const void* ptr,
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   std::ostringstream os;
   os << "streamsafe: " << what << "(" << hex(addr) << ") on device " << backend_.device() << ": ";
-  auto it = segments_.upper_bound(addr);
-  if (it != segments_.begin()) {
+  auto it = streams_.segments.upper_bound(addr);
+  if (it != streams_.segments.begin()) {
     const segment* seg = std::prev(it)->second;
     if (addr < seg->base + seg->size) {
       for (const block* b = seg->first; b; b = b->next) {

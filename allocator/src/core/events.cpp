@@ -1,6 +1,6 @@
 // streamsafe core: events and the pending list.
 //
-// The event pool (free_events_, guarded by events_mu_, a leaf lock) and each stream's event
+// The event pool (event_pool.hpp, under its own leaf lock) and each stream's event
 // cache (guarded by that stream's lock) hold recorded-and-done events for reuse. A block freed
 // with uses on other streams is pending_free: in its stream's pending list, in free order, with
 // one event per stream that may still use it; it returns to its pool once they have completed
@@ -8,8 +8,8 @@
 // on the slow path has no events until fence_unfenced_locked (free.cpp) records them and moves
 // it to the back of the list; until then it is never retired or reused.
 // Locks: the _locked functions here need the lock of the stream whose list or block they touch;
-// order_after_locked needs the device lock (mu_); get_event/put_event(e) take events_mu_.
-#include "allocator_state.hpp"
+// order_after_locked needs the device lock (mu_); get_event/put_event(e) take the pool's lock.
+#include "allocator_impl.hpp"
 #include "logging.hpp"
 
 #include <algorithm>
@@ -17,21 +17,12 @@
 namespace streamsafe {
 
 event_handle caching_allocator::impl::get_event() {
-  {
-    detail::lock_guard<detail::mutex> lk(events_mu_);
-    if (!free_events_.empty()) {
-      event_handle e = free_events_.back();
-      free_events_.pop_back();
-      return e;
-    }
-  }
+  event_handle e = 0;
+  if (events_.take(e)) return e;
   return backend_.create_event();
 }
 
-void caching_allocator::impl::put_event(event_handle e) {
-  detail::lock_guard<detail::mutex> lk(events_mu_);
-  free_events_.push_back(e);
-}
+void caching_allocator::impl::put_event(event_handle e) { events_.put(e); }
 
 event_handle caching_allocator::impl::get_event(stream_state& st) {
   if (st.event_cache.empty()) return get_event();
@@ -41,7 +32,8 @@ event_handle caching_allocator::impl::get_event(stream_state& st) {
 }
 
 void caching_allocator::impl::put_event(stream_state& st, event_handle e) {
-  if (st.event_cache.size() < k_event_cache) st.event_cache.push_back(e);  // never reallocates
+  if (st.event_cache.size() < detail::k_event_cache)
+    st.event_cache.push_back(e);  // never reallocates
   else put_event(e);
 }
 
@@ -92,7 +84,7 @@ void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) 
 
 void caching_allocator::impl::process_events_locked(stream_state& st) {
   if (capturing()) return;  // no event query during a graph capture (capture.cpp)
-  st.process_at = st.pending.size() + k_pending_batch;
+  st.process_at = st.pending.size() + detail::k_pending_batch;
   if (st.pending.empty()) return;
   // Stream order proves a prefix with one query per stream. Every event of st.pending was
   // recorded under st's lock in the same critical section that appended its block, so the
@@ -114,8 +106,8 @@ void caching_allocator::impl::process_events_locked(stream_state& st) {
   // The newest events only: a bounded walk from the back (a stream whose newest event lies
   // further back just gets no proof, and its events are queried one by one below).
   std::size_t walked = 0;
-  for (const block* x = st.pending.back(); x && n < k_streams && walked < 2 * k_pending_batch;
-       x = x->pending_prev, ++walked) {
+  for (const block* x = st.pending.back();
+       x && n < k_streams && walked < 2 * detail::k_pending_batch; x = x->pending_prev, ++walked) {
     for (const auto& e : x->events) {
       if (n == k_streams) break;
       if (e.stream == detail::k_tombstone_stream || slot(e.stream) >= 0) continue;
@@ -127,7 +119,7 @@ void caching_allocator::impl::process_events_locked(stream_state& st) {
   while (!st.pending.empty()) {
     block* b = st.pending.front();
     if (b->events.empty())
-      return;  // freed from a slow path, its events not yet recorded (unfenced_)
+      return;  // freed from a slow path, its events not yet recorded (releases_.unfenced)
     for (const auto& e : b->events) {
       const int i = e.stream == detail::k_tombstone_stream ? -1 : slot(e.stream);
       if (i >= 0 && done[i]) continue;
@@ -142,7 +134,7 @@ block* caching_allocator::impl::take_pending_locked(stream_state& st, pool& p,
   if (capturing()) return nullptr;  // a stream wait on an outside event breaks a capture
   block* best = nullptr;
   for (block* b : st.pending) {
-    // A block with no events yet (unfenced_) has nothing to wait on: not a candidate.
+    // A block with no events yet (releases_.unfenced) has nothing to wait on: not a candidate.
     if (b->seg->owner == &p && b->mapped && !b->events.empty() && b->size >= rounded &&
         (!best || b->size < best->size))
       best = b;

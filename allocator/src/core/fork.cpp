@@ -12,7 +12,7 @@
 // nothing (empty_cache and reclaim return 0), and the destructor leaks the host bookkeeping
 // rather than read state a parent thread may have been changing at the fork. An allocator made
 // in the child is its own and works normally.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 
 #include <pthread.h>
 
@@ -36,6 +36,7 @@ std::uint64_t register_fork_handler() {
 
 }  // namespace
 
+// Registers the fork handler once.
 std::uint64_t caching_allocator::impl::current_fork_generation() { return register_fork_handler(); }
 
 bool caching_allocator::impl::inherited() const noexcept {

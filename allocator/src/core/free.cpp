@@ -5,13 +5,13 @@
 // may still use the block and leaves it pending_free (events.cpp). Invariant: every event is
 // recorded before anything changes, so a failing backend call leaves the block active.
 // The slow path (and any free inside a callback_scope) makes no backend call, since it may run
-// in a stream callback (case K16): such a block goes pending with no events, onto unfenced_,
-// and fence_unfenced_locked records them from the next ordinary call that reaches the driver
-// (an event recorded later on the same stream still comes after the last use).
+// in a stream callback (case K16): such a block goes pending with no events, onto
+// releases_.unfenced, and fence_unfenced_locked records them from the next ordinary call that
+// reaches the driver (an event recorded later on the same stream still comes after the last use).
 // Locks: the fast path takes only the lock of the stream this thread allocated from last; the
 // slow path takes the device lock (mu_), which finds the owner and sees destroyed streams'
 // tombstones, then the owner's stream lock.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "logging.hpp"
 #include "per_thread_stream.hpp"
 #include "stream_cache.hpp"
@@ -31,6 +31,7 @@ callback_scope::callback_scope() noexcept { ++t_callback_depth; }
 callback_scope::~callback_scope() { --t_callback_depth; }
 bool callback_scope::active() noexcept { return t_callback_depth != 0; }
 
+// The host free's counters (st's lock held).
 void caching_allocator::impl::count_free_locked(stream_state& st, const block* b) {
   st.stats.allocated_bytes.sub(static_cast<std::int64_t>(b->size));
   st.stats.requested_bytes.sub(static_cast<std::int64_t>(b->requested));
@@ -39,6 +40,7 @@ void caching_allocator::impl::count_free_locked(stream_state& st, const block* b
   st.cur_requested.store(st.stats.requested_bytes.current, std::memory_order_relaxed);
 }
 
+// b in st.active (it stays there if parked).
 void caching_allocator::impl::free_same_stream_locked(stream_state& st, block* b) {
   // No event: straight to the quick cache, staying in st.active (or out of it, to the free lists).
   if (trace_.load(std::memory_order_relaxed)) {
@@ -54,6 +56,7 @@ void caching_allocator::impl::free_same_stream_locked(stream_state& st, block* b
   }
 }
 
+// reuse_fence:all_streams. A host free: b leaves st.active for st.unfenced, recording nothing.
 void caching_allocator::impl::free_unfenced_locked(stream_state& st, block* b) {
   // reuse_fence:all_streams: no event now. One fence, recorded when st next reuses memory it
   // cannot find free (fence_host_frees_locked), covers every host free made before it: an event
@@ -71,6 +74,8 @@ void caching_allocator::impl::free_unfenced_locked(stream_state& st, block* b) {
   st.unfenced.push_back(b);
 }
 
+// The reuse fence of st's unfenced host frees: st waits, on the device, for every other known
+// stream (one event each) and the tombstones; then the blocks go back to st's pools.
 void caching_allocator::impl::fence_host_frees_locked(stream_state& st) {
   if (st.unfenced.empty() || capturing())
     return;  // a stream wait on an outside event breaks a capture
@@ -82,12 +87,12 @@ void caching_allocator::impl::fence_host_frees_locked(stream_state& st) {
   // knows on the device (one event each, whatever the number of frees) and for the last work
   // of the destroyed ones (their tombstones). st's own earlier work is before its next work by
   // stream order. A failing backend call leaves every block unfenced (pending, not reused).
-  for (auto& [handle, other] : streams_) {
+  for (auto& [handle, other] : streams_.states) {
     if (other.get() == &st || other->graph != 0 || !other->alive.load(std::memory_order_acquire))
       continue;
     order_after_locked(st.handle, handle);
   }
-  for (const auto& t : tombstones_) {
+  for (const auto& t : streams_.tombstones) {
     stream_wait_on(st.handle, t.event);
     ++stats_.stream_waits;
   }
@@ -104,6 +109,7 @@ void caching_allocator::impl::fence_host_frees_locked(stream_state& st) {
   st.cur_pending.store(st.stats.pending_bytes.current, std::memory_order_relaxed);
 }
 
+// The same for a destroyed stream st.
 void caching_allocator::impl::fence_dead_stream_frees_locked(stream_state& st) {
   // st is destroyed: no stream can wait for the fence, so each block becomes an ordinary
   // pending block (events.cpp) with one event per live known stream and the tombstones, retired
@@ -113,7 +119,7 @@ void caching_allocator::impl::fence_dead_stream_frees_locked(stream_state& st) {
   while (!st.unfenced.empty()) {
     block* b = st.unfenced.front();
     try {
-      for (auto& [handle, other] : streams_) {
+      for (auto& [handle, other] : streams_.states) {
         if (other->graph != 0 || !other->alive.load(std::memory_order_acquire)) continue;
         const event_handle e = get_event(st);
         stream_handle on = handle;
@@ -131,12 +137,17 @@ void caching_allocator::impl::fence_dead_stream_frees_locked(stream_state& st) {
       throw;
     }
     st.stats.events_recorded += b->events.size();
-    for (const auto& t : tombstones_) b->events.push_back({t.event, detail::k_tombstone_stream});
+    for (const auto& t : streams_.tombstones)
+      b->events.push_back({t.event, detail::k_tombstone_stream});
     st.unfenced.erase(b);
     st.pending.push_back(b);
   }
 }
 
+// The free dispatch of every path: true when b went back without events (a host free fenced
+// at its reuse, reuse_fence:all_streams, or a same-stream free); false when it needs events,
+// then recorded by free_with_events_locked (false: a stream this thread does not know and no
+// device lock; b stays active) or deferred (defer_fence_locked).
 bool caching_allocator::impl::free_without_events_locked(stream_state& st, block* b,
                                                          const stream_handle* stream) {
   // The one dispatch of a free, for the fast path, the device-locked path and held frees: a
@@ -177,6 +188,7 @@ void caching_allocator::impl::free_found_locked(stream_state& st, block* b,
   if (!free_without_events_locked(st, b, stream)) free_with_events_locked(st, b, stream, true);
 }
 
+// b's owner stream lock held (and mu_ when device_locked); see caching_allocator.cpp.
 bool caching_allocator::impl::record_use_events_locked(block* b, const stream_handle* stream,
                                                        bool device_locked) {
   // One event per stream that may still use b: its record_stream uses and, for a stream-ordered
@@ -200,10 +212,10 @@ bool caching_allocator::impl::record_use_events_locked(block* b, const stream_ha
   };
   auto record_on = [&](stream_handle s) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
     if (device_locked) {
-      auto it = streams_.find(s);
-      if (it == streams_.end()) return true;  // a destroyed stream gone: its work is done
+      auto it = streams_.states.find(s);
+      if (it == streams_.states.end()) return true;  // a destroyed stream gone: its work is done
       if (!it->second->alive.load(std::memory_order_acquire)) {
-        for (auto& t : tombstones_) {  // proves s's last work (none: seen complete)
+        for (auto& t : streams_.tombstones) {  // proves s's last work (none: seen complete)
           events.push_back({t.event, detail::k_tombstone_stream});
           tombstone_refs_.fetch_add(1, std::memory_order_acq_rel);
         }
@@ -265,13 +277,15 @@ void caching_allocator::impl::commit_free_locked(stream_state& st, block* b,
   st.pending.push_back(b);
 }
 
+// A host free with uses on other streams, with no backend call: b goes pending with no events
+// and onto releases_.unfenced (mu_ and st's lock held).
 void caching_allocator::impl::defer_fence_locked(stream_state& st, block* b,
                                                  const stream_handle* stream) {
   // As commit_free_locked, without the events: the stream of a stream-ordered free becomes one
   // more use, and fence_unfenced_locked records one event per use later. Until then b is
   // pending with no events, which process_events_locked and take_pending_locked never retire.
   segment* seg = b->seg;
-  unfenced_.reserve(unfenced_.size() + 1);  // throws before anything changes
+  releases_.unfenced.reserve(releases_.unfenced.size() + 1);  // throws before anything changes
   if (stream && *stream != seg->stream) add_use_locked(b, *stream);
   st.active.erase(b->addr);
   trace(trace_action::free_requested, b->addr, b->requested, seg->stream);
@@ -281,15 +295,16 @@ void caching_allocator::impl::defer_fence_locked(stream_state& st, block* b,
   st.cur_pending.store(st.stats.pending_bytes.current, std::memory_order_relaxed);
   b->state = block_state::pending_free;
   st.pending.push_back(b);
-  unfenced_.push_back(b);
+  releases_.unfenced.push_back(b);
 }
 
+// Records the events of releases_.unfenced's blocks (nothing while a capture is underway).
 void caching_allocator::impl::fence_unfenced_locked() {
-  if (unfenced_.empty() || capturing()) return;  // no event is recorded during a capture
+  if (releases_.unfenced.empty() || capturing()) return;  // no event is recorded during a capture
   std::size_t done = 0;
   try {
-    for (; done < unfenced_.size(); ++done) {
-      block* b = unfenced_[done];
+    for (; done < releases_.unfenced.size(); ++done) {
+      block* b = releases_.unfenced[done];
       stream_state& st = state_of(*b->seg->owner);
       detail::lock_guard<stream_lock> slk(st.mu);
       record_use_events_locked(b, nullptr, true);  // a failure leaves b as it was
@@ -301,10 +316,11 @@ void caching_allocator::impl::fence_unfenced_locked() {
       if (b->events.empty()) retire_pending_locked(st, b);  // its use streams are gone and done
     }
   } catch (...) {
-    unfenced_.erase(unfenced_.begin(), unfenced_.begin() + static_cast<std::ptrdiff_t>(done));
+    releases_.unfenced.erase(releases_.unfenced.begin(),
+                             releases_.unfenced.begin() + static_cast<std::ptrdiff_t>(done));
     throw;
   }
-  unfenced_.clear();
+  releases_.unfenced.clear();
 }
 
 bool caching_allocator::impl::thread_allocated_here() const noexcept {
@@ -410,8 +426,8 @@ void caching_allocator::notify_stream_destroyed(stream_handle stream) {
   if (m.inherited()) return;  // a forked child (fork.cpp)
   stream = m.key_of(stream);  // cudaStreamPerThread: this thread's per-thread stream
   detail::lock_guard<detail::mutex> lk(m.mu_);
-  auto it = m.streams_.find(stream);
-  if (it == m.streams_.end() || !it->second->alive.load()) return;
+  auto it = m.streams_.states.find(stream);
+  if (it == m.streams_.states.end() || !it->second->alive.load()) return;
   m.fence_unfenced_locked();  // blocks freed with uses on this stream get their events while it
                               // lives
   m.retire_dead_streams_locked();  // one query: the previous tombstone may be done
@@ -419,8 +435,8 @@ void caching_allocator::notify_stream_destroyed(stream_handle stream) {
   // records the new one, whose completion proves both (the previous one is superseded).
   event_handle e = m.get_event();
   try {
-    if (!m.tombstones_.empty()) {
-      m.stream_wait_on(stream, m.tombstones_.front().event);
+    if (!m.streams_.tombstones.empty()) {
+      m.stream_wait_on(stream, m.streams_.tombstones.front().event);
       ++m.stats_.stream_waits;
     }
     m.record_event_on(e, stream);
@@ -429,10 +445,10 @@ void caching_allocator::notify_stream_destroyed(stream_handle stream) {
     throw;
   }
   ++m.stats_.events_recorded;
-  if (!m.tombstones_.empty()) m.drop_tombstone_locked(m.tombstones_.front().event);
-  m.tombstones_.assign(1, {e, stream});
+  if (!m.streams_.tombstones.empty()) m.drop_tombstone_locked(m.streams_.tombstones.front().event);
+  m.streams_.tombstones.assign(1, {e, stream});
   it->second->alive.store(false, std::memory_order_release);
-  m.dead_states_.push_back(it->second.get());
+  m.streams_.dead.push_back(it->second.get());
 }
 
 }  // namespace streamsafe

@@ -1,8 +1,8 @@
 // streamsafe core: growth, step 3 of the allocation order (allocate.cpp), and step 4's move of
 // a whole free segment from another stream.
 //
-// cuda_malloc backend: one segment per growth (segment_bytes_for), within limit_bytes_; a growth
-// of a large pool that would raise peak reserved first takes a whole free segment of another
+// cuda_malloc backend: one segment per growth (segment_bytes_for), within limits_.limit_bytes; a
+// growth of a large pool that would raise peak reserved first takes a whole free segment of another
 // stream's large pool (steal_segment_locked, as step 4 does at the memory limit).
 // expandable backend: reserved address ranges per pool (a first one, and another when a request
 // fits in no hole of those the pool has), chunks mapped into their unmapped blocks as needed
@@ -14,7 +14,7 @@
 // segments being released, release.cpp). Locks: the device lock (mu_) and the lock of the
 // growing pool's stream are held by every function here; steal_segment_locked also takes the
 // other stream's lock, re-checking its choice under it.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "format.hpp"
 #include "logging.hpp"
 #include "segment_fit.hpp"
@@ -44,7 +44,7 @@ block* caching_allocator::impl::add_segment_locked(pool& p, std::uintptr_t base,
   b->seg = seg;
   b->mapped = mapped;
   seg->first = b;
-  segments_.emplace(base, seg);
+  streams_.segments.emplace(base, seg);
   if (mapped) p.mapped.insert(b);
   else p.unmapped.insert(b);
   stats_.segment.increase(1);
@@ -53,7 +53,8 @@ block* caching_allocator::impl::add_segment_locked(pool& p, std::uintptr_t base,
 
 block* caching_allocator::impl::new_segment_locked(pool& p, std::size_t rounded) {
   const std::size_t size = detail::segment_bytes_for(rounded);
-  if (static_cast<std::size_t>(stats_.reserved_bytes.current) + size > limit_bytes_) return nullptr;
+  if (static_cast<std::size_t>(stats_.reserved_bytes.current) + size > limits_.limit_bytes)
+    return nullptr;
   void* base = backend_.allocate_segment(size);
   if (!base) return nullptr;
   block* b = add_segment_locked(p, reinterpret_cast<std::uintptr_t>(base), size, true);
@@ -125,7 +126,7 @@ block* caching_allocator::impl::choose_unmapped_locked(const pool& p, std::size_
     std::size_t have = (u->prev && u->prev->state == block_state::free && u->prev->mapped)
                            ? u->prev->size
                            : 0;
-    return have >= rounded ? 0 : detail::round_up(rounded - have, small_chunk_bytes_);
+    return have >= rounded ? 0 : detail::round_up(rounded - have, limits_.small_chunk_bytes);
   };
   block* choice = nullptr;
   if (auto it = p.unmapped.lower_bound(detail::block_order::key{rounded, 0});
@@ -140,31 +141,31 @@ block* caching_allocator::impl::choose_unmapped_locked(const pool& p, std::size_
   map_bytes = need(choice);
   if (map_bytes == 0 || map_bytes > choice->size) return nullptr;
   if (within_limit &&
-      static_cast<std::size_t>(stats_.reserved_bytes.current) + map_bytes > limit_bytes_)
+      static_cast<std::size_t>(stats_.reserved_bytes.current) + map_bytes > limits_.limit_bytes)
     return nullptr;
   return choice;
 }
 
 void caching_allocator::impl::reserve_range_locked(pool& p, std::size_t rounded) {
-  const std::size_t gran = p.small ? small_chunk_bytes_ : large_chunk_bytes_;
-  const std::size_t reserve = detail::round_up(std::max(limit_bytes_, rounded), gran);
+  const std::size_t gran = p.small ? limits_.small_chunk_bytes : limits_.large_chunk_bytes;
+  const std::size_t reserve = detail::round_up(std::max(limits_.limit_bytes, rounded), gran);
   void* base = backend_.reserve_address_range(reserve);
   segment* seg = add_segment_locked(p, reinterpret_cast<std::uintptr_t>(base), reserve, false)->seg;
   if (!p.expandable) p.expandable = seg;
 }
 
 block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t rounded) {
-  const std::size_t gran = p.small ? small_chunk_bytes_ : large_chunk_bytes_;
+  const std::size_t gran = p.small ? limits_.small_chunk_bytes : limits_.large_chunk_bytes;
   // A pool reserves its first range on its first growth, and another range whenever a request
   // fits in no hole of the ranges it has while the memory under the limit is there: holes left
-  // between live blocks never make the pool run out of memory with memory free (issue 14). A
+  // between live blocks never make the pool run out of memory with memory free. A
   // range spans the limit, so an empty range serves any request: a pool never holds two empty
   // ranges, and holds at most one range per mapped chunk plus one.
   std::size_t map_bytes = 0;
   block* choice = p.expandable ? choose_unmapped_locked(p, rounded, map_bytes) : nullptr;
   if (!choice && (!p.expandable || static_cast<std::size_t>(stats_.reserved_bytes.current) +
                                            detail::round_up(rounded, gran) <=
-                                       limit_bytes_)) {
+                                       limits_.limit_bytes)) {
     // The first range, or no hole fits while the memory is there: a fresh range.
     reserve_range_locked(p, rounded);
     choice = choose_unmapped_locked(p, rounded, map_bytes);
@@ -179,15 +180,15 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   // release (defer mode) are on their way back: a step that maps its memory again while the
   // last step's is still queued stays below the mark.
   std::size_t fine_from = SIZE_MAX;  // one chunk size (the default, and small pools)
-  if (!p.small && peak_chunk_bytes_ < gran) {
+  if (!p.small && limits_.peak_chunk_bytes < gran) {
     const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
     const std::size_t kept = reserved - std::min(reserved, queued_release_bytes_locked());
     const std::size_t high_water = reserved_high_water_locked();
     const std::size_t below_mark = high_water > kept ? high_water - kept : 0;
-    fine_from = below_mark / small_chunk_bytes_ * small_chunk_bytes_;
+    fine_from = below_mark / limits_.small_chunk_bytes * limits_.small_chunk_bytes;
   }
   const std::size_t mapped = map_chunks_locked(choice->seg, choice->addr, map_bytes, gran,
-                                               fine_from, peak_chunk_bytes_);
+                                               fine_from, limits_.peak_chunk_bytes);
   if (mapped == 0) return nullptr;
   const bool partial = mapped < map_bytes;  // kept during a capture: free memory, too little
   map_bytes = mapped;
@@ -222,7 +223,7 @@ block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounde
   segment* best = nullptr;
   std::unique_lock<stream_lock> olk;
   while (!best) {
-    for (auto& [base, seg] : segments_) {
+    for (auto& [base, seg] : streams_.segments) {
       if (seg->expandable || seg->owner == &p || seg->small != p.small || seg->owner->tag != p.tag)
         continue;
       stream_state& other = state_of(*seg->owner);
@@ -247,7 +248,7 @@ block* caching_allocator::impl::move_segment_locked(segment* best, pool& p) {
     if (s == p.stream) continue;
     order_after_locked(p.stream, s);
   }
-  for (auto& t : tombstones_) {
+  for (auto& t : streams_.tombstones) {
     stream_wait_on(p.stream, t.event);
     ++stats_.stream_waits;
   }
@@ -270,13 +271,13 @@ block* caching_allocator::impl::adopt_dead_segment_locked(pool& p, std::size_t r
   // Before growing: a whole free segment of a destroyed stream, behind the tombstone (one
   // stream wait, none once the tombstone is seen complete). The search follows the destroyed
   // streams still holding memory, not the segments.
-  if (dead_states_.empty() || capturing() || opts_.release_fence == fence_scope::device)
+  if (streams_.dead.empty() || capturing() || opts_.release_fence == fence_scope::device)
     return nullptr;
   if (state_of(p).graph != 0 || p.tag != 0) return nullptr;  // a tag's memory stays its own
   retire_dead_streams_locked();
   segment* best = nullptr;
   std::unique_lock<stream_lock> olk;
-  for (auto it = dead_states_.rbegin(); it != dead_states_.rend(); ++it) {  // the newest first
+  for (auto it = streams_.dead.rbegin(); it != streams_.dead.rend(); ++it) {  // the newest first
     stream_state* st = *it;
     std::unique_lock<stream_lock> lk(st->mu);
     pool& q = pool_of(*st, p.small);
@@ -296,7 +297,8 @@ block* caching_allocator::impl::adopt_dead_segment_locked(pool& p, std::size_t r
   if (!best) return nullptr;
   block* b = move_segment_locked(best, p);
   olk.unlock();
-  if (tombstones_.empty()) retire_dead_streams_locked();  // the former owner may own nothing now
+  if (streams_.tombstones.empty())
+    retire_dead_streams_locked();  // the former owner may own nothing now
   return b;
 }
 

@@ -36,7 +36,7 @@
 //      out_of_memory.
 // Steps 1-5 never block the host. Locks: mu_ and s's lock held on entry and on return; s's
 // lock is dropped around the steps that take other streams' locks, release or wait.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "format.hpp"
 #include "logging.hpp"
 #include "segment_fit.hpp"
@@ -65,17 +65,17 @@ bool caching_allocator::impl::growth_within_peak_locked(const pool& p, std::size
   std::size_t bytes = 0;
   if (opts_.backend == backend_kind::expandable) {
     const block* choice = p.expandable ? choose_unmapped_locked(p, rounded, bytes, false) : nullptr;
-    if (!choice) bytes = detail::round_up(rounded, small_chunk_bytes_);
+    if (!choice) bytes = detail::round_up(rounded, limits_.small_chunk_bytes);
   } else {
     bytes = detail::segment_bytes_for(rounded);
   }
   const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-  return reserved + bytes <= std::min(limit_bytes_, reserved_high_water_locked());
+  return reserved + bytes <= std::min(limits_.limit_bytes, reserved_high_water_locked());
 }
 
 void caching_allocator::impl::note_headroom_locked() {
   const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-  const std::size_t top = std::min(limit_bytes_, reserved_high_water_locked());
+  const std::size_t top = std::min(limits_.limit_bytes, reserved_high_water_locked());
   headroom_hint_.store(top > reserved ? top - reserved : 0, std::memory_order_relaxed);
 }
 
@@ -109,7 +109,7 @@ bool caching_allocator::impl::growth_raises_peak_with_refused_locked(const pool&
   // Below the peak growth costs nothing; at the limit the rule gives way (find_block_locked).
   const std::size_t grown = static_cast<std::size_t>(stats_.reserved_bytes.current) +
                             detail::segment_bytes_for(rounded);
-  if (grown <= reserved_high_water_locked() || grown > limit_bytes_) return false;
+  if (grown <= reserved_high_water_locked() || grown > limits_.limit_bytes) return false;
   // Worth the driver calls only when the idle segments are a good part of the growth.
   std::size_t idle = 0;
   p.mapped.for_each([&](const block* b) { idle += idle_at_growth(b, rounded) ? b->size : 0; });
@@ -124,13 +124,13 @@ std::size_t caching_allocator::impl::expandable_growth_excess_locked(const pool&
                                      : nullptr;
   *extended = nullptr;
   if (!choice) {
-    map_bytes = detail::round_up(rounded, small_chunk_bytes_);  // a fresh range
+    map_bytes = detail::round_up(rounded, limits_.small_chunk_bytes);  // a fresh range
   } else if (const block* prev = choice->prev;
              prev && prev->state == block_state::free && prev->mapped) {
     *extended = prev;
   }
   const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-  const std::size_t peak = std::min(limit_bytes_, reserved_high_water_locked());
+  const std::size_t peak = std::min(limits_.limit_bytes, reserved_high_water_locked());
   return reserved + map_bytes > peak ? reserved + map_bytes - peak : 0;
 }
 
@@ -142,7 +142,7 @@ bool caching_allocator::impl::expandable_growth_raises_peak_locked(const pool& p
   // an upper bound of the whole free chunks elsewhere (other pools' blocks are not looked at
   // without their locks).
   std::int64_t allocated = 0;
-  for (auto& [s, state] : streams_)
+  for (auto& [s, state] : streams_.states)
     allocated += state->cur_allocated.load(std::memory_order_relaxed);
   const std::int64_t idle = stats_.reserved_bytes.current - allocated -
                             static_cast<std::int64_t>(extended ? extended->size : 0) -
@@ -155,12 +155,12 @@ bool caching_allocator::impl::wants_collection_locked(std::size_t rounded) const
   const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
   if (opts_.garbage_collection_threshold > 0 &&
       static_cast<double>(reserved + detail::segment_bytes_for(rounded)) >
-          opts_.garbage_collection_threshold * static_cast<double>(limit_bytes_)) {
+          opts_.garbage_collection_threshold * static_cast<double>(limits_.limit_bytes)) {
     return true;
   }
   if (opts_.max_cached_bytes != 0) {
     std::int64_t allocated = 0;
-    for (auto& [s, state] : streams_)
+    for (auto& [s, state] : streams_.states)
       allocated += state->cur_allocated.load(std::memory_order_relaxed);
     const auto cached = static_cast<std::int64_t>(reserved) - allocated;
     if (cached > static_cast<std::int64_t>(opts_.max_cached_bytes)) return true;
@@ -181,7 +181,7 @@ std::size_t caching_allocator::impl::queue_idle_chunks_locked(const block* keep,
   // `bytes` (the least likely to serve a later request, and no more than the growth needs), and
   // the rest is merged back into its pool.
   release_batch all;
-  for (auto& [base, seg] : segments_) {
+  for (auto& [base, seg] : streams_.segments) {
     stream_state& owner = state_of(*seg->owner);
     if (!seg->expandable || seg->paused || (large_only && seg->small) ||
         (owner.graph != 0 && !owner.graph_released))
@@ -227,8 +227,7 @@ std::size_t caching_allocator::impl::queue_idle_chunks_locked(const block* keep,
                       backend_.device(), queued);
   queue_batch_locked(chosen);
   if (worker_usable_locked() && ensure_worker_locked()) {
-    worker_kick_ = true;  // the old addresses go once the fence completes
-    worker_wake_->notify_one();
+    worker_.kick_now();
   }
   return queued;
 }
@@ -270,21 +269,22 @@ std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, s
 // ---- the out-of-memory path's last wait -------------------------------------------------------
 
 bool caching_allocator::impl::wait_queued_fences_locked(device_lock& dlk) {
-  if (deferred_.empty() || capturing() || opts_.release_fence == fence_scope::device) return false;
+  if (releases_.deferred.empty() || capturing() || opts_.release_fence == fence_scope::device)
+    return false;
   // A copy of the events to wait on without mu_ (their batches stay queued; a batch finished
   // meanwhile only makes the wait shorter), and the tombstones pinned meanwhile.
   std::vector<pending_event_copy> waits;
-  for (const release_batch& batch : deferred_) {
+  for (const release_batch& batch : releases_.deferred) {
     if (batch.device_sync) return false;
     for (const auto& e : batch.fence) waits.push_back({e.event});
   }
-  for (const auto& t : tombstones_) waits.push_back({t.event});
-  const std::size_t queued = deferred_bytes_;
+  for (const auto& t : streams_.tombstones) waits.push_back({t.event});
+  const std::size_t queued = releases_.deferred_bytes;
   bool done = true;
   {
     const auto start = std::chrono::steady_clock::now();
     std::uint64_t left_us = k_oom_fence_wait_us;
-    driver_call_scope in_flight(*this, dlk);
+    driver_call_scope in_flight(driver_calls_, dlk);
     for (const auto& w : waits) {
       if (!backend_.synchronize_event_for(w.event, left_us)) {
         done = false;
@@ -325,7 +325,7 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
   };
   // 1. Queued memory first: p's own in place, another pool's behind a wait on its fence.
   block* b = nullptr;
-  if (!deferred_.empty()) {
+  if (!releases_.deferred.empty()) {
     b = reclaim_in_place_locked(p, rounded);
     if (!b)
       b = expandable ? reclaim_by_alias_locked(p, rounded)
@@ -337,7 +337,7 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
   if (!b) b = take_pending_locked(st, p, rounded);
   // 4. Queued releases whose fences completed go back before the pool grows (a refused segment
   // queued at one growth would otherwise stay reserved through the next). Never waits.
-  if (!b && !deferred_.empty() && !worker) {
+  if (!b && !releases_.deferred.empty() && !worker) {
     unlocked([&] { finish_deferred(dlk, false); });
     b = retry(false);
   }
@@ -380,7 +380,7 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
   } else if (!b) {
     b = grow_locked(p, rounded);
   }
-  if (!b && !deferred_.empty() && !worker) {
+  if (!b && !releases_.deferred.empty() && !worker) {
     unlocked([&] { finish_deferred(dlk, false); });
     b = retry(true);
   }
@@ -400,14 +400,14 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
   // fenced stream may run a collective that waits for work this thread has yet to enqueue).
   unlocked([&] { release_cached(dlk, opts_.empty_cache); });
   b = retry(true);
-  if (!b && worker && (!deferred_.empty() || stats_.release_worker_bytes != 0)) {
+  if (!b && worker && (!releases_.deferred.empty() || stats_.release_worker_bytes != 0)) {
     // Wait (no lock held) for a pass of the release worker over what was just queued and for
     // its release in flight, then retry. Never waits on a fence.
     unlocked([&] { wait_for_worker_locked(dlk, nullptr); });
     if (capturing()) return nullptr;  // the caller allocates for the capture instead
     b = retry(true);
   }
-  if (!b && opts_.empty_cache == empty_cache_mode::defer && !deferred_.empty()) {
+  if (!b && opts_.empty_cache == empty_cache_mode::defer && !releases_.deferred.empty()) {
     // The last wait: on the host, bounded, for the queued fences; then what they free goes back.
     bool waited = false;
     unlocked([&] {
@@ -424,7 +424,7 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
   }
   // What could not go back serves the request after all: queued memory, then another stream's
   // whole free segment, the whole-segment rule giving way.
-  if (!b && !deferred_.empty()) {
+  if (!b && !releases_.deferred.empty()) {
     b = reclaim_in_place_locked(p, rounded, false);
     if (!b)
       b = expandable ? reclaim_by_alias_locked(p, rounded)

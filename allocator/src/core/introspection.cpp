@@ -2,24 +2,30 @@
 // largest_free_block_bytes, find_block, snapshot, the trace recorder.
 //
 // Per-stream counters live under each stream's lock and are summed here; device-wide peaks are
-// sampled by the fast path (streams.cpp: sample_peaks) and combined with the sums. Locks: each
-// call takes the device lock (mu_), then the stream locks one at a time (stats) or all of them
+// sampled by the fast path (streams.cpp: peak_sampler::sample) and combined with the sums. Locks:
+// each call takes the device lock (mu_), then the stream locks one at a time (stats) or all of them
 // (snapshot, for one consistent walk).
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 
 #include <algorithm>
 #include <iterator>
 
 namespace streamsafe {
 
-statistics caching_allocator::stats() const {
-  const impl& m = *impl_;
-  detail::lock_guard<detail::mutex> dlk(m.mu_);
+namespace {
+
+// The statistics of `m` with the device lock held; lock_stream(st) returns what keeps st's lock
+// held while its counters are read (a lock, or nothing when the caller holds every stream lock,
+// as snapshot() does: then the statistics and the walk are one consistent state).
+template <class Impl, class LockStream>
+statistics collect_stats(const Impl& m,
+                         LockStream&& lock_stream) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
   statistics s = m.stats_;
-  s.release_queued_bytes = m.deferred_bytes_;
+  s.release_queued_bytes = m.releases_.bytes();
   std::int64_t inactive_split = 0;
-  for (auto& [h, st] : m.streams_) {
-    detail::lock_guard<stream_lock> slk(st->mu);
+  for (auto& [h, st] : m.streams_.states) {
+    const auto held = lock_stream(*st);
+    (void)held;
     auto add = [](stat& to, const stat& from) {
       to.current += from.current;
       to.allocated += from.allocated;
@@ -38,35 +44,48 @@ statistics caching_allocator::stats() const {
     s.events_recorded += st->stats.events_recorded;
     s.stream_waits += st->stats.stream_waits;
   }
-  for (auto& [base, seg] : m.segments_) {
-    detail::lock_guard<stream_lock> slk(impl::state_of(*seg->owner).mu);
-    for (const block* b = seg->first; b; b = b->next) {
+  for (auto& [base, seg] : m.streams_.segments) {
+    const auto held = lock_stream(detail::state_of(*seg->owner));
+    (void)held;
+    for (const auto* b = seg->first; b; b = b->next) {
       if ((b->state == block_state::free || b->state == block_state::quick_cached) && b->mapped &&
           (b->prev || b->next)) {
         inactive_split += static_cast<std::int64_t>(b->size);
       }
     }
   }
-  // Device-wide peaks: sampled at every allocation that may set one (allocate.cpp).
+  // Device-wide peaks: sampled at every allocation that may set one (allocate.cpp). The count
+  // peaks are per-stream maxima, so at least the device-wide current count.
   s.allocated_bytes.peak = std::max(
-      {s.allocated_bytes.peak, s.allocated_bytes.current, m.peak_allocated_.load()});
+      {s.allocated_bytes.peak, s.allocated_bytes.current, m.sampling_.peak_allocated.load()});
   s.active_bytes.peak = std::max(
-      {s.active_bytes.peak, s.active_bytes.current, m.peak_active_.load()});
+      {s.active_bytes.peak, s.active_bytes.current, m.sampling_.peak_active.load()});
   s.requested_bytes.peak = std::max(
-      {s.requested_bytes.peak, s.requested_bytes.current, m.peak_requested_.load()});
+      {s.requested_bytes.peak, s.requested_bytes.current, m.sampling_.peak_requested.load()});
+  for (stat* x : {&s.allocation, &s.active, &s.segment, &s.reserved_bytes})
+    x->peak = std::max(x->peak, x->current);
   s.inactive_split_bytes.current = inactive_split;
   s.inactive_split_bytes.peak = std::max(s.inactive_split_bytes.peak, inactive_split);
   return s;
+}
+
+}  // namespace
+
+statistics caching_allocator::stats() const {
+  const impl& m = *impl_;
+  detail::lock_guard<detail::mutex> dlk(m.mu_);
+  return collect_stats(m,
+                       [](impl::stream_state& st) { return std::unique_lock<stream_lock>(st.mu); });
 }
 
 void caching_allocator::reset_peak_stats() {
   impl& m = *impl_;
   detail::lock_guard<detail::mutex> dlk(m.mu_);
   std::int64_t allocated = 0, active = 0, requested = 0;
-  for (auto& [h, st] : m.streams_) {
+  for (auto& [h, st] : m.streams_.states) {
     detail::lock_guard<stream_lock> slk(st->mu);
     auto& x = st->stats;
-    for (impl::fast_stat* f :
+    for (detail::fast_stat* f :
          {&x.allocated_bytes, &x.requested_bytes, &x.allocation, &x.pending_bytes, &x.pending}) {
       f->peak = f->current;
     }
@@ -76,11 +95,12 @@ void caching_allocator::reset_peak_stats() {
     active += x.active_bytes_peak;
     requested += x.requested_bytes.current;
   }
-  m.peak_allocated_ = allocated;
-  m.peak_active_ = active;
-  m.peak_requested_ = requested;
+  m.sampling_.peak_allocated = allocated;
+  m.sampling_.peak_active = active;
+  m.sampling_.peak_requested = requested;
   statistics& s = m.stats_;
-  m.reserved_high_water_ = m.reserved_high_water_locked();  // the growth policy keeps its peak
+  m.growth_.reserved_high_water =
+      m.reserved_high_water_locked();  // the growth policy keeps its peak
   for (stat* x : {&s.reserved_bytes, &s.inactive_split_bytes, &s.segment}) x->reset_peak();
 }
 
@@ -111,8 +131,8 @@ caching_allocator::block_info caching_allocator::find_block_containing(const voi
   if (!owner) return {};
   detail::lock_guard<stream_lock> slk(owner->mu);
   const auto p = reinterpret_cast<std::uintptr_t>(ptr);
-  auto it = m.segments_.upper_bound(p);
-  if (it == m.segments_.begin()) return {};
+  auto it = m.streams_.segments.upper_bound(p);
+  if (it == m.streams_.segments.begin()) return {};
   const segment* seg = std::prev(it)->second;
   for (const block* b = seg->first; b && b->addr <= p; b = b->next) {
     if (p < b->addr + b->size && b->state == block_state::active)
@@ -132,13 +152,14 @@ const trace_recorder* caching_allocator::trace() const noexcept {
 memory_snapshot caching_allocator::snapshot() const {
   const impl& m = *impl_;
   memory_snapshot snap;
-  snap.stats = stats();  // then the walk, under all locks (the two may differ by concurrent calls)
   snap.device = m.backend_.device();
   snap.time_us = trace_recorder::now_us();
   detail::lock_guard<detail::mutex> dlk(m.mu_);
   std::vector<std::unique_lock<stream_lock>> locks;
-  for (auto& [h, st] : m.streams_) locks.emplace_back(st->mu);
-  for (auto& [base, seg] : m.segments_) {
+  for (auto& [h, st] : m.streams_.states) locks.emplace_back(st->mu);
+  // The statistics under the same locks as the walk: one state.
+  snap.stats = collect_stats(m, [](impl::stream_state&) { return 0; });
+  for (auto& [base, seg] : m.streams_.segments) {
     segment_snapshot ss;
     ss.address = seg->base;
     ss.size_bytes = seg->size;

@@ -5,7 +5,7 @@
 // unmapped sets, the quick caches, the active maps, the pending lists, the segments being
 // released, the frees held by a graph capture, and the statistics against the blocks.
 // Locks: the device lock and every stream lock, held for the whole check.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "format.hpp"
 #include "size_classes.hpp"
 
@@ -24,6 +24,17 @@ namespace {
 
 }  // namespace
 
+// What the walk of the segments found, against what the other structures hold.
+struct caching_allocator::impl::census {
+  std::int64_t reserved_bytes = 0, allocated_bytes = 0, active_bytes = 0;  // from the blocks
+  std::int64_t stat_allocated_bytes = 0, stat_active_bytes = 0;            // from the statistics
+  std::size_t free_blocks = 0, active_blocks = 0, pending_blocks = 0, quick_cached_blocks = 0,
+              held_blocks = 0;
+  std::size_t free_list_blocks = 0, quick_cache_blocks = 0, pending_list_blocks = 0,
+              active_map_blocks = 0;
+};
+
+// A block's state against where it is.
 void caching_allocator::impl::check_block_locked(const block* b, census& c) const {
   const segment* seg = b->seg;
   const bool in_mapped = detail::free_lists::contains(b);
@@ -72,6 +83,7 @@ void caching_allocator::impl::check_block_locked(const block* b, census& c) cons
   c.held_blocks += b->free_held ? 1 : 0;
 }
 
+// A segment's tiling and mapping.
 void caching_allocator::impl::check_segment_locked(std::uintptr_t key, const segment* seg,
                                                    census& c) const {
   if (seg->base != key) fail("segment map key differs from its base");
@@ -97,6 +109,7 @@ void caching_allocator::impl::check_segment_locked(std::uintptr_t key, const seg
   c.reserved_bytes += static_cast<std::int64_t>(seg->mapped_bytes);
 }
 
+// A pool's free lists, unmapped set and quick cache.
 void caching_allocator::impl::check_pool_locked(const pool& p, census& c) const {
   c.free_list_blocks += p.mapped.size() + p.unmapped.size();
   p.mapped.for_each([&](const block* b) {
@@ -117,6 +130,7 @@ void caching_allocator::impl::check_pool_locked(const pool& p, census& c) const 
   c.quick_cache_blocks += in_quick;
 }
 
+// A stream's pools, active map and counters.
 void caching_allocator::impl::check_stream_locked(const stream_state& st, census& c) const {
   check_pool_locked(st.small_pool, c);
   check_pool_locked(st.large_pool, c);
@@ -138,7 +152,8 @@ void caching_allocator::impl::check_stream_locked(const stream_state& st, census
 }
 
 void caching_allocator::impl::check_releasing_segments_locked(census& c) const {
-  for (const segment* seg : releasing_segments_) {  // being freed with mu_ dropped (release.cpp)
+  for (const segment* seg :
+       releases_.releasing_segments) {  // being freed with mu_ dropped (release.cpp)
     if (seg->expandable || seg->first->next || seg->first->state != block_state::releasing)
       fail("segment " + hex(seg->base) +
            " out of the segment map is not a whole segment being released");
@@ -147,13 +162,15 @@ void caching_allocator::impl::check_releasing_segments_locked(census& c) const {
 }
 
 void caching_allocator::impl::check_held_frees_locked(const census& c) const {
-  for (const auto& h : held_frees_) {
+  for (const auto& h : capture_.held_frees) {
     if (h.b->state != block_state::active || !h.b->free_held)
       fail("a free held during a capture is not an active held block");
   }
-  if (c.held_blocks != held_frees_.size()) fail("held frees disagree with the blocks marked held");
+  if (c.held_blocks != capture_.held_frees.size())
+    fail("held frees disagree with the blocks marked held");
 }
 
+// The counts and the statistics agree.
 void caching_allocator::impl::check_census_locked(const census& c) const {
   if (c.free_list_blocks != c.free_blocks) fail("pools hold blocks that are not in any segment");
   if (c.quick_cache_blocks != c.quick_cached_blocks)
@@ -173,10 +190,10 @@ void caching_allocator::check_invariants() const {
   const impl& m = *impl_;
   detail::lock_guard<detail::mutex> dlk(m.mu_);
   std::vector<std::unique_lock<stream_lock>> locks;
-  for (auto& [h, st] : m.streams_) locks.emplace_back(st->mu);
+  for (auto& [h, st] : m.streams_.states) locks.emplace_back(st->mu);
   impl::census c;
-  for (auto& [base, seg] : m.segments_) m.check_segment_locked(base, seg, c);
-  for (auto& [h, st] : m.streams_) {
+  for (auto& [base, seg] : m.streams_.segments) m.check_segment_locked(base, seg, c);
+  for (auto& [h, st] : m.streams_.states) {
     detail::assume_held(st->mu);  // locked above, in `locks`
     m.check_stream_locked(*st, c);
   }
@@ -187,26 +204,28 @@ void caching_allocator::check_invariants() const {
   m.check_dead_streams_locked();
 }
 
+// Destroyed and retired stream states.
 void caching_allocator::impl::check_dead_streams_locked() const {
-  // Each state's segment count; destroyed streams are in streams_ and dead_states_ alike; the
-  // tombstone is one event; retired states are out of streams_, own nothing, name no stream.
+  // Each state's segment count; destroyed streams are in streams_.states and streams_.dead alike;
+  // the tombstone is one event; retired states are out of streams_.states, own nothing, name no
+  // stream.
   std::unordered_map<const stream_state*, std::size_t> owned;
-  for (auto& [base, seg] : segments_) ++owned[&state_of(*seg->owner)];
-  for (const segment* seg : releasing_segments_) ++owned[&state_of(*seg->owner)];
+  for (auto& [base, seg] : streams_.segments) ++owned[&state_of(*seg->owner)];
+  for (const segment* seg : releases_.releasing_segments) ++owned[&state_of(*seg->owner)];
   std::size_t dead = 0;
-  for (auto& [h, st] : streams_) {
+  for (auto& [h, st] : streams_.states) {
     if (owned[st.get()] != st->segments)
       fail("a stream's segment count disagrees with the segments");
     if (!st->alive.load(std::memory_order_acquire)) {
       ++dead;
-      if (std::find(dead_states_.begin(), dead_states_.end(), st.get()) == dead_states_.end()) {
+      if (std::find(streams_.dead.begin(), streams_.dead.end(), st.get()) == streams_.dead.end()) {
         fail("destroyed stream " + hex(h) + " missing from the destroyed streams");
       }
     }
   }
-  if (dead != dead_states_.size()) fail("the destroyed streams disagree with the stream states");
-  if (tombstones_.size() > 1) fail("more than one tombstone");
-  for (const auto& st : spare_states_) {
+  if (dead != streams_.dead.size()) fail("the destroyed streams disagree with the stream states");
+  if (streams_.tombstones.size() > 1) fail("more than one tombstone");
+  for (const auto& st : streams_.spare) {
     if (st->segments != 0 ||
         st->cache_key.load(std::memory_order_acquire) != detail::k_tombstone_stream) {
       fail("a retired stream state owns segments or names a stream");

@@ -11,7 +11,7 @@
 // The consumer side keeps each import's mapping until its own release event has completed
 // (closing it earlier would unmap under the consumer's pending reads).
 // Every function here runs with the device lock (mu_) held unless it is a public entry point.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "format.hpp"
 #include "ipc_fd.hpp"
 #include "ipc_wire.hpp"
@@ -29,6 +29,8 @@ std::string dev_text(const device_backend& b) { return " on device " + std::to_s
 
 }  // namespace
 
+// A producer free of an exported block (b->ipc_exports != 0): held, b stays active and
+// allocated, until its last export ends (owner's lock held).
 void caching_allocator::impl::hold_exported_free_locked(stream_state& owner, block* b,
                                                         const stream_handle* stream) {
   (void)owner;
@@ -51,6 +53,9 @@ void caching_allocator::impl::end_export_locked(
   ipc_.exports.erase(it);
 }
 
+// Polls (never waits on) the released exports' and closing imports' events; ends the exports
+// whose consumer event completed and completes the held frees whose last export ended; closes
+// consumer mappings whose event completed. Nothing while a capture is underway.
 void caching_allocator::impl::poll_ipc_locked() {
   if (capturing()) return;  // no event query during a capture
   if (ipc_.waits_in_flight == 0) {
@@ -96,6 +101,8 @@ void caching_allocator::impl::poll_ipc_locked() {
   if (error) std::rethrow_exception(error);
 }
 
+// empty_cache wait mode: waits (mu_ dropped) on the consumer events of released exports of held
+// blocks, then polls.
 void caching_allocator::impl::wait_ipc_locked(device_lock& lk) {
   if (capturing()) return;
   std::vector<event_handle> waits;
@@ -107,7 +114,7 @@ void caching_allocator::impl::wait_ipc_locked(device_lock& lk) {
     // while waits_in_flight is non-zero.
     ++ipc_.waits_in_flight;
     {
-      driver_call_scope in_flight(*this, lk);
+      driver_call_scope in_flight(driver_calls_, lk);
       try {
         for (event_handle e : waits) backend_.synchronize_event(e);
       } catch (...) {
@@ -121,13 +128,14 @@ void caching_allocator::impl::wait_ipc_locked(device_lock& lk) {
   poll_ipc_locked();
 }
 
+// At destruction (destruction.cpp).
 void caching_allocator::impl::destroy_ipc_locked(device_lock& lk) {
   // Consumer: released imports close behind their events (waited for, no lock held); imports
   // never released are closed after a device-wide synchronisation (nothing else orders them).
   if (!ipc_.closing.empty()) {
     std::vector<event_handle> waits;
     for (auto& rec : ipc_.closing) waits.push_back(rec.event);
-    driver_call_scope in_flight(*this, lk);
+    driver_call_scope in_flight(driver_calls_, lk);
     for (event_handle e : waits) backend_.synchronize_event(e);
   }
   for (auto& rec : ipc_.closing) {
@@ -141,7 +149,7 @@ void caching_allocator::impl::destroy_ipc_locked(device_lock& lk) {
         "device synchronisation",
         backend_.device(), ipc_.imports.size());
     {
-      driver_call_scope in_flight(*this, lk);
+      driver_call_scope in_flight(driver_calls_, lk);
       backend_.synchronize_device();
     }
     for (auto& [addr, rec] : ipc_.imports) {
@@ -164,6 +172,7 @@ void caching_allocator::impl::destroy_ipc_locked(device_lock& lk) {
   ipc_.held.clear();
 }
 
+// For check_invariants (invariants.cpp).
 void caching_allocator::impl::check_ipc_locked() const {
   auto fail = [](const char* what) {
     throw std::logic_error(std::string("streamsafe: invariant violated: ") + what);
@@ -267,7 +276,7 @@ std::size_t caching_allocator::revoke_exports(void* ptr) {
   if (m.inherited()) return 0;
   device_lock lk(m.mu_);
   // An empty_cache waiting on these events with the lock dropped finishes first.
-  m.driver_calls_done_.wait(
+  m.driver_calls_.done.wait(
       lk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return m.ipc_.waits_in_flight == 0; });
   impl::stream_state* owner = m.owner_locked(ptr);
   if (!owner) m.throw_invalid_pointer_locked(ptr, "revoke_exports");
@@ -304,15 +313,15 @@ imported_block caching_allocator::import_block(const ipc_handle& handle) {
                     ": a CUDA graph capture is underway");
   }
   m.poll_ipc_locked();
-  const auto same = [&](const detail::ipc_import_record& rec) {
-    return rec.producer == parts.header.producer && rec.export_id == parts.header.export_id;
-  };
-  bool twice = std::any_of(m.ipc_.closing.begin(), m.ipc_.closing.end(), same);
-  for (const auto& [addr, rec] : m.ipc_.imports) twice = twice || same(rec);
-  if (twice) {
+  // An export imported here before, open, closing or closed, is refused: the producer ends the
+  // export at the first import's release and may hand the block out again, so a second import
+  // would read memory that is no longer the export's.
+  const std::pair<std::uint64_t, std::uint64_t> key{parts.header.producer, parts.header.export_id};
+  if (m.ipc_.imported.count(key) != 0) {
     throw ipc_error("streamsafe: import_block" + dev_text(m.backend_) + ": export " +
                     std::to_string(parts.header.export_id) +
-                    " is imported here already (each export has one consumer: export again)");
+                    " is imported here already (each export has one consumer and one import, "
+                    "also after its release: export again)");
   }
   device_backend::ipc_memory mem;
   mem.bytes = parts.memory;
@@ -341,7 +350,15 @@ imported_block caching_allocator::import_block(const ipc_handle& handle) {
   rec.export_id = parts.header.export_id;
   rec.producer_device = parts.header.device;
   rec.event = e;
-  m.ipc_.imports[addr] = rec;
+  try {
+    m.ipc_.imported.insert(key);
+    m.ipc_.imports[addr] = rec;
+  } catch (...) {
+    m.ipc_.imported.erase(key);
+    m.backend_.close_ipc_event(e);
+    m.backend_.close_imported_memory(addr);
+    throw;
+  }
   detail::log().debug("device {}: imported export {} of process {} at {:#x} ({} bytes)",
                       m.backend_.device(), rec.export_id, parts.header.producer_pid, addr,
                       rec.size);
@@ -394,6 +411,15 @@ int ipc_handle_device(const ipc_handle& handle) {
 
 int ipc_release_device(const ipc_release& release) {
   return detail::parse_ipc_release(release, "ipc_release_device").device;
+}
+
+ipc_release ipc_release_of(const ipc_handle& handle) {
+  const detail::ipc_handle_parts parts = detail::parse_ipc_handle(handle, "ipc_release_of");
+  detail::ipc_release_header r;
+  r.producer = parts.header.producer;
+  r.export_id = parts.header.export_id;
+  r.device = parts.header.device;
+  return detail::make_ipc_release(r);
 }
 
 caching_allocator::ipc_counts caching_allocator::ipc_status() const {

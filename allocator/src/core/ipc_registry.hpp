@@ -11,6 +11,8 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
+#include <utility>
 #include <vector>
 
 namespace streamsafe::detail {
@@ -45,6 +47,9 @@ struct ipc_registry {
   std::vector<ipc_held_free> held;                      // producer frees waiting for exports
   std::map<std::uintptr_t, ipc_import_record> imports;  // open (not released), by address
   std::vector<ipc_import_record> closing;               // released, event not seen complete
+  // Every export imported here, by (producer key, export id), kept after the import closes: an
+  // export has one consumer and one import, since its producer ends it at the first release.
+  std::set<std::pair<std::uint64_t, std::uint64_t>> imported;
   int waits_in_flight = 0;  // empty_cache(wait) waiting on export events with mu_ dropped
 };
 

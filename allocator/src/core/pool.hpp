@@ -66,7 +66,7 @@ struct pool {
   free_set unmapped;      // free address space of expandable segments (slow path only)
   segment* expandable =
       nullptr;            // this pool's first expandable segment (it may reserve more), if any
-  void* state = nullptr;  // the stream_state owning this pool (allocator_state.hpp)
+  void* state = nullptr;  // the stream_state owning this pool (stream_state.hpp)
 };
 
 }  // namespace streamsafe::detail

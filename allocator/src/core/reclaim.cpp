@@ -18,7 +18,7 @@
 // A batch left with no block is dropped and its fence events go back to the pool.
 // Locks: mu_ and the requesting pool's stream lock; another pool's lock is taken around the
 // changes to its segment's blocks.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "format.hpp"
 #include "logging.hpp"
 #include "segment_fit.hpp"
@@ -37,7 +37,7 @@ void caching_allocator::impl::wait_on_fence_locked(stream_handle stream,
     stream_wait_on(stream, e.event);
     ++stats_.stream_waits;
   }
-  for (const auto& t : tombstones_) {  // destroyed streams' last work
+  for (const auto& t : streams_.tombstones) {  // destroyed streams' last work
     stream_wait_on(stream, t.event);
     ++stats_.stream_waits;
   }
@@ -49,13 +49,13 @@ void caching_allocator::impl::take_from_batch_locked(std::deque<release_batch>::
   blocks.erase(std::find(blocks.begin(), blocks.end(), b));
   if (!b->aliased) {
     batch->bytes -= b->size;
-    deferred_bytes_ -= b->size;
+    releases_.deferred_bytes -= b->size;
   }
   if (blocks.empty()) {
     for (auto& e : batch->fence) {
       if (e.stream != detail::k_tombstone_stream) put_event(e.event);
     }
-    deferred_.erase(batch);
+    releases_.deferred.erase(batch);
   }
 }
 
@@ -66,8 +66,8 @@ block* caching_allocator::impl::reclaim_in_place_locked(pool& p, std::size_t rou
     return b && b->state == block_state::free && b->mapped ? b->size : 0;
   };
   block* best = nullptr;
-  auto from = deferred_.end();
-  for (auto it = deferred_.begin(); it != deferred_.end(); ++it) {
+  auto from = releases_.deferred.end();
+  for (auto it = releases_.deferred.begin(); it != releases_.deferred.end(); ++it) {
     for (block* b : it->blocks) {
       if (b->seg->owner != &p || b->seg->paused || b->aliased) continue;
       // Expandable: a chunk run merges back with the free pieces around it. cuda_malloc: a whole
@@ -97,8 +97,8 @@ block* caching_allocator::impl::reclaim_segment_locked(pool& p, std::size_t roun
                                                        bool whole_rule) {
   if (capturing() || opts_.release_fence == fence_scope::device) return nullptr;
   block* best = nullptr;
-  auto from = deferred_.end();
-  for (auto it = deferred_.begin(); it != deferred_.end(); ++it) {
+  auto from = releases_.deferred.end();
+  for (auto it = releases_.deferred.begin(); it != releases_.deferred.end(); ++it) {
     if (it->device_sync) continue;
     for (block* b : it->blocks) {
       const segment* seg = b->seg;
@@ -134,7 +134,7 @@ block* caching_allocator::impl::reclaim_segment_locked(pool& p, std::size_t roun
 
 block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rounded) {
   if (capturing() || opts_.backend != backend_kind::expandable ||
-      opts_.release_fence == fence_scope::device || deferred_.empty())
+      opts_.release_fence == fence_scope::device || releases_.deferred.empty())
     return nullptr;
   // Where p grows: an unmapped block of its ranges (a fresh range if none fits), extending the
   // free mapped block before it. The aliased bytes take no room under the limit.
@@ -150,7 +150,7 @@ block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rou
     block* b;
   };
   std::vector<candidate> all;
-  for (auto it = deferred_.begin(); it != deferred_.end(); ++it) {
+  for (auto it = releases_.deferred.begin(); it != releases_.deferred.end(); ++it) {
     if (it->device_sync) continue;
     for (block* b : it->blocks) {
       if (b->seg->expandable && !b->aliased && !b->seg->paused) all.push_back({it, b});
@@ -198,10 +198,10 @@ block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rou
     const block* prev = target->prev;
     const std::size_t have = prev && prev->state == block_state::free && prev->mapped ? prev->size
                                                                                       : 0;
-    need = have >= rounded ? 0 : detail::round_up(rounded - have, small_chunk_bytes_);
+    need = have >= rounded ? 0 : detail::round_up(rounded - have, limits_.small_chunk_bytes);
   }
   const std::size_t fresh = need > taken ? need - taken : 0;  // mapped anew, under the limit
-  if (static_cast<std::size_t>(stats_.reserved_bytes.current) + fresh > limit_bytes_ ||
+  if (static_cast<std::size_t>(stats_.reserved_bytes.current) + fresh > limits_.limit_bytes ||
       taken + fresh > target->size)
     return nullptr;
   // p's stream waits on each batch's fence, once, before anything changes (a failed wait leaves
@@ -237,7 +237,7 @@ block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rou
       aliased += c.b->size;
     }
     if (fresh != 0) {
-      const std::size_t gran = p.small ? small_chunk_bytes_ : large_chunk_bytes_;
+      const std::size_t gran = p.small ? limits_.small_chunk_bytes : limits_.large_chunk_bytes;
       if (map_chunks_locked(dst, at, fresh, gran) != fresh) {
         undo();
         return nullptr;
@@ -250,14 +250,14 @@ block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rou
   // Committed: the old mappings stay queued, marked aliased.
   for (const candidate& c : chosen) {
     c.batch->bytes -= c.b->size;
-    deferred_bytes_ -= c.b->size;
+    releases_.deferred_bytes -= c.b->size;
     c.b->aliased = true;
     c.b->ghost_owned = 0;
   }
   at = target->addr;
   for (const candidate& c : chosen) {
     c.b->alias_at = at;
-    ghosts_.emplace(at, std::make_pair(c.b->size, c.b));
+    releases_.ghosts.emplace(at, std::make_pair(c.b->size, c.b));
     at += c.b->size;
   }
   const std::size_t total = aliased + fresh;
@@ -279,12 +279,12 @@ block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rou
 }
 
 std::size_t caching_allocator::impl::unghost_locked(std::uintptr_t addr, std::size_t bytes) {
-  if (ghosts_.empty()) return 0;
+  if (releases_.ghosts.empty()) return 0;
   const std::uintptr_t end = addr + bytes;
   std::size_t held = 0;
-  auto it = ghosts_.upper_bound(addr);
-  if (it != ghosts_.begin()) --it;
-  while (it != ghosts_.end() && it->first < end) {
+  auto it = releases_.ghosts.upper_bound(addr);
+  if (it != releases_.ghosts.begin()) --it;
+  while (it != releases_.ghosts.end() && it->first < end) {
     const std::uintptr_t lo = it->first;
     const std::uintptr_t hi = lo + it->second.first;
     block* ghost = it->second.second;
@@ -296,9 +296,10 @@ std::size_t caching_allocator::impl::unghost_locked(std::uintptr_t addr, std::si
     const std::uintptr_t cut_hi = std::min(hi, end);
     held += cut_hi - cut_lo;
     ghost->ghost_owned += cut_hi - cut_lo;
-    it = ghosts_.erase(it);  // the parts of the entry outside the range stay
-    if (lo < cut_lo) ghosts_.emplace(lo, std::make_pair(cut_lo - lo, ghost));
-    if (cut_hi < hi) it = ghosts_.emplace(cut_hi, std::make_pair(hi - cut_hi, ghost)).first;
+    it = releases_.ghosts.erase(it);  // the parts of the entry outside the range stay
+    if (lo < cut_lo) releases_.ghosts.emplace(lo, std::make_pair(cut_lo - lo, ghost));
+    if (cut_hi < hi)
+      it = releases_.ghosts.emplace(cut_hi, std::make_pair(hi - cut_hi, ghost)).first;
   }
   return held;
 }
@@ -309,9 +310,9 @@ std::size_t caching_allocator::impl::drop_ghost_locked(block* b) {
   const std::uintptr_t lo_b = b->addr;
   const std::uintptr_t hi_b = b->addr + b->size;
   std::vector<std::pair<std::uintptr_t, std::pair<std::size_t, block*>>> keep;
-  auto it = ghosts_.upper_bound(lo_b);
-  if (it != ghosts_.begin()) --it;
-  while (it != ghosts_.end() && it->first < hi_b) {
+  auto it = releases_.ghosts.upper_bound(lo_b);
+  if (it != releases_.ghosts.begin()) --it;
+  while (it != releases_.ghosts.end() && it->first < hi_b) {
     const std::uintptr_t lo = it->first;
     const std::uintptr_t hi = lo + it->second.first;
     block* g = it->second.second;
@@ -319,7 +320,7 @@ std::size_t caching_allocator::impl::drop_ghost_locked(block* b) {
       ++it;
       continue;
     }
-    it = ghosts_.erase(it);
+    it = releases_.ghosts.erase(it);
     const std::uintptr_t in_lo = std::max(lo, lo_b);
     const std::uintptr_t in_hi = std::min(hi, hi_b);
     if (lo < in_lo) keep.push_back({lo, {in_lo - lo, g}});
@@ -327,14 +328,14 @@ std::size_t caching_allocator::impl::drop_ghost_locked(block* b) {
     keep.push_back({in_lo - lo_b + b->alias_at, {in_hi - in_lo, g}});
   }
   // b's entries may have moved with its memory (an earlier drop above): all of them, by owner.
-  for (auto g = ghosts_.begin(); g != ghosts_.end();) {
+  for (auto g = releases_.ghosts.begin(); g != releases_.ghosts.end();) {
     if (g->second.second == b) {
-      g = ghosts_.erase(g);
+      g = releases_.ghosts.erase(g);
     } else {
       ++g;
     }
   }
-  for (const auto& k : keep) ghosts_.emplace(k.first, k.second);
+  for (const auto& k : keep) releases_.ghosts.emplace(k.first, k.second);
   return b->ghost_owned;
 }
 

@@ -15,7 +15,7 @@
 // While a CUDA graph capture is underway on the device nothing here runs (capture.cpp): no
 // fence is recorded, waited or queried and nothing is released; the private pool of a graph is
 // released only after notify_graph_released.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "logging.hpp"
 #include "size_classes.hpp"
 
@@ -53,8 +53,8 @@ std::vector<stream_handle> caching_allocator::impl::fence_streams_locked(const s
   std::vector<stream_handle> out;
   auto alive =
       [&](stream_handle s) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {  // under mu_, as its caller
-        auto it = streams_.find(s);
-        return it != streams_.end() && it->second->alive.load(std::memory_order_acquire);
+        auto it = streams_.states.find(s);
+        return it != streams_.states.end() && it->second->alive.load(std::memory_order_acquire);
       };
   switch (opts_.release_fence) {
     case fence_scope::allocation_stream:
@@ -67,7 +67,7 @@ std::vector<stream_handle> caching_allocator::impl::fence_streams_locked(const s
       }
       break;
     case fence_scope::all_streams:
-      for (auto& [s, state] : streams_) {
+      for (auto& [s, state] : streams_.states) {
         if (state->graph == 0 && state->alive.load(std::memory_order_acquire)) out.push_back(s);
       }
       break;
@@ -75,7 +75,8 @@ std::vector<stream_handle> caching_allocator::impl::fence_streams_locked(const s
   }
   // A resume's restore copies (wake.cpp) run on the internal copy stream; the segment's stream is
   // ordered after them only while it is alive, so the fence covers the copy stream itself.
-  if (has_copy_stream_ && opts_.release_fence != fence_scope::device) out.push_back(copy_stream_);
+  if (sleep_.has_copy_stream && opts_.release_fence != fence_scope::device)
+    out.push_back(sleep_.copy_stream);
   return out;
 }
 
@@ -157,7 +158,7 @@ bool caching_allocator::impl::whole_chunk_run(const segment* seg, std::uintptr_t
 caching_allocator::impl::release_batch caching_allocator::impl::collect_releasable_locked(
     bool released_graphs_only, const tag_id* only_tag) {
   release_batch batch;
-  for (auto& [base, seg] : segments_) {
+  for (auto& [base, seg] : streams_.segments) {
     stream_state& owner = state_of(*seg->owner);
     if (owner.graph != 0 && !owner.graph_released) continue;  // a graph that may still replay
     if (released_graphs_only && owner.graph == 0) continue;
@@ -195,8 +196,8 @@ void caching_allocator::impl::requeue_aliased_locked(block* b) {
   // batch of its own with no events, released by the next pass over the queue.
   release_batch batch;
   batch.blocks.push_back(b);
-  batch.id = next_batch_id_++;
-  deferred_.push_back(std::move(batch));
+  batch.id = releases_.next_batch_id++;
+  releases_.deferred.push_back(std::move(batch));
 }
 
 void caching_allocator::impl::record_fence_locked(release_batch& batch) {
@@ -223,7 +224,7 @@ bool caching_allocator::impl::fence_done_locked(const release_batch& batch) {
   for (const auto& e : batch.fence) {
     if (!backend_.query_event(e.event)) return false;
   }
-  for (const auto& t : tombstones_) {
+  for (const auto& t : streams_.tombstones) {
     if (!backend_.query_event(t.event)) return false;
   }
   return true;
@@ -247,17 +248,18 @@ void caching_allocator::impl::wait_fence_unlocked(release_batch& batch) {
 std::size_t caching_allocator::impl::release_batch_memory(device_lock& lk, release_batch& batch) {
   std::vector<char> done(batch.blocks.size(), 0);
   std::exception_ptr error;
-  // A cudaFree'd segment leaves segments_ before the call: once cudaFree returns, cudaMalloc
-  // (another thread's growth, while mu_ is dropped) may hand out the same base address, whose
-  // new segment must find its key free. Until the lock is back it waits in releasing_segments_.
-  releasing_segments_.reserve(releasing_segments_.size() +
-                              batch.blocks.size());  // throws before anything moves
+  // A cudaFree'd segment leaves streams_.segments before the call: once cudaFree returns,
+  // cudaMalloc (another thread's growth, while mu_ is dropped) may hand out the same base address,
+  // whose new segment must find its key free. Until the lock is back it waits in
+  // releases_.releasing_segments.
+  releases_.releasing_segments.reserve(releases_.releasing_segments.size() +
+                                       batch.blocks.size());  // throws before anything moves
   for (block* b : batch.blocks) {
     if (b->seg->expandable) continue;
-    segments_.erase(b->seg->base);
-    releasing_segments_.push_back(b->seg);
+    streams_.segments.erase(b->seg->base);
+    releases_.releasing_segments.push_back(b->seg);
   }
-  driver_call_scope in_flight(*this, lk);
+  driver_call_scope in_flight(driver_calls_, lk);
   for (std::size_t i = 0; i < batch.blocks.size(); ++i) {
     block* b = batch.blocks[i];  // detached: nobody else touches it or its size
     try {
@@ -287,9 +289,9 @@ std::size_t caching_allocator::impl::release_batch_memory(device_lock& lk, relea
 std::size_t caching_allocator::impl::account_release_locked(block* b, bool released) {
   segment* seg = b->seg;
   if (!seg->expandable) {
-    releasing_segments_.erase(
-        std::find(releasing_segments_.begin(), releasing_segments_.end(), seg));
-    if (!released) segments_.emplace(seg->base, seg);  // still ours: nobody got its address
+    releases_.releasing_segments.erase(
+        std::find(releases_.releasing_segments.begin(), releases_.releasing_segments.end(), seg));
+    if (!released) streams_.segments.emplace(seg->base, seg);  // still ours: nobody got its address
   }
   stream_state& owner = state_of(*seg->owner);
   detail::lock_guard<stream_lock> slk(owner.mu);
@@ -346,34 +348,34 @@ std::size_t caching_allocator::impl::account_release_locked(block* b, bool relea
 std::size_t caching_allocator::impl::finish_deferred(device_lock& lk, bool wait) {
   // A failing backend call (query, synchronize) leaves the batch queued: nothing is lost.
   std::size_t released = 0;
-  while (!deferred_.empty() && !capturing()) {
-    const bool done = fence_done_locked(deferred_.front());
+  while (!releases_.deferred.empty() && !capturing()) {
+    const bool done = fence_done_locked(releases_.deferred.front());
     if (!done && !wait) break;
     if (!wait) {
       // Never blocks: a cudaFree'd segment goes back only while every known stream is idle now.
-      const auto& blocks = deferred_.front().blocks;
+      const auto& blocks = releases_.deferred.front().blocks;
       const bool frees_segment = std::any_of(blocks.begin(), blocks.end(),
                                              [](const block* b) { return !b->seg->expandable; });
       if (frees_segment && free_segment_would_block_locked()) break;
     }
     if (!done) {
-      release_batch& front = deferred_.front();
+      release_batch& front = releases_.deferred.front();
       const std::uint64_t waited_id = front.id;
       release_batch waiting;  // a copy of the fence (plus tombstones) to wait on without the lock
       waiting.fence = front.fence;
       waiting.device_sync = front.device_sync;
-      for (auto& t : tombstones_) waiting.fence.push_back({t.event, k_tombstone});
+      for (auto& t : streams_.tombstones) waiting.fence.push_back({t.event, k_tombstone});
       tombstone_pin pin(tombstone_refs_,
-                        tombstones_.size());  // not pooled while waited on unlocked
-      driver_call_scope in_flight(*this, lk);
+                        streams_.tombstones.size());  // not pooled while waited on unlocked
+      driver_call_scope in_flight(driver_calls_, lk);
       wait_fence_unlocked(waiting);
       in_flight.relock();
-      if (deferred_.empty() || deferred_.front().id != waited_id)
+      if (releases_.deferred.empty() || releases_.deferred.front().id != waited_id)
         continue;  // finished by another thread
     }
-    release_batch batch = std::move(deferred_.front());
-    deferred_.pop_front();
-    deferred_bytes_ -= batch.bytes;
+    release_batch batch = std::move(releases_.deferred.front());
+    releases_.deferred.pop_front();
+    releases_.deferred_bytes -= batch.bytes;
     released += release_batch_memory(lk, batch);
   }
   return released;
@@ -381,10 +383,10 @@ std::size_t caching_allocator::impl::finish_deferred(device_lock& lk, bool wait)
 
 bool caching_allocator::impl::free_segment_would_block_locked() {
   if (!backend_.free_segment_synchronizes()) return false;
-  for (auto& t : tombstones_) {
+  for (auto& t : streams_.tombstones) {
     if (!backend_.query_event(t.event)) return true;  // a dead stream's last work
   }
-  for (auto& [s, st] : streams_) {
+  for (auto& [s, st] : streams_.states) {
     // Graph pools (st->graph != 0) are keyed by a graph id, not a stream: their streams are known
     // too.
     if (st->graph == 0 && st->alive.load(std::memory_order_acquire) && !query_stream_of(s))
@@ -399,7 +401,7 @@ caching_allocator::impl::release_batch caching_allocator::impl::take_safe_locked
   // blocks whose own fence streams (fence_streams_locked of their segment) are all idle.
   release_batch safe;
   if (batch.device_sync) return safe;
-  for (const auto& t : tombstones_) {
+  for (const auto& t : streams_.tombstones) {
     if (!backend_.query_event(t.event)) return safe;
   }
   std::vector<stream_handle> busy;
@@ -439,15 +441,15 @@ caching_allocator::impl::release_batch caching_allocator::impl::take_safe_locked
 
 caching_allocator::impl::release_batch caching_allocator::impl::take_completed_locked() {
   release_batch now;
-  for (auto it = deferred_.begin(); it != deferred_.end();) {
+  for (auto it = releases_.deferred.begin(); it != releases_.deferred.end();) {
     release_batch part = take_safe_locked(*it);  // a failing query throws before anything moves
-    deferred_bytes_ -= part.bytes;
+    releases_.deferred_bytes -= part.bytes;
     now.bytes += part.bytes;
     now.blocks.insert(now.blocks.end(), part.blocks.begin(), part.blocks.end());
     if (it->blocks.empty()) {
       now.fence.insert(now.fence.end(), it->fence.begin(),
                        it->fence.end());  // back to the pool after the release
-      it = deferred_.erase(it);
+      it = releases_.deferred.erase(it);
     } else {
       ++it;
     }
@@ -456,7 +458,7 @@ caching_allocator::impl::release_batch caching_allocator::impl::take_completed_l
 }
 
 std::size_t caching_allocator::impl::release_completed_locked(device_lock& lk) {
-  if (deferred_.empty() || capturing()) return 0;
+  if (releases_.deferred.empty() || capturing()) return 0;
   release_batch now = take_completed_locked();
   if (now.blocks.empty()) {
     for (auto& e : now.fence) put_event(e.event);
@@ -468,8 +470,8 @@ std::size_t caching_allocator::impl::release_completed_locked(device_lock& lk) {
 std::size_t caching_allocator::impl::release_cached(device_lock& lk, empty_cache_mode mode) {
   detect_captures_locked(lk);
   if (capturing()) {  // runs, in defer mode, when the last capture ends (capture.cpp)
-    empty_cache_after_capture_ = true;
-    ++capture_deferrals_;
+    capture_.empty_cache_after = true;
+    ++capture_.deferrals;
     detail::log().debug(
         "device {}: release of cached memory deferred until the CUDA graph capture ends",
         backend_.device());
@@ -490,10 +492,10 @@ std::size_t caching_allocator::impl::release_cached(device_lock& lk, empty_cache
 }
 
 void caching_allocator::impl::prepare_release_locked() {
-  empty_cache_requested_ = false;
+  releases_.empty_cache_requested = false;
   poll_ipc_locked();  // exported blocks whose exports ended become free (ipc.cpp)
   fence_unfenced_locked();
-  for (auto& [s, st] : streams_) {
+  for (auto& [s, st] : streams_.states) {
     detail::lock_guard<stream_lock> slk(st->mu);
     if (!st->unfenced.empty()) fence_host_frees_locked(*st);  // reuse_fence:all_streams (free.cpp)
     if (!st->pending.empty()) process_events_locked(*st);
@@ -550,7 +552,7 @@ void caching_allocator::impl::prove_idle_segments_locked(stream_state& st, pool&
       for (const auto& e : st.idle_fence) {
         if (!backend_.query_event(e.event)) return;  // one fence at a time
       }
-      for (const auto& t : tombstones_) {  // destroyed streams' last work
+      for (const auto& t : streams_.tombstones) {  // destroyed streams' last work
         if (!backend_.query_event(t.event)) return;
       }
       p.mapped.for_each([&](block* b) {
@@ -579,8 +581,8 @@ void caching_allocator::impl::prove_idle_segments_locked(stream_state& st, pool&
     detail::log().debug("device {}: an idle fence failed: {}", backend_.device(), e.what());
     return;
   }
-  if (++next_idle_fence_id_ < 2) next_idle_fence_id_ = 2;
-  st.idle_fence_id = next_idle_fence_id_;
+  if (++growth_.next_idle_fence_id < 2) growth_.next_idle_fence_id = 2;
+  st.idle_fence_id = growth_.next_idle_fence_id;
   p.mapped.for_each([&](block* b) {
     if (!b->prev && !b->next && b->idle_fence == 0) b->idle_fence = st.idle_fence_id;
   });
@@ -609,10 +611,10 @@ std::size_t caching_allocator::impl::release_collected(device_lock& lk, release_
         }
       } else {
         if (!fence_done_locked(batch)) {
-          for (auto& t : tombstones_) batch.fence.push_back({t.event, k_tombstone});
+          for (auto& t : streams_.tombstones) batch.fence.push_back({t.event, k_tombstone});
           tombstone_pin pin(tombstone_refs_,
-                            tombstones_.size());  // not pooled while waited on unlocked
-          driver_call_scope in_flight(*this, lk);
+                            streams_.tombstones.size());  // not pooled while waited on unlocked
+          driver_call_scope in_flight(driver_calls_, lk);
           wait_fence_unlocked(batch);
           in_flight.relock();
           // Waited on: the tombstone entries go (a queued batch must not keep them).
@@ -641,13 +643,13 @@ std::size_t caching_allocator::impl::release_collected(device_lock& lk, release_
 
 void caching_allocator::impl::queue_batch_locked(release_batch& batch) {
   ++stats_.releases_deferred;
-  deferred_bytes_ += batch.bytes;
-  batch.id = next_batch_id_++;
+  releases_.deferred_bytes += batch.bytes;
+  batch.id = releases_.next_batch_id++;
   trace(trace_action::release_deferred, batch.blocks.front()->addr, batch.bytes,
         batch.blocks.front()->seg->stream);
   detail::log().debug("device {}: release of {} bytes deferred behind {} fence event(s)",
                       backend_.device(), batch.bytes, batch.fence.size());
-  deferred_.push_back(std::move(batch));
+  releases_.deferred.push_back(std::move(batch));
   batch = release_batch{};
 }
 
@@ -660,7 +662,7 @@ std::size_t caching_allocator::empty_cache(empty_cache_mode mode) {
     return 0;  // a forked child: nothing of the parent's is released (fork.cpp)
   device_lock lk(impl_->mu_);
   if (callback_scope::active()) {  // no backend call in a stream callback: later, never waiting
-    impl_->empty_cache_requested_ = true;
+    impl_->releases_.empty_cache_requested = true;
     return 0;
   }
   return impl_->release_cached(lk, mode);
@@ -672,15 +674,16 @@ std::size_t caching_allocator::reclaim() {
   device_lock lk(impl_->mu_);
   impl_->detect_captures_locked(lk);
   if (impl_->capturing()) return 0;  // no query while a graph is captured: after the capture
-  if (impl_->empty_cache_requested_) return impl_->trim_cached(lk);  // asked for from a callback
+  if (impl_->releases_.empty_cache_requested)
+    return impl_->trim_cached(lk);  // asked for from a callback
   impl_->fence_unfenced_locked();
   impl_->poll_ipc_locked();  // ended exports: their held frees complete (ipc.cpp)
-  for (auto& [s, st] : impl_->streams_) {
+  for (auto& [s, st] : impl_->streams_.states) {
     detail::lock_guard<stream_lock> slk(st->mu);
     if (!st->pending.empty()) impl_->process_events_locked(*st);
   }
   std::size_t released = impl_->finish_deferred(lk, false);
-  if (impl_->pauses_pending_ != 0 && !impl_->worker_usable_locked())
+  if (impl_->sleep_.pauses_pending != 0 && !impl_->worker_usable_locked())
     released += impl_->advance_pauses_locked(lk);  // sleep.cpp: deferred pauses, never waiting
   // The worker's release in flight (driver calls on memory whose fence completed) ends too, so
   // that what reclaim returns to has every completed release done; never a fence wait.

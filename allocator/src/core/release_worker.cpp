@@ -14,13 +14,13 @@
 // while nothing completes. A failed driver call puts its memory back in the pool
 // (release_batch_memory), is logged, and the worker goes on.
 // Locks: the worker holds mu_ while it polls and between passes only inside the condition
-// variable's wait (mu_ released). Callers wait for a pass on worker_settled_, mu_ released.
+// variable's wait (mu_ released). Callers wait for a pass on worker_.settled, mu_ released.
 // Fork: pthread_atfork handlers take the device lock of every allocator with a running worker
 // (try_lock, for at most k_fork_lock_wait each) so that the child never inherits it held by the
 // worker; in the child the worker does not exist (worker_usable_locked compares process ids) and
 // the destructor neither joins nor destroys the parent's thread object. Exit: an atexit handler
 // stops every worker (bounded, no join) before the CUDA runtime's own teardown.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "logging.hpp"
 
 #include <pthread.h>
@@ -53,33 +53,50 @@ std::once_flag g_atfork_once;
 
 }  // namespace
 
+// pthread_atfork handlers: the forking thread takes (try_lock, bounded) the device lock of every
+// allocator with a running worker, so that no worker holds it in the child; at_exit stops every
+// worker, bounded, no join.
+struct caching_allocator::impl::process_hooks {
+  static void fork_prepare() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
+  static void fork_parent() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
+  static void fork_child() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
+  static void at_exit() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;
+};
+
 std::int64_t caching_allocator::impl::current_pid() noexcept {
   return static_cast<std::int64_t>(::getpid());
 }
 
+// The option is on, the thread could start, and this is the process that made the allocator.
 bool caching_allocator::impl::worker_usable_locked() const {
-  if (opts_.release_worker != release_worker_mode::on || worker_failed_ || worker_stop_)
+  if (opts_.release_worker != release_worker_mode::on || worker_.failed || worker_.stop)
     return false;
   const std::int64_t pid = current_pid();
-  return pid == creator_pid_ && (worker_pid_ == 0 || worker_pid_ == pid);
+  return pid == creator_pid_ && (worker_.pid == 0 || worker_.pid == pid);
 }
 
+bool caching_allocator::impl::worker_releases_locked(empty_cache_mode mode) const {
+  return mode == empty_cache_mode::defer && worker_usable_locked();
+}
+
+// Starts the release worker if it is not running; false when it cannot run.
 bool caching_allocator::impl::ensure_worker_locked() {
-  if (worker_) return true;
+  if (worker_.thread) return true;
   if (!worker_usable_locked()) return false;
   try {
-    worker_ = std::make_unique<std::thread>([this] { worker_main(); });
-    worker_pid_ = current_pid();
+    worker_.thread = std::make_unique<std::thread>([this] { worker_main(); });
+    worker_.pid = current_pid();
     std::call_once(g_atfork_once, [] {
-      ::pthread_atfork(&impl::fork_prepare, &impl::fork_parent, &impl::fork_child);
-      std::atexit(
-          &impl::at_exit);  // after the CUDA runtime's own handler: runs before its teardown
+      ::pthread_atfork(&process_hooks::fork_prepare, &process_hooks::fork_parent,
+                       &process_hooks::fork_child);
+      std::atexit(&process_hooks::at_exit);  // after the CUDA runtime's own handler: runs before
+                                             // its teardown
     });
     std::lock_guard<std::mutex> rlk(registry().mu);
     registry().live.push_back(this);
   } catch (const std::exception& e) {
     // Queued work stays: later calls finish it on their own thread, as with the worker off.
-    worker_failed_ = true;
+    worker_.failed = true;
     detail::log().warn(
         "device {}: the release worker could not start ({}); releases stay on the calling threads",
         backend_.device(), e.what());
@@ -88,6 +105,7 @@ bool caching_allocator::impl::ensure_worker_locked() {
   return true;
 }
 
+// Fences the whole batch and queues it for the worker; nothing is released on this thread.
 void caching_allocator::impl::hand_to_worker_locked(release_batch& batch) {
   if (batch.blocks.empty()) return;
   try {
@@ -98,16 +116,16 @@ void caching_allocator::impl::hand_to_worker_locked(release_batch& batch) {
   }
   queue_batch_locked(batch);
   if (!ensure_worker_locked()) return;  // the queue stays: later calls finish it
-  worker_kick_ = true;
-  worker_wake_->notify_one();
+  worker_.kick_now();
 }
 
+// One pass: every queued block whose own fence streams are idle now goes back (one batch).
 std::size_t caching_allocator::impl::worker_pass_locked(device_lock& lk) {
   detect_captures_locked(lk);
   if (capturing()) return 0;  // capture.cpp: no query, no release meanwhile
-  if (resumes_pending_ != 0) advance_resumes_locked(lk);                      // wake.cpp
-  std::size_t paused = pauses_pending_ != 0 ? advance_pauses_locked(lk) : 0;  // sleep.cpp
-  if (deferred_.empty() || capturing()) return paused;
+  if (sleep_.resumes_pending != 0) advance_resumes_locked(lk);                      // wake.cpp
+  std::size_t paused = sleep_.pauses_pending != 0 ? advance_pauses_locked(lk) : 0;  // sleep.cpp
+  if (releases_.empty() || capturing()) return paused;
   release_batch now;
   std::exception_ptr error;
   try {
@@ -140,12 +158,10 @@ std::size_t caching_allocator::impl::worker_pass_locked(device_lock& lk) {
 void caching_allocator::impl::worker_main() {
   device_lock lk(mu_);
   auto delay = std::chrono::duration_cast<std::chrono::microseconds>(k_poll_min);
-  auto wake = [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-    return worker_stop_ || worker_kick_;
-  };  // mu_ held
-  while (!worker_stop_) {
-    const std::uint64_t pass = ++worker_passes_begun_;
-    worker_kick_ = false;
+  auto wake = [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return worker_.woken(); };  // mu_ held
+  while (!worker_.stop) {
+    const std::uint64_t pass = ++worker_.passes_begun;
+    worker_.kick = false;
     std::size_t released = 0;
     try {
       released = worker_pass_locked(lk);
@@ -157,19 +173,19 @@ void caching_allocator::impl::worker_main() {
     } catch (...) {
       if (!lk.owns_lock()) lk.lock();
     }
-    worker_passes_done_ = pass;
-    worker_settled_->notify_all();
-    if (worker_stop_) break;
-    if (worker_kick_) {
+    worker_.passes_done = pass;
+    worker_.settled->notify_all();
+    if (worker_.stop) break;
+    if (worker_.kick) {
       delay = k_poll_min;
       continue;
     }
-    if (deferred_.empty() && pauses_pending_ == 0 && resumes_pending_ == 0) {
-      worker_wake_->wait(lk, wake);
+    if (releases_.empty() && sleep_.pauses_pending == 0 && sleep_.resumes_pending == 0) {
+      worker_.wake->wait(lk, wake);
       delay = k_poll_min;
       continue;
     }
-    worker_wake_->wait_for(lk, delay, wake);
+    worker_.wake->wait_for(lk, delay, wake);
     delay = released != 0
                 ? k_poll_min
                 : std::min(delay * 2,
@@ -177,38 +193,44 @@ void caching_allocator::impl::worker_main() {
   }
 }
 
+// Wakes the worker and waits (mu_ dropped meanwhile) until a pass begun after the call has
+// ended; deadline null: no limit. True at once without a worker; false on timeout.
 bool caching_allocator::impl::wait_for_worker_locked(
     device_lock& lk, const std::chrono::steady_clock::time_point* deadline) {
-  if (!worker_ || !worker_usable_locked()) return true;
-  const std::uint64_t target = worker_passes_begun_ + 1;  // the next pass begins after this call
-  worker_kick_ = true;
-  worker_wake_->notify_one();
-  auto done = [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-    return worker_stop_ || worker_passes_done_ >= target;
-  };
+  if (!worker_.thread || !worker_usable_locked()) return true;
+  const std::uint64_t target = worker_.passes_begun + 1;  // the next pass begins after this call
+  worker_.kick_now();
+  auto done = [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return worker_.passed(target); };
   if (!deadline) {
-    worker_settled_->wait(lk, done);
+    worker_.settled->wait(lk, done);
     return true;
   }
-  return worker_settled_->wait_until(lk, *deadline, done);
+  return worker_.settled->wait_until(lk, *deadline, done);
 }
 
 void caching_allocator::impl::stop_worker() {
   std::unique_ptr<std::thread> t;
-  std::int64_t pid = 0;
+  bool here = false;
+  std::condition_variable_any* wake = nullptr;
+  std::condition_variable_any* settled = nullptr;
   {
     detail::lock_guard<detail::mutex> lk(mu_);
-    worker_stop_ = true;
-    t = std::move(worker_);
-    pid = worker_pid_;
+    worker_.stop = true;
+    t = std::move(worker_.thread);
+    here = worker_.pid == current_pid();
+    wake = worker_.wake.get();
+    settled = worker_.settled.get();
+    if (t && !here) {
+      (void)worker_.wake.release();  // leaked with the thread object: see release_worker.hpp
+      (void)worker_.settled.release();
+    }
   }
   if (!t) return;
-  const bool here = pid == current_pid();
   if (here) {
     // (Not in a forked child: a condition variable's internal mutex may have been held there by
     // the parent's worker at the fork, and nobody waits on these in the child.)
-    worker_wake_->notify_all();
-    worker_settled_->notify_all();
+    wake->notify_all();
+    settled->notify_all();
   }
   {
     std::lock_guard<std::mutex> rlk(registry().mu);
@@ -216,15 +238,13 @@ void caching_allocator::impl::stop_worker() {
     live.erase(std::remove(live.begin(), live.end(), static_cast<void*>(this)), live.end());
   }
   if (!here) {
-    (void)worker_wake_.release();  // leaked with the thread object: see allocator_state.hpp
-    (void)worker_settled_.release();
     (void)t.release();  // a forked child: the thread lives in the parent only; never join it here
     return;
   }
   t->join();
 }
 
-void caching_allocator::impl::fork_prepare() {
+void caching_allocator::impl::process_hooks::fork_prepare() {
   fork_registry& r = registry();
   r.mu.lock();
   for (void* p : r.live) {
@@ -239,16 +259,16 @@ void caching_allocator::impl::fork_prepare() {
   }
 }
 
-void caching_allocator::impl::fork_parent() {
+void caching_allocator::impl::process_hooks::fork_parent() {
   fork_registry& r = registry();
   for (void* p : r.held) static_cast<impl*>(p)->mu_.unlock();
   r.held.clear();
   r.mu.unlock();
 }
 
-void caching_allocator::impl::fork_child() { fork_parent(); }
+void caching_allocator::impl::process_hooks::fork_child() { fork_parent(); }
 
-void caching_allocator::impl::at_exit() {
+void caching_allocator::impl::process_hooks::at_exit() {
   // Process exit: allocators that are never destroyed (the process-wide ones) keep their worker
   // thread, which must make no driver call once the CUDA runtime unloads. Each worker is told to
   // stop and its driver call in flight, if any, is given a bounded time to end; no join (a thread
@@ -261,13 +281,13 @@ void caching_allocator::impl::at_exit() {
     while (true) {
       bool quiet = false, here = true;
       if (m->mu_.try_lock()) {
-        here = m->worker_pid_ == current_pid();  // in a forked child the worker is the parent's
-        if (here) m->worker_stop_ = true;
-        quiet = m->driver_calls_in_flight_ == 0;
+        here = m->worker_.pid == current_pid();  // in a forked child the worker is the parent's
+        if (here) m->worker_.stop = true;
+        quiet = m->driver_calls_.in_flight == 0;
         m->mu_.unlock();
       }
       if (!here) break;
-      m->worker_wake_->notify_all();
+      m->worker_.wake->notify_all();
       if (quiet || std::chrono::steady_clock::now() >= until) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
@@ -280,7 +300,7 @@ bool caching_allocator::release_worker_idle() const {
   detail::lock_guard<detail::mutex> lk(impl_->mu_);
   // Bytes, not batches: the old addresses of memory reclaimed by another pool (reclaim.cpp) may
   // still wait for their unmap, which gives nothing back.
-  return impl_->deferred_bytes_ == 0 && impl_->stats_.release_worker_bytes == 0;
+  return impl_->releases_.deferred_bytes == 0 && impl_->stats_.release_worker_bytes == 0;
 }
 
 bool caching_allocator::wait_for_release_worker_idle(std::chrono::nanoseconds timeout) {

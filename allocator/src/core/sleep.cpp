@@ -5,8 +5,8 @@
 // every mapped block except chunks being released already) and a fence: one event on each
 // stream that may touch it, chosen as for empty_cache (options::release_fence; the `device`
 // scope fences every known stream here, so that defer mode can poll it). Offload: the live
-// blocks are copied to pinned host memory (host_, a caching_allocator over the backend's host
-// backend) on copy_stream_, which first waits on the device for the fence events and the
+// blocks are copied to pinned host memory (sleep_.host, a caching_allocator over the backend's host
+// backend) on sleep_.copy_stream, which first waits on the device for the fence events and the
 // tombstones; the copy's event then stands for the fence. A segment whose fence (or copy) has
 // completed is unmapped, the hook first, with mu_ dropped (tag_state::busy counts the calls in
 // flight; resume and a second pause wait for them). Wait mode waits on exactly those events, no
@@ -16,7 +16,7 @@
 // bytes given back, out of mapped_bytes and reserved bytes.
 // resume is in wake.cpp.
 // Nothing here runs during a graph capture (pause and resume refuse; the worker waits).
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "format.hpp"
 #include "logging.hpp"
 
@@ -37,15 +37,15 @@ std::string tag_where(const std::string& call, std::string_view tag, int device)
 }  // namespace
 
 stream_handle caching_allocator::impl::copy_stream_locked() {
-  if (!has_copy_stream_) {
-    copy_stream_ = backend_.create_stream();
-    has_copy_stream_ = true;
+  if (!sleep_.has_copy_stream) {
+    sleep_.copy_stream = backend_.create_stream();
+    sleep_.has_copy_stream = true;
   }
-  return copy_stream_;
+  return sleep_.copy_stream;
 }
 
 caching_allocator& caching_allocator::impl::host_allocator_locked() {
-  if (!host_) {
+  if (!sleep_.host) {
     device_backend* host = backend_.host_backend();
     if (!host)
       throw config_error("streamsafe: device " + std::to_string(backend_.device()) + ": the " +
@@ -54,9 +54,9 @@ caching_allocator& caching_allocator::impl::host_allocator_locked() {
     o.backend = backend_kind::cuda_malloc;
     o.empty_cache = empty_cache_mode::wait;
     o.release_worker = release_worker_mode::off;
-    host_ = std::make_unique<caching_allocator>(*host, o);
+    sleep_.host = std::make_unique<caching_allocator>(*host, o);
   }
-  return *host_;
+  return *sleep_.host;
 }
 
 void caching_allocator::impl::call_hooks_unlocked(const std::vector<sleep_hook_event>& events,
@@ -76,17 +76,19 @@ void caching_allocator::impl::call_hooks_unlocked(const std::vector<sleep_hook_e
 }
 
 void caching_allocator::impl::wait_tag_idle_locked(device_lock& lk, const tag_state& t) {
-  driver_calls_done_.wait(lk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return t.busy == 0; });
+  driver_calls_.done.wait(lk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return t.busy == 0; });
 }
 
+// Offload: host memory for t's segments still to copy (sleep_.host, mu_ dropped), then their
+// copies on the copy stream behind their fences.
 void caching_allocator::impl::enqueue_offload_locked(device_lock& lk, tag_state& t) {
   // The pinned host memory first, for every segment still to copy, with mu_ dropped: a first
   // pause pins gigabytes (cudaHostAlloc, about 2 GB/s) and no other call of this allocator may
   // wait for that. busy keeps resume and other pauses of the tag off t.segments meanwhile.
-  std::vector<offload_copy*> need;
+  std::vector<detail::offload_copy*> need;
   for (paused_segment& ps : t.segments) {
     if (ps.copies_enqueued || ps.runs_unmapped == ps.runs.size()) continue;
-    for (offload_copy& c : ps.copies) {
+    for (detail::offload_copy& c : ps.copies) {
       if (!c.host) need.push_back(&c);
     }
   }
@@ -94,8 +96,8 @@ void caching_allocator::impl::enqueue_offload_locked(device_lock& lk, tag_state&
     caching_allocator& host = host_allocator_locked();
     const stream_handle cs = copy_stream_locked();
     // On a failure what was allocated stays for the next try.
-    unlocked_for_tag(lk, t, [&] {
-      for (offload_copy* c : need) c->host = host.allocate(c->bytes, cs);
+    detail::unlocked_for_tag(driver_calls_, lk, t, [&] {
+      for (detail::offload_copy* c : need) c->host = host.allocate(c->bytes, cs);
     });
   }
   // Then the copies, behind every use the fence covers (and destroyed streams' last work).
@@ -105,10 +107,10 @@ void caching_allocator::impl::enqueue_offload_locked(device_lock& lk, tag_state&
     if (ps.copies.empty()) continue;
     const stream_handle cs = copy_stream_locked();
     for (const auto& e : ps.fence) backend_.stream_wait_event(cs, e.event);
-    for (const auto& tomb : tombstones_) backend_.stream_wait_event(cs, tomb.event);
-    stats_.stream_waits += ps.fence.size() + tombstones_.size();
+    for (const auto& tomb : streams_.tombstones) backend_.stream_wait_event(cs, tomb.event);
+    stats_.stream_waits += ps.fence.size() + streams_.tombstones.size();
     std::size_t bytes = 0;
-    for (const offload_copy& c : ps.copies) {
+    for (const detail::offload_copy& c : ps.copies) {
       backend_.copy_async(c.host, reinterpret_cast<const void*>(c.addr), c.bytes, cs);
       bytes += c.bytes;
     }
@@ -119,17 +121,19 @@ void caching_allocator::impl::enqueue_offload_locked(device_lock& lk, tag_state&
   }
 }
 
+// Polls only.
 bool caching_allocator::impl::pause_ready_locked(const paused_segment& ps) {
   if (ps.copied != 0) return backend_.query_event(ps.copied);
   for (const auto& e : ps.fence) {
     if (!backend_.query_event(e.event)) return false;
   }
-  for (const auto& tomb : tombstones_) {
+  for (const auto& tomb : streams_.tombstones) {
     if (!backend_.query_event(tomb.event)) return false;
   }
   return true;
 }
 
+// Waits (mu_ dropped) for the fences or copies of t's segments still mapped; returns them.
 std::vector<caching_allocator::impl::paused_segment*> caching_allocator::impl::wait_pause_locked(
     device_lock& lk, tag_state& t) {
   std::vector<paused_segment*> ready;
@@ -143,11 +147,11 @@ std::vector<caching_allocator::impl::paused_segment*> caching_allocator::impl::w
       for (const auto& e : ps.fence) waits.push_back(e.event);
     }
   }
-  for (const auto& tomb : tombstones_) waits.push_back(tomb.event);
-  const auto pinned = static_cast<std::int64_t>(tombstones_.size());
+  for (const auto& tomb : streams_.tombstones) waits.push_back(tomb.event);
+  const auto pinned = static_cast<std::int64_t>(streams_.tombstones.size());
   tombstone_refs_.fetch_add(pinned);  // not pooled while waited on unlocked
   try {
-    unlocked_for_tag(lk, t, [&] {
+    detail::unlocked_for_tag(driver_calls_, lk, t, [&] {
       for (event_handle e : waits) backend_.synchronize_event(e);
     });
   } catch (...) {
@@ -159,6 +163,7 @@ std::vector<caching_allocator::impl::paused_segment*> caching_allocator::impl::w
   return ready;
 }
 
+// The hooks, then the unmaps of `ready` (mu_ dropped), then their bookkeeping.
 std::size_t caching_allocator::impl::unmap_paused_locked(
     device_lock& lk, tag_state& t, const std::vector<paused_segment*>& ready) {
   std::vector<sleep_hook_event> hooks;
@@ -170,9 +175,9 @@ std::size_t caching_allocator::impl::unmap_paused_locked(
                        ps->runs[i].first, ps->runs[i].second});
     }
   }
-  const sleep_hook hook = hook_;
+  const sleep_hook hook = sleep_.hook;
   std::exception_ptr error;
-  unlocked_for_tag(lk, t, [&] {
+  detail::unlocked_for_tag(driver_calls_, lk, t, [&] {
     call_hooks_unlocked(hooks, hook);
     for (paused_segment* ps : ready) {
       try {
@@ -220,6 +225,7 @@ void caching_allocator::impl::release_pause_events_locked(paused_segment& ps) {
   ps.copied = 0;
 }
 
+// Unmaps (hooks first, mu_ dropped) the segments of t that are ready; wait: waits for them.
 std::size_t caching_allocator::impl::advance_pause_locked(device_lock& lk, tag_state& t,
                                                           bool wait) {
   if (t.phase != tag_phase::pausing || capturing()) return 0;
@@ -241,15 +247,16 @@ std::size_t caching_allocator::impl::advance_pause_locked(device_lock& lk, tag_s
   if (std::all_of(t.segments.begin(), t.segments.end(),
                   [](const paused_segment& ps) { return ps.runs_unmapped == ps.runs.size(); })) {
     t.phase = tag_phase::paused;
-    --pauses_pending_;
+    --sleep_.pauses_pending;
   }
   return released;
 }
 
+// Every tag being paused.
 std::size_t caching_allocator::impl::advance_pauses_locked(device_lock& lk) {
   std::size_t released = 0;
   std::vector<tag_state*> pausing;
-  for (auto& [id, t] : tags_) {
+  for (auto& [id, t] : sleep_.tags) {
     if (t->phase == tag_phase::pausing) pausing.push_back(t.get());
   }
   std::exception_ptr error;
@@ -275,7 +282,7 @@ pause_status caching_allocator::impl::tag_status_locked(const tag_state& t) {
     for (std::size_t r = ps.runs_unmapped; r < ps.runs.size(); ++r)
       s.pending_bytes += ps.runs[r].second;
   }
-  for (auto& [base, seg] : segments_) {
+  for (auto& [base, seg] : streams_.segments) {
     if (seg->owner->tag != t.id) continue;
     detail::lock_guard<stream_lock> slk(state_of(*seg->owner).mu);
     s.reserved_bytes += seg->mapped_bytes;
@@ -289,8 +296,8 @@ pause_status caching_allocator::impl::tag_status_locked(const tag_state& t) {
 
 void caching_allocator::impl::destroy_sleep_state_locked(device_lock& lk) {
   // Pauses underway finish (their fences waited on): nothing a segment still maps is left to a
-  // later unmap. Offloaded contents are dropped; the host copies go back to host_.
-  for (auto& [id, t] : tags_) {
+  // later unmap. Offloaded contents are dropped; the host copies go back to sleep_.host.
+  for (auto& [id, t] : sleep_.tags) {
     if (t->phase == tag_phase::resuming) t->phase = t->phase_before_resume;  // not done: dropped
     try {
       if (t->phase == tag_phase::pausing) advance_pause_locked(lk, *t, true);
@@ -301,17 +308,17 @@ void caching_allocator::impl::destroy_sleep_state_locked(device_lock& lk) {
     for (paused_segment& ps : t->segments) {
       if (ps.runs_unmapped == 0) ps.seg->paused = false;  // still mapped: released as cache
       release_pause_events_locked(ps);
-      for (offload_copy& c : ps.copies) {
-        if (c.host && host_) host_->deallocate(c.host);
+      for (detail::offload_copy& c : ps.copies) {
+        if (c.host && sleep_.host) sleep_.host->deallocate(c.host);
         c.host = nullptr;
       }
     }
     t->segments.clear();
   }
-  host_.reset();  // waits on its fences (the copies on copy_stream_)
-  if (has_copy_stream_) {
-    backend_.destroy_stream(copy_stream_);
-    has_copy_stream_ = false;
+  sleep_.host.reset();  // waits on its fences (the copies on sleep_.copy_stream)
+  if (sleep_.has_copy_stream) {
+    backend_.destroy_stream(sleep_.copy_stream);
+    sleep_.has_copy_stream = false;
   }
 }
 
@@ -321,16 +328,17 @@ pause_status caching_allocator::pause(std::string_view tag, pause_mode mode) {
   return pause(tag, mode, impl_->opts_.empty_cache);
 }
 
+// pause: the tag's segments marked paused, their runs and fence streams; the fences recorded.
 std::vector<caching_allocator::impl::paused_segment> caching_allocator::impl::collect_pause_locked(
     tag_id tag, pause_mode mode, const std::string& where) {
   // The fence streams: the empty_cache scope; for `device` every known stream (polled in defer
   // mode, where a device-wide synchronisation could only be waited for).
   std::vector<stream_handle> every;
-  for (auto& [s, st] : streams_) {
+  for (auto& [s, st] : streams_.states) {
     if (st->graph == 0 && st->alive.load(std::memory_order_acquire)) every.push_back(s);
   }
   std::vector<paused_segment> segs;
-  for (auto& [base, seg] : segments_) {
+  for (auto& [base, seg] : streams_.segments) {
     if (seg->owner->tag != tag || !seg->expandable) continue;
     detail::lock_guard<stream_lock> slk(state_of(*seg->owner).mu);
     flush_quick_locked(*seg->owner);
@@ -355,7 +363,7 @@ std::vector<caching_allocator::impl::paused_segment> caching_allocator::impl::co
     ps.fence_streams = opts_.release_fence == fence_scope::device ? every
                                                                   : fence_streams_locked(seg);
     // The copy stream too: a restore of an earlier resume may still write the blocks.
-    if (has_copy_stream_) ps.fence_streams.push_back(copy_stream_);
+    if (sleep_.has_copy_stream) ps.fence_streams.push_back(sleep_.copy_stream);
     segs.push_back(std::move(ps));
   }
   return segs;
@@ -421,14 +429,13 @@ pause_status caching_allocator::pause(std::string_view tag, pause_mode mode, emp
   t.mode = mode;
   t.phase = tag_phase::pausing;
   t.refused.store(true, std::memory_order_release);
-  ++m.pauses_pending_;
+  ++m.sleep_.pauses_pending;
   detail::log().debug("device {}: pause('{}', {}): {} segment(s)", m.backend_.device(), t.name,
                       mode == pause_mode::offload ? "offload" : "discard", t.segments.size());
   if (how == empty_cache_mode::wait) {
     m.advance_pause_locked(lk, t, true);
   } else if (worker && m.ensure_worker_locked()) {
-    m.worker_kick_ = true;  // the worker enqueues the copies and unmaps: nothing on this thread
-    m.worker_wake_->notify_one();
+    m.worker_.kick_now();  // the worker enqueues the copies and unmaps: nothing on this thread
   } else {
     m.advance_pause_locked(lk, t, false);
   }
@@ -439,8 +446,8 @@ pause_status caching_allocator::tag_status(std::string_view tag) {
   impl& m = *impl_;
   const tag_id id = tag_of(tag);
   device_lock lk(m.mu_);
-  auto found = m.tags_.find(id);
-  if (found == m.tags_.end()) return impl::unknown_tag_status(tag);
+  auto found = m.sleep_.tags.find(id);
+  if (found == m.sleep_.tags.end()) return detail::sleep_state::unknown_tag_status(tag);
   impl::tag_state& t = *found->second;
   // Moves a deferred pause along on this thread when no worker does (never waits).
   if (t.phase == tag_phase::pausing && !m.worker_usable_locked() && !callback_scope::active() &&
@@ -453,12 +460,12 @@ pause_status caching_allocator::tag_status(std::string_view tag) {
 
 void caching_allocator::set_sleep_hook(sleep_hook hook) {
   device_lock lk(impl_->mu_);
-  impl_->hook_ = std::move(hook);
+  impl_->sleep_.hook = std::move(hook);
 }
 
 std::size_t caching_allocator::release_host_cache() {
   device_lock lk(impl_->mu_);
-  return impl_->host_ ? impl_->host_->empty_cache(empty_cache_mode::wait) : 0;
+  return impl_->sleep_.host ? impl_->sleep_.host->empty_cache(empty_cache_mode::wait) : 0;
 }
 
 }  // namespace streamsafe

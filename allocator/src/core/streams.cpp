@@ -1,16 +1,17 @@
 // streamsafe core: the stream states (one per stream the allocator has seen, and one per CUDA
 // graph's private pool) and each thread's cache of them (stream_cache.hpp).
 //
-// Invariants: streams_ maps each known stream handle (or graph_key(graph)) to its state, which
-// is never freed before the allocator; stream_table_[0, stream_count_) lists the first
+// Invariants: streams_.states maps each known stream handle (or graph_key(graph)) to its state,
+// which is never freed before the allocator; sampling_.table[0, sampling_.count) lists the first
 // k_sampled_streams states in creation order, written under mu_ and read without it. A state
-// whose alive flag is false belongs to a destroyed stream (dead_states_); a recycled handle
+// whose alive flag is false belongs to a destroyed stream (streams_.dead); a recycled handle
 // revives it. Once the tombstone is seen complete, a destroyed stream owning no block leaves
-// streams_ for spare_states_ (cache_key k_tombstone_stream), reused by a later new stream; a
-// thread's cached pointer to it stays valid and is used only while cache_key names its stream.
+// streams_.states for streams_.spare (cache_key k_tombstone_stream), reused by a later new stream;
+// a thread's cached pointer to it stays valid and is used only while cache_key names its stream.
 // Locks: new_state_locked, get_or_create_stream_locked and owner_locked need the device lock
-// (mu_); state_for takes it on a miss of the thread's cache; sample_peaks takes no lock (atomics).
-#include "allocator_state.hpp"
+// (mu_); state_for takes it on a miss of the thread's cache; peak_sampler::sample takes no lock
+// (atomics).
+#include "allocator_impl.hpp"
 #include "format.hpp"
 #include "per_thread_stream.hpp"
 #include "stream_cache.hpp"
@@ -33,6 +34,11 @@ std::uint64_t detail::this_thread_number() noexcept {
   return me;
 }
 
+// Every stream the core keeps state for, uses, fences and events is named by a key: the handle
+// itself, or for a handle the backend marks as per-thread (a different stream in every host
+// thread) the calling thread's per-thread key. The public calls translate their stream argument
+// with key_of; st.handle, pool::stream, segment::stream and block uses hold keys. Throws
+// std::invalid_argument for a per-thread handle above k_per_thread_max_handle.
 stream_handle caching_allocator::impl::key_of(stream_handle stream) const {
   if (!backend_.stream_is_per_thread(stream)) return stream;
   if (stream > detail::k_per_thread_max_handle) {
@@ -44,6 +50,15 @@ stream_handle caching_allocator::impl::key_of(stream_handle stream) const {
   return detail::per_thread_key(stream);
 }
 
+// The backend calls on a key. A per-thread key is named to the backend by its handle on its own
+// thread only; from another thread (which cannot name that stream) the legacy default stream (0)
+// stands in: the legacy stream is ordered both ways with every blocking stream, and every
+// per-thread default stream is one (CUDA Driver API, "Stream synchronization behavior": an action
+// in the legacy stream first waits on all blocking streams, then they wait on it). So an event
+// recorded on 0 completes after all the work enqueued so far on every per-thread stream, and a
+// wait of 0 orders their later work behind it. record_event_on returns the stream the event was
+// recorded on (the key, or 0): the stream under which process_events_locked may use stream order
+// to prove it.
 stream_handle caching_allocator::impl::record_event_on(event_handle e, stream_handle key) {
   if (!detail::is_per_thread_key(key)) {
     backend_.record_event(e, key);
@@ -64,6 +79,7 @@ void caching_allocator::impl::stream_wait_on(stream_handle key, event_handle e) 
   else backend_.stream_wait_event(0, e);  // the per-thread stream's later work waits behind 0
 }
 
+// Another thread's per-thread stream: an event recorded on 0, queried.
 bool caching_allocator::impl::query_stream_of(stream_handle key) {
   if (!detail::is_per_thread_key(key)) return backend_.query_stream(key);
   if (detail::own_per_thread_key(key))
@@ -72,6 +88,7 @@ bool caching_allocator::impl::query_stream_of(stream_handle key) {
   return backend_.device_backend::query_stream(0);
 }
 
+// Another thread's per-thread stream: false.
 bool caching_allocator::impl::stream_capturing(stream_handle key) noexcept {
   if (!detail::is_per_thread_key(key)) return backend_.stream_is_capturing(key);
   // Another thread's per-thread stream cannot be asked about; its capture is seen when that
@@ -80,77 +97,78 @@ bool caching_allocator::impl::stream_capturing(stream_handle key) noexcept {
          backend_.stream_is_capturing(detail::per_thread_handle_of(key));
 }
 
+// cache_key: the handle the threads' stream caches look the state up by (0: `key`).
 caching_allocator::impl::stream_state& caching_allocator::impl::new_state_locked(
     stream_handle key, stream_handle handle, stream_handle cache_key) {
   if (cache_key == 0) cache_key = key;
   // A per-thread stream's state (cache_key, its handle, differs from its key) is always new: a
   // recycled one may still sit in its old thread's stream cache under the same handle.
-  if (!spare_states_.empty() && cache_key == key) {
+  if (!streams_.spare.empty() && cache_key == key) {
     // A retired state (retire_dead_streams_locked): empty, its counters folded into stats_.
-    std::unique_ptr<stream_state> state = std::move(spare_states_.back());
-    spare_states_.pop_back();
+    std::unique_ptr<stream_state> state = std::move(streams_.spare.back());
+    streams_.spare.pop_back();
     stream_state& st = *state;
     {
       detail::lock_guard<stream_lock> slk(st.mu);  // a stale stream cache entry may lock it
       st.handle = handle;
       st.small_pool.stream = st.large_pool.stream = handle;
       st.tagged.clear();  // retired: its tagged pools hold nothing
-      st.process_at = k_pending_batch;
+      st.process_at = detail::k_pending_batch;
       st.graph = 0;
       st.graph_released = false;
       st.alive.store(true, std::memory_order_release);
       st.cache_key.store(cache_key, std::memory_order_release);
     }
-    return *streams_.emplace(key, std::move(state)).first->second;
+    return *streams_.states.emplace(key, std::move(state)).first->second;
   }
   auto state = std::make_unique<stream_state>();
-  state->event_cache.reserve(k_event_cache);
+  state->event_cache.reserve(detail::k_event_cache);
   state->handle = handle;
   state->cache_key.store(cache_key, std::memory_order_relaxed);
   state->small_pool.stream = state->large_pool.stream = handle;
   state->small_pool.small = true;
   state->small_pool.state = state->large_pool.state = state.get();
-  const std::size_t n = stream_count_.load(std::memory_order_relaxed);
-  if (n < k_sampled_streams) {
-    stream_table_[n].store(state.get(), std::memory_order_release);
-    stream_count_.store(n + 1, std::memory_order_release);
-  }
-  return *streams_.emplace(key, std::move(state)).first->second;
+  sampling_.add(state.get());
+  return *streams_.states.emplace(key, std::move(state)).first->second;
 }
 
+// A tombstone back to the event pool, unless a pending block or an unlocked wait refers to one.
 void caching_allocator::impl::drop_tombstone_locked(event_handle e) {
   if (tombstone_refs_.load(std::memory_order_acquire) == 0) put_event(e);
-  else superseded_tombstones_.push_back(e);
+  else streams_.superseded_tombstones.push_back(e);
 }
 
+// Queries the tombstone; once complete, retires it and every destroyed stream owning nothing.
 void caching_allocator::impl::retire_dead_streams_locked() {
   if (capturing()) return;  // no event query during a graph capture
-  if (!tombstones_.empty()) {
-    if (!backend_.query_event(tombstones_.front().event)) return;
-    drop_tombstone_locked(tombstones_.front().event);  // every destroyed stream's work is done
-    tombstones_.clear();
+  if (!streams_.tombstones.empty()) {
+    if (!backend_.query_event(streams_.tombstones.front().event)) return;
+    drop_tombstone_locked(
+        streams_.tombstones.front().event);  // every destroyed stream's work is done
+    streams_.tombstones.clear();
   }
-  if (!superseded_tombstones_.empty() && tombstone_refs_.load(std::memory_order_acquire) == 0) {
-    for (event_handle e : superseded_tombstones_) put_event(e);
-    superseded_tombstones_.clear();
+  if (!streams_.superseded_tombstones.empty() &&
+      tombstone_refs_.load(std::memory_order_acquire) == 0) {
+    for (event_handle e : streams_.superseded_tombstones) put_event(e);
+    streams_.superseded_tombstones.clear();
   }
   // A destroyed stream owning no segment goes: its handle is forgotten (a recycled one starts
-  // afresh, with nothing to inherit) and its state waits in spare_states_ for reuse.
+  // afresh, with nothing to inherit) and its state waits in streams_.spare for reuse.
   std::size_t kept = 0;
-  for (stream_state* st : dead_states_) {
+  for (stream_state* st : streams_.dead) {
     bool empty = false;
     {
       detail::lock_guard<stream_lock> slk(st->mu);
       empty = st->segments == 0 && st->stats.allocation.current == 0 && st->pending.empty();
       if (empty) {
         st->cache_key.store(detail::k_tombstone_stream, std::memory_order_release);
-        // Its totals stay in stats() (which sums streams_ and stats_); its peaks are in the
-        // device-wide sampled peaks already (sample_peaks runs whenever it passed its own).
-        auto fold = [](stat& to, const fast_stat& from) {
+        // Its totals stay in stats() (which sums streams_.states and stats_); its peaks are in the
+        // device-wide sampled peaks already (peak_sampler::sample runs whenever it passed its own).
+        auto fold = [](stat& to, const detail::fast_stat& from) {
           to.allocated += from.total;
           to.freed += from.total - from.current;
         };
-        const stream_stats& x = st->stats;
+        const detail::stream_stats& x = st->stats;
         fold(stats_.allocated_bytes, x.allocated_bytes);
         fold(stats_.requested_bytes, x.requested_bytes);
         fold(stats_.allocation, x.allocation);
@@ -158,28 +176,29 @@ void caching_allocator::impl::retire_dead_streams_locked() {
         fold(stats_.active, x.allocation);
         stats_.events_recorded += x.events_recorded;
         stats_.stream_waits += x.stream_waits;
-        st->stats = stream_stats{};
+        st->stats = detail::stream_stats{};
         for (event_handle e : st->event_cache)
-          put_event(e);  // only streams_' caches are destroyed at the end
+          put_event(e);  // only streams_.states' caches are destroyed at the end
         st->event_cache.clear();
         drop_idle_fence_locked(*st);
       }
     }
     if (!empty) {
-      dead_states_[kept++] = st;
+      streams_.dead[kept++] = st;
       continue;
     }
-    auto it = streams_.find(st->handle);
-    spare_states_.push_back(std::move(it->second));
-    streams_.erase(it);
+    auto it = streams_.states.find(st->handle);
+    streams_.spare.push_back(std::move(it->second));
+    streams_.states.erase(it);
   }
-  dead_states_.resize(kept);
+  streams_.dead.resize(kept);
 }
 
+// `stream` is a key (key_of): a handle, or a per-thread stream's key.
 caching_allocator::impl::stream_state& caching_allocator::impl::get_or_create_stream_locked(
     stream_handle stream) {
-  auto it = streams_.find(stream);
-  if (it == streams_.end()) {
+  auto it = streams_.states.find(stream);
+  if (it == streams_.states.end()) {
     return new_state_locked(
         stream, stream,
         detail::is_per_thread_key(stream) ? detail::per_thread_handle_of(stream) : stream);
@@ -190,18 +209,18 @@ caching_allocator::impl::stream_state& caching_allocator::impl::get_or_create_st
     // for a segment moved between streams, for every stream the fence scope covers (uses that
     // were legal without a record, FSDP2-style).
     const bool every_stream = opts_.release_fence != fence_scope::allocation_stream;
-    for (auto& t : tombstones_) {
+    for (auto& t : streams_.tombstones) {
       stream_wait_on(stream, t.event);
       ++stats_.stream_waits;
     }
     if (every_stream) {
-      for (auto& [other, state] : streams_) {
+      for (auto& [other, state] : streams_.states) {
         if (other == stream || state->graph != 0 || !state->alive.load(std::memory_order_acquire))
           continue;
         order_after_locked(stream, other);
       }
     }
-    dead_states_.erase(std::find(dead_states_.begin(), dead_states_.end(), it->second.get()));
+    streams_.dead.erase(std::find(streams_.dead.begin(), streams_.dead.end(), it->second.get()));
     it->second->alive.store(true, std::memory_order_release);
   }
   return *it->second;
@@ -232,21 +251,22 @@ caching_allocator::impl::stream_state& caching_allocator::impl::state_for(stream
   return st;
 }
 
+// The stream state owning the segment that holds ptr, or null (mu_ held).
 caching_allocator::impl::stream_state* caching_allocator::impl::owner_locked(const void* ptr) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
-  auto it = segments_.upper_bound(addr);
-  if (it == segments_.begin()) return nullptr;
+  auto it = streams_.segments.upper_bound(addr);
+  if (it == streams_.segments.begin()) return nullptr;
   const segment* seg = std::prev(it)->second;
   if (addr >= seg->base + seg->size) return nullptr;
   return &state_of(*seg->owner);
 }
 
-void caching_allocator::impl::sample_peaks() {
+void detail::peak_sampler::sample() noexcept {
   // Called after an allocation that may set a device-wide peak (allocate.cpp).
   std::int64_t allocated = 0, active = 0, requested = 0;
-  const std::size_t n = stream_count_.load(std::memory_order_acquire);
+  const std::size_t n = count.load(std::memory_order_acquire);
   for (std::size_t i = 0; i < n; ++i) {
-    const stream_state* st = stream_table_[i].load(std::memory_order_acquire);
+    const stream_state* st = table[i].load(std::memory_order_acquire);
     allocated += st->cur_allocated.load(std::memory_order_relaxed);
     active += st->cur_allocated.load(std::memory_order_relaxed) +
               st->cur_pending.load(std::memory_order_relaxed);
@@ -257,9 +277,9 @@ void caching_allocator::impl::sample_peaks() {
     while (v > cur && !peak.compare_exchange_weak(cur, v, std::memory_order_relaxed)) {
     }
   };
-  raise(peak_allocated_, allocated);
-  raise(peak_active_, active);
-  raise(peak_requested_, requested);
+  raise(peak_allocated, allocated);
+  raise(peak_active, active);
+  raise(peak_requested, requested);
 }
 
 caching_allocator::impl::stream_state* caching_allocator::impl::cached_live_state(

@@ -3,7 +3,7 @@
 // so that every segment holds one tag's blocks and pause can give a tag's chunks back whole.
 // Locks: the registry has its own mutex (a leaf); tagged pools are created under mu_ and the
 // stream's lock, and read under the stream's lock.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "format.hpp"
 
 #include <streamsafe/core/errors.hpp>
@@ -92,7 +92,7 @@ process_tag_scope::~process_tag_scope() {
 }
 
 caching_allocator::impl::tag_state& caching_allocator::impl::tag_state_locked(tag_id tag) {
-  auto& slot = tags_[tag];
+  auto& slot = sleep_.tags[tag];
   if (!slot) {
     slot = std::make_unique<tag_state>();
     slot->id = tag;
@@ -101,6 +101,7 @@ caching_allocator::impl::tag_state& caching_allocator::impl::tag_state_locked(ta
   return *slot;
 }
 
+// The pool of st for (small, tag), created if missing; throws tag_paused while refused.
 pool& caching_allocator::impl::pool_for_locked(stream_state& st, bool small, tag_id tag,
                                                std::size_t size) {
   if (tag == 0) return pool_of(st, small);
@@ -114,7 +115,7 @@ pool& caching_allocator::impl::pool_for_locked(stream_state& st, bool small, tag
   for (auto& tp : st.tagged) {
     if (tp->tag == tag) return small ? tp->small_pool : tp->large_pool;
   }
-  auto tp = std::make_unique<tag_pools>();
+  auto tp = std::make_unique<detail::tag_pools>();
   tp->tag = tag;
   tp->refused = &t.refused;
   for (pool* p : {&tp->small_pool, &tp->large_pool}) {

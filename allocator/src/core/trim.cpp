@@ -2,7 +2,7 @@
 // everything above a number of free bytes to keep (trim). Both collect what empty_cache would
 // (release.cpp) and release it the same way (fenced; wait, defer or the release worker), only
 // less of it; what is not chosen goes straight back to its pool.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "logging.hpp"
 
 #include <algorithm>
@@ -10,8 +10,13 @@
 namespace streamsafe {
 
 std::size_t caching_allocator::empty_cache(std::string_view tag) {
+  return empty_cache_of_tag(tag_of(tag));  // config_error for a bad name
+}
+
+std::size_t caching_allocator::empty_cache_untagged() { return empty_cache_of_tag(0); }
+
+std::size_t caching_allocator::empty_cache_of_tag(tag_id id) {
   impl& m = *impl_;
-  const tag_id id = tag_of(tag);                            // config_error for a bad name
   if (m.inherited() || callback_scope::active()) return 0;  // as empty_cache()
   device_lock lk(m.mu_);
   m.detect_captures_locked(lk);
@@ -29,12 +34,12 @@ std::size_t caching_allocator::trim(std::size_t bytes_to_keep) {
   if (m.capturing()) return 0;
   m.prepare_release_locked();
   std::int64_t allocated = 0;
-  for (auto& [s, st] : m.streams_) {
+  for (auto& [s, st] : m.streams_.states) {
     allocated += st->cur_allocated.load(std::memory_order_relaxed) +
                  st->cur_pending.load(std::memory_order_relaxed);
   }
   const std::int64_t cached = m.stats_.reserved_bytes.current - allocated -
-                              static_cast<std::int64_t>(m.deferred_bytes_);
+                              static_cast<std::int64_t>(m.releases_.deferred_bytes);
   if (cached <= static_cast<std::int64_t>(bytes_to_keep)) return 0;
   auto need = static_cast<std::size_t>(cached) - bytes_to_keep;
   impl::release_batch all = m.collect_releasable_locked();

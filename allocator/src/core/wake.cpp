@@ -3,12 +3,12 @@
 // For each paused segment of the tag: the runs the pause gave back are mapped again at their
 // addresses, chunk by chunk as growth maps them (within the memory limit; out of memory leaves
 // that segment, and every one after it, paused whole), the offloaded live blocks are copied back
-// on copy_stream_ and their host copies freed there (stream-ordered, so host_ reuses them only
-// after the restore), and the segment is no longer paused. Then every stream owning a resumed
-// segment, and the caller's stream, waits on the device for one event recorded after the
+// on sleep_.copy_stream and their host copies freed there (stream-ordered, so sleep_.host reuses
+// them only after the restore), and the segment is no longer paused. Then every stream owning a
+// resumed segment, and the caller's stream, waits on the device for one event recorded after the
 // restores. Runs a deferred pause had not given back yet stay mapped; their copies are dropped.
 // The hooks run last, with mu_ dropped.
-#include "allocator_state.hpp"
+#include "allocator_impl.hpp"
 #include "logging.hpp"
 
 #include <algorithm>
@@ -24,13 +24,15 @@ pause_status caching_allocator::resume(std::string_view tag, stream_handle also_
   return resume_impl(tag, &also_order);
 }
 
+// resume: maps ps's given-back runs and restores its copies; false (nothing changed) when the
+// memory is not there.
 bool caching_allocator::impl::resume_segment_locked(tag_state& t, paused_segment& ps,
                                                     resume_work& w) {
   segment* seg = ps.seg;
-  const std::size_t chunk = seg->small ? small_chunk_bytes_ : large_chunk_bytes_;
+  const std::size_t chunk = seg->small ? limits_.small_chunk_bytes : limits_.large_chunk_bytes;
   std::size_t given_back = 0;
   for (std::size_t r = 0; r < ps.runs_unmapped; ++r) given_back += ps.runs[r].second;
-  if (static_cast<std::size_t>(stats_.reserved_bytes.current) + given_back > limit_bytes_)
+  if (static_cast<std::size_t>(stats_.reserved_bytes.current) + given_back > limits_.limit_bytes)
     return false;  // over the memory limit: as out of memory
   std::size_t mapped_runs = 0;
   for (; mapped_runs < ps.runs_unmapped; ++mapped_runs) {
@@ -48,10 +50,10 @@ bool caching_allocator::impl::resume_segment_locked(tag_state& t, paused_segment
     w.hooks.push_back({sleep_hook_event::kind::after_map, t.name, backend_.device(),
                        ps.runs[r].first, ps.runs[r].second});
   }
-  // Offloaded contents come back on the copy stream; each host copy is freed there, so host_
+  // Offloaded contents come back on the copy stream; each host copy is freed there, so sleep_.host
   // hands it out again only after the restore (or the first copy, for a run never unmapped).
   const auto unmapped_end = ps.runs.begin() + static_cast<std::ptrdiff_t>(ps.runs_unmapped);
-  for (offload_copy& c : ps.copies) {
+  for (detail::offload_copy& c : ps.copies) {
     if (!c.host) continue;
     const bool given = std::any_of(ps.runs.begin(), unmapped_end, [&](const auto& run) {
       return c.addr >= run.first && c.addr + c.bytes <= run.first + run.second;
@@ -59,7 +61,7 @@ bool caching_allocator::impl::resume_segment_locked(tag_state& t, paused_segment
     if (given) backend_.copy_async(reinterpret_cast<void*>(c.addr), c.host, c.bytes, w.copy_stream);
     // Either way the copy stream reads or writes the block: its owner waits for it below.
     if (ps.copies_enqueued) w.restored = true;
-    host_->deallocate(c.host);
+    sleep_.host->deallocate(c.host);
     c.host = nullptr;
   }
   release_pause_events_locked(ps);
@@ -85,9 +87,9 @@ void caching_allocator::impl::order_after_restore_locked(resume_work& w,
   backend_.record_event(ready, w.copy_stream);
   ++stats_.events_recorded;
   for (stream_handle s : w.owners) {
-    auto it = streams_.find(s);
+    auto it = streams_.states.find(s);
     if (s == w.copy_stream ||
-        (it != streams_.end() && !it->second->alive.load(std::memory_order_acquire)))
+        (it != streams_.states.end() && !it->second->alive.load(std::memory_order_acquire)))
       continue;  // a destroyed stream orders nothing (the caller's may be one not seen yet)
     stream_wait_on(s, ready);  // s is a key (per-thread streams: streams.cpp)
     ++stats_.stream_waits;
@@ -101,7 +103,7 @@ void caching_allocator::impl::set_phase_after_resume_locked(tag_state& t,
   t.segments = std::move(kept);
   t.offloaded_host_bytes = 0;
   for (const paused_segment& ps : t.segments) {
-    for (const offload_copy& c : ps.copies) t.offloaded_host_bytes += c.host ? c.bytes : 0;
+    for (const detail::offload_copy& c : ps.copies) t.offloaded_host_bytes += c.host ? c.bytes : 0;
   }
   tag_phase next = tag_phase::active;
   if (!t.segments.empty()) {
@@ -109,18 +111,19 @@ void caching_allocator::impl::set_phase_after_resume_locked(tag_state& t,
                                  [](const auto& ps) { return ps.runs_unmapped == ps.runs.size(); });
     next = all ? tag_phase::paused : tag_phase::pausing;
   }
-  if (was_pausing && next != tag_phase::pausing) --pauses_pending_;
-  if (!was_pausing && next == tag_phase::pausing) ++pauses_pending_;
+  if (was_pausing && next != tag_phase::pausing) --sleep_.pauses_pending;
+  if (!was_pausing && next == tag_phase::pausing) ++sleep_.pauses_pending;
   t.phase = next;
   if (next == tag_phase::active) t.refused.store(false, std::memory_order_release);
 }
 
+// The resume of t on this thread (also of one handed to the worker); throws out_of_memory.
 void caching_allocator::impl::resume_tag_locked(device_lock& lk, tag_state& t,
                                                 const stream_handle* also,
                                                 const std::string& where) {
   if (t.phase == tag_phase::resuming) {  // handed to the worker and not done yet: done here
     t.phase = t.phase_before_resume;
-    --resumes_pending_;
+    --sleep_.resumes_pending;
   }
   resume_work w;
   if (std::any_of(t.segments.begin(), t.segments.end(),
@@ -136,9 +139,9 @@ void caching_allocator::impl::resume_tag_locked(device_lock& lk, tag_state& t,
   }
   if (w.restored) order_after_restore_locked(w, also);
   set_phase_after_resume_locked(t, std::move(kept));
-  if (!w.hooks.empty() && hook_) {
-    const sleep_hook hook = hook_;
-    unlocked_for_tag(lk, t, [&] { call_hooks_unlocked(w.hooks, hook); });
+  if (!w.hooks.empty() && sleep_.hook) {
+    const sleep_hook hook = sleep_.hook;
+    detail::unlocked_for_tag(driver_calls_, lk, t, [&] { call_hooks_unlocked(w.hooks, hook); });
   }
   if (missing != 0) {
     ++stats_.num_ooms;
@@ -150,9 +153,10 @@ void caching_allocator::impl::resume_tag_locked(device_lock& lk, tag_state& t,
   }
 }
 
+// The worker: the resumes handed to it.
 std::size_t caching_allocator::impl::advance_resumes_locked(device_lock& lk) {
   std::vector<tag_state*> resuming;
-  for (auto& [id, t] : tags_) {
+  for (auto& [id, t] : sleep_.tags) {
     if (t->phase == tag_phase::resuming) resuming.push_back(t.get());
   }
   std::size_t resumed = 0;
@@ -184,9 +188,9 @@ pause_status caching_allocator::resume_impl(std::string_view tag, const stream_h
   if (callback_scope::active())
     throw std::logic_error(where + " inside a stream callback: a resume makes CUDA calls");
   device_lock lk(m.mu_);
-  auto found = m.tags_.find(id);
-  if (found == m.tags_.end())
-    return impl::unknown_tag_status(tag);  // nothing of the tag here: a no-op
+  auto found = m.sleep_.tags.find(id);
+  if (found == m.sleep_.tags.end())
+    return detail::sleep_state::unknown_tag_status(tag);  // nothing of the tag here: a no-op
   impl::tag_state& t = *found->second;
   m.wait_tag_idle_locked(lk, t);
   if (t.phase == tag_phase::active) return m.tag_status_locked(t);  // resuming twice: a no-op
@@ -211,9 +215,9 @@ pause_status caching_allocator::resume_async_impl(std::string_view tag, const st
   {
     device_lock lk(m.mu_);
     const tag_id id = tag_of(tag);
-    auto found = m.tags_.find(id);
+    auto found = m.sleep_.tags.find(id);
     if (!m.inherited() && !callback_scope::active() && m.worker_usable_locked() &&
-        found != m.tags_.end() && m.ensure_worker_locked()) {
+        found != m.sleep_.tags.end() && m.ensure_worker_locked()) {
       impl::tag_state& t = *found->second;
       if (t.phase == tag_phase::resuming || t.phase == tag_phase::active)
         return m.tag_status_locked(t);  // already handed over, or nothing to do
@@ -221,9 +225,8 @@ pause_status caching_allocator::resume_async_impl(std::string_view tag, const st
       t.phase = tag_phase::resuming;
       t.has_resume_stream = also != nullptr;
       t.resume_stream = also ? *also : 0;
-      ++m.resumes_pending_;
-      m.worker_kick_ = true;
-      m.worker_wake_->notify_one();
+      ++m.sleep_.resumes_pending;
+      m.worker_.kick_now();
       return m.tag_status_locked(t);
     }
   }
@@ -235,15 +238,15 @@ pause_status caching_allocator::wait_resumed(std::string_view tag,
   impl& m = *impl_;
   const tag_id id = tag_of(tag);
   device_lock lk(m.mu_);
-  auto found = m.tags_.find(id);
-  if (found == m.tags_.end()) return impl::unknown_tag_status(tag);
+  auto found = m.sleep_.tags.find(id);
+  if (found == m.sleep_.tags.end()) return detail::sleep_state::unknown_tag_status(tag);
   impl::tag_state& t = *found->second;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (t.phase == tag_phase::resuming && std::chrono::steady_clock::now() < deadline) {
-    if (!m.worker_ || !m.worker_usable_locked()) break;
+    if (!m.worker_.thread || !m.worker_usable_locked()) break;
     if (!m.wait_for_worker_locked(lk, &deadline)) break;
   }
-  if (t.phase == tag_phase::resuming && (!m.worker_ || !m.worker_usable_locked())) {
+  if (t.phase == tag_phase::resuming && (!m.worker_.thread || !m.worker_usable_locked())) {
     m.resume_tag_locked(lk, t, t.has_resume_stream ? &t.resume_stream : nullptr,
                         "streamsafe: resume('" + t.name + "')");
   }

@@ -257,6 +257,9 @@ class caching_allocator {
   // The tag's cached free memory back to the driver, as empty_cache() (options::empty_cache
   // mode); a paused tag's memory is left alone. Returns the bytes released by this call.
   std::size_t empty_cache(std::string_view tag);
+  // The cached free memory of untagged allocations only (every tag's memory is left alone), as
+  // empty_cache(tag) does for one tag. Returns the bytes released by this call.
+  std::size_t empty_cache_untagged();
   // Gives cached free memory back, largest first, until at most bytes_to_keep bytes of reserved
   // memory are free (reserved - allocated), as empty_cache() otherwise. Returns the bytes
   // released by this call (queued bytes in defer mode are not counted).
@@ -342,6 +345,7 @@ class caching_allocator {
 
  private:
   pause_status resume_impl(std::string_view tag, const stream_handle* also_order);
+  std::size_t empty_cache_of_tag(tag_id id);  // trim.cpp; 0: untagged memory
   pause_status resume_async_impl(std::string_view tag, const stream_handle* also_order);
 
   struct impl;

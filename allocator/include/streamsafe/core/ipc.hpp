@@ -57,6 +57,13 @@ struct imported_block {
 int ipc_handle_device(const ipc_handle& handle);
 int ipc_release_device(const ipc_release& release);
 
+// The release message of `handle`'s export, as release_import returns it to a consumer: for a
+// front end whose own protocol tells the producer that every consumer of the export is done
+// (PyTorch's reference counting of sent tensors). Given to notify_import_released, the export
+// ends once its interprocess event, recorded by the consumer's release_import if there was one,
+// has completed. Throws ipc_error for malformed bytes.
+ipc_release ipc_release_of(const ipc_handle& handle);
+
 // Sends `handle` over the connected Unix-domain socket `socket_fd`: its bytes and, as SCM_RIGHTS
 // ancillary data, the file descriptors it names (duplicated into the receiver by the kernel).
 // Throws ipc_error for a malformed handle, backend_error when sendmsg fails.

@@ -47,8 +47,9 @@ struct statistics {
       0;                             // release batches queued (a fence pending, or for the worker)
   std::uint64_t bytes_released = 0;  // bytes given back to the driver
   std::uint64_t segments_moved = 0;  // free segments moved to another stream's pool
-  // Bytes a growth took back from the release queue of its own pool instead of mapping or
-  // allocating as much again while they waited for their fence (release_reclaim.cpp).
+  // Bytes a request took back from the release queue instead of mapping or
+  // allocating as much again while they waited for their fence (reclaim.cpp): in place, or from
+  // another stream's pool behind a wait on their release fence.
   std::uint64_t release_reclaimed_bytes = 0;
   // Release worker (options::release_worker): bytes queued behind fences (pending_release_bytes()
   // less what is in flight), bytes the worker is giving back to the driver right now, and the

@@ -12,8 +12,9 @@
 // allocation, torch.cuda.empty_cache(), Tensor.record_stream, memory_stats(), _snapshot(),
 // set_per_process_memory_fraction, CUDA graph pools and torch.accelerator.* reach streamsafe.
 // docs/pytorch.md lists what each call does and what is refused (with a c10::Error that names
-// it): torch.cuda.MemPool allocation outside a graph capture (use_mem_pool), CUDA IPC, the
-// checkpointing of graph pools that torch.compile's cudagraph trees use.
+// it), e.g. the checkpointing of graph pools that torch.compile's cudagraph trees use.
+// torch_mempool.cpp routes torch.cuda.use_mem_pool (MemPool outside a capture) and MemPools with
+// their own allocator; torch_ipc.cpp shares tensors between processes (CUDA IPC).
 //
 // Written for one PyTorch interface: 2.11 (checked at compile time here and against
 // torch.__version__ at install time by the Python package).
@@ -36,7 +37,9 @@
 #include "core/format.hpp"
 
 #include <streamsafe/core/errors.hpp>
+#include <streamsafe/core/ipc.hpp>
 #include <streamsafe/core/options.hpp>
+#include <streamsafe/core/sleep.hpp>
 #include <streamsafe/core/snapshot.hpp>
 #include <streamsafe/core/statistics.hpp>
 #include <streamsafe/frontends/allocator.hpp>
@@ -53,13 +56,17 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -84,6 +91,26 @@ inline std::uint64_t now_us() {
                                         .count());
 }
 
+// A MemPool's memory outside captures is the streamsafe tag "torch.mempool.<a>.<b>".
+constexpr const char* k_pool_tag_prefix = "torch.mempool.";
+inline std::string pool_tag(MempoolId_t id) {
+  return k_pool_tag_prefix + std::to_string(id.first) + "." + std::to_string(id.second);
+}
+// The pool id of a MemPool tag, or {0, 0} for any other tag.
+inline MempoolId_t pool_of_tag(const std::string& tag) {
+  const std::string prefix = k_pool_tag_prefix;
+  if (tag.compare(0, prefix.size(), prefix) != 0) return {0, 0};
+  const std::size_t dot = tag.find('.', prefix.size());
+  if (dot == std::string::npos) return {0, 0};
+  try {
+    using id_t = MempoolId_t::first_type;
+    return {static_cast<id_t>(std::stoull(tag.substr(prefix.size(), dot - prefix.size()))),
+            static_cast<id_t>(std::stoull(tag.substr(dot + 1)))};
+  } catch (const std::exception&) {
+    return {0, 0};
+  }
+}
+
 inline std::string format_bytes(std::size_t bytes) {
   return streamsafe::detail::human_bytes(static_cast<std::int64_t>(bytes));
 }
@@ -97,13 +124,15 @@ class torch_allocator final : public cca::CUDAAllocator {
   torch_allocator(streamsafe::options opts, std::string conf)
       : options_(opts), conf_(std::move(conf)) {
     for (auto& l : limit_bytes_) l.store(0);
+    for (auto& b : backed_bytes_) b.store(0);
     fractions_.fill(1.0);
     streamsafe::cuda::platform p = streamsafe::cuda::platform::cuda();
     auto inner = p.make_backend;
     p.make_backend =
         [inner, this](int device, const streamsafe::options& o) -> std::unique_ptr<device_backend> {
       return std::make_unique<limited_backend>(
-          inner(device, o), &limit_bytes_[static_cast<std::size_t>(device)], this);
+          inner(device, o), &limit_bytes_[static_cast<std::size_t>(device)],
+          &backed_bytes_[static_cast<std::size_t>(device)], this);
     };
     ss_ = std::make_unique<streamsafe::cuda::allocator>(opts, std::move(p));
   }
@@ -125,19 +154,23 @@ class torch_allocator final : public cca::CUDAAllocator {
 
   // ---- c10::DeviceAllocator ------------------------------------------------------------
   bool initialized() override { return true; }
-  void emptyCache(MempoolId_t /*mempool_id*/) override {
-    // Every pool: streamsafe releases what is cached and free, behind its fence (wait or
-    // defer as configured); a graph's private pool only once the graph is released.
-    guarded("empty_cache", [&] { ss_->empty_cache(); });
-  }
+  // torch_mempool.cpp: {0, 0} releases the cache of every pool not in use (PyTorch: a live
+  // MemPool keeps its cache); a pool's id releases that pool's cache only.
+  void emptyCache(MempoolId_t mempool_id) override;
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
     if (!ptr.get() || ptr.get_deleter() != &raw_delete_fn) return;  // not ours (from_blob, ...)
+    if (n_instances_.load(std::memory_order_acquire) != 0) {
+      if (std::shared_ptr<pool_instance> inst = instance_of(ptr.get())) {
+        guarded("record_stream", [&] { inst->alloc->record_stream(ptr.get(), stream.stream()); });
+        return;
+      }
+    }
     guarded("record_stream", [&] { ss_->record_stream(ptr.get(), stream.stream()); });
   }
   cda::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     check_device(device);
     cda::DeviceStats out;
-    const streamsafe::statistics s = ss_->stats(device);
+    const streamsafe::statistics s = device_stats(device);
     streamsafe::statistics base;
     {
       std::lock_guard<std::mutex> lock(base_mu_);
@@ -172,7 +205,7 @@ class torch_allocator final : public cca::CUDAAllocator {
   }
   void resetAccumulatedStats(c10::DeviceIndex device) override {
     check_device(device);
-    const streamsafe::statistics s = ss_->stats(device);
+    const streamsafe::statistics s = device_stats(device);
     std::lock_guard<std::mutex> lock(base_mu_);
     stats_base_[static_cast<std::size_t>(device)] = s;
   }
@@ -180,6 +213,9 @@ class torch_allocator final : public cca::CUDAAllocator {
     check_device(device);
     if (streamsafe::caching_allocator* a = ss_->find_device_allocator(device))
       a->reset_peak_stats();
+    for (const std::shared_ptr<pool_instance>& inst : instances())
+      if (streamsafe::caching_allocator* a = inst->alloc->find_device_allocator(device))
+        a->reset_peak_stats();
   }
 
   // ---- CUDAAllocator -------------------------------------------------------------------
@@ -222,11 +258,11 @@ class torch_allocator final : public cca::CUDAAllocator {
       c10::DeviceIndex /*device*/) override {
     return {};  // streamsafe's expandable segments are not PyTorch's; nothing to pre-create
   }
-  void enable(bool value) override {
-    TORCH_CHECK(value,
-                "streamsafe: disabling the caching allocator (enable(false)) is not supported");
-  }
-  bool isEnabled() const override { return true; }
+  // torch.cuda.memory._set_allocator_settings / caching_allocator_enable(False): new
+  // allocations go straight to cudaMalloc / cudaFree (each free synchronises the device, as
+  // cudaFree does); blocks already handed out are freed to streamsafe as before.
+  void enable(bool value) override { enabled_.store(value); }
+  bool isEnabled() const override { return enabled_.load(); }
   void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
     check_device(device);
     std::size_t largest = 0;
@@ -265,51 +301,22 @@ class torch_allocator final : public cca::CUDAAllocator {
                            std::function<bool(cudaStream_t)> filter) override;
   void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override;
   void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override;
-  int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+  int getPoolUseCount(c10::DeviceIndex /*device*/, MempoolId_t mempool_id) override {
     std::lock_guard<std::mutex> lock(pools_mu_);
     auto it = pools_.find(mempool_id);
     return it == pools_.end() ? 0 : it->second.use_count;
   }
+  // torch_mempool.cpp: a MemPool (with or without its own allocator) and its settings.
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t mempool_id,
-                          std::shared_ptr<cca::CUDAAllocator> allocator) override {
-    TORCH_CHECK(!allocator || allocator.get() == this,
-                "streamsafe: torch.cuda.MemPool with its own allocator (",
-                allocator ? allocator->name() : "", ") is not supported");
-    std::lock_guard<std::mutex> lock(pools_mu_);
-    pool_state& pool = pools_[mempool_id];
-    pool.device = device;
-    ++pool.use_count;
-  }
-  // MemPool(use_on_oom=True) / MemPool(no_split=True): refused by name; ~MemPool resets
-  // use_on_oom to false, which is what streamsafe does anyway.
-  void setUseOnOOM(c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/,
-                   bool use_on_oom) override {
-    TORCH_CHECK(!use_on_oom, "streamsafe: MemPool(use_on_oom=True) is not supported");
-  }
-  void setNoSplit(c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/) override {
-    TORCH_CHECK(false, "streamsafe: MemPool(no_split=True) is not supported");
-  }
+                          std::shared_ptr<cca::CUDAAllocator> allocator) override;
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id, bool use_on_oom) override;
+  void setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) override;
   bool checkPoolLiveAllocations(
-      c10::DeviceIndex /*device*/, MempoolId_t /*mempool_id*/,
-      const std::unordered_set<void*>& /*expected_live_allocations*/) override {
-    TORCH_CHECK(false,
-                "streamsafe: checking a CUDA graph pool's live allocations "
-                "(checkPoolLiveAllocations, used by "
-                "torch.compile mode=\"reduce-overhead\" cudagraph trees) is not supported by the "
-                "streamsafe allocator");
-  }
-  cca::ShareableHandle shareIpcHandle(void* /*ptr*/) override {
-    TORCH_CHECK(
-        false,
-        "streamsafe: CUDA IPC of tensors (shareIpcHandle, torch.multiprocessing sharing of CUDA "
-        "tensors) is not supported by the streamsafe allocator");
-  }
-  std::shared_ptr<void> getIpcDevPtr(std::string /*handle*/) override {
-    TORCH_CHECK(
-        false,
-        "streamsafe: CUDA IPC of tensors (getIpcDevPtr, opening a CUDA tensor shared by another "
-        "process) is not supported by the streamsafe allocator");
-  }
+      c10::DeviceIndex device, MempoolId_t mempool_id,
+      const std::unordered_set<void*>& expected_live_allocations) override;
+  // torch_ipc.cpp: CUDA IPC of tensors over streamsafe's export / import.
+  cca::ShareableHandle shareIpcHandle(void* ptr) override;
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override;
   bool isHistoryEnabled() override { return history_enabled_.load(); }
   void recordHistory(bool enabled, cda::CreateContextFn context_recorder,
                      size_t alloc_trace_max_entries, cda::RecordContext when, bool clearHistory,
@@ -382,10 +389,38 @@ class torch_allocator final : public cca::CUDAAllocator {
   const std::string& conf() const { return conf_; }
 
  private:
+  // A MemPool with its own allocator (a CUDAPluggableAllocator): a streamsafe allocator of its
+  // own whose segments come from that allocator (torch_mempool.cpp). Alive while the pool is
+  // used or holds memory; it keeps PyTorch's allocator object alive as long.
+  struct pool_instance {
+    MempoolId_t id{0, 0};
+    int device = 0;
+    std::shared_ptr<cca::CUDAAllocator> allocator;
+    std::unique_ptr<streamsafe::cuda::allocator> alloc;
+    bool in_use = true;  // false once the pool's last user let go (releasePool)
+  };
   struct pool_state {
     int device = 0;
     int use_count = 0;
-    std::vector<std::uint64_t> graphs;  // streamsafe graph ids captured into this pool
+    std::vector<std::uint64_t> graphs;              // streamsafe graph ids captured into this pool
+    std::shared_ptr<cca::CUDAAllocator> allocator;  // MemPool(allocator=...)
+    std::shared_ptr<pool_instance> instance;        // created with the pool when allocator is set
+    bool use_on_oom = false;
+  };
+  // An allocation route outside a capture (use_mem_pool, beginAllocateCurrentThreadToPool /
+  // CurrentStreamToPool): the filter PyTorch gave picks the allocations; the innermost wins.
+  struct pool_route {
+    MempoolId_t pool{0, 0};
+    int device = 0;
+    std::function<bool(cudaStream_t)> filter;
+    streamsafe::tag_id tag = 0;
+    std::shared_ptr<pool_instance> instance;
+  };
+  struct pool_route_choice {
+    streamsafe::tag_id tag = 0;
+    std::shared_ptr<pool_instance> instance;
+    MempoolId_t pool{0, 0};
+    bool matched = false;  // the allocation belongs to `pool`
   };
   struct capture_state {
     MempoolId_t pool;
@@ -417,22 +452,66 @@ class torch_allocator final : public cca::CUDAAllocator {
   }
 
   void* malloc(std::size_t n, c10::DeviceIndex device, cudaStream_t stream) {
+    if (!enabled_.load(std::memory_order_relaxed)) return uncached_malloc(n, device);
     void* p = nullptr;
-    try {
-      p = ss_->allocate(n, device, stream);
-    } catch (const streamsafe::out_of_memory& e) {
-      out_of_memory(n, device, stream, e.what());
-    } catch (const std::bad_alloc& e) {
-      out_of_memory(n, device, stream, e.what());
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, "streamsafe: allocation of ", n, " bytes on device ",
-                  static_cast<int>(device), " failed: ", e.what());
+    if (n_routes_.load(std::memory_order_acquire) != 0 ||
+        n_captures_.load(std::memory_order_acquire) != 0) {
+      const pool_route_choice r = pick_route(device, stream);  // torch_mempool.cpp
+      if (r.instance) {
+        p = instance_malloc(*r.instance, n, device, stream);
+      } else if (r.tag != 0) {
+        streamsafe::tag_scope scope(r.tag);  // the MemPool's memory: segments of its own
+        p = core_malloc(n, device, stream);
+      } else {
+        p = core_malloc(n, device, stream);
+      }
+      if (r.matched) note_pool_live(p, r.pool, device);
+    } else {
+      p = core_malloc(n, device, stream);
     }
     if (history_enabled_.load(std::memory_order_relaxed) ||
         has_trackers_.load(std::memory_order_relaxed))
       note_alloc(p, n, device, stream);
     return p;
   }
+  void* core_malloc(std::size_t n, c10::DeviceIndex device, cudaStream_t stream) {
+    void* p = nullptr;
+    std::string oom;
+    try {
+      p = ss_->allocate(n, device, stream);
+    } catch (const std::bad_alloc& e) {  // streamsafe::out_of_memory is a std::bad_alloc
+      oom = e.what();
+    } catch (const c10::Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "streamsafe: allocation of ", n, " bytes on device ",
+                  static_cast<int>(device), " failed: ", e.what());
+    }
+    if (!p) {
+      p = use_on_oom_malloc(n, device, stream);  // MemPool(use_on_oom=True): torch_mempool.cpp
+      if (!p) out_of_memory(n, device, stream, oom.c_str());
+    }
+    return p;
+  }
+
+  // torch_mempool.cpp
+  pool_route_choice pick_route(int device, cudaStream_t stream);
+  void note_pool_live(void* p, MempoolId_t pool, int device);
+  void forget_pool_live(void* p);
+  void* instance_malloc(pool_instance& inst, std::size_t n, c10::DeviceIndex device,
+                        cudaStream_t stream);
+  void* use_on_oom_malloc(std::size_t n, c10::DeviceIndex device, cudaStream_t stream);
+  std::shared_ptr<pool_instance> instance_of(void* ptr);
+  std::vector<std::shared_ptr<pool_instance>> instances();
+  std::shared_ptr<pool_instance> make_instance(MempoolId_t id, int device,
+                                               std::shared_ptr<cca::CUDAAllocator> allocator);
+  streamsafe::statistics device_stats(c10::DeviceIndex device);
+  // caching_allocator_enable(False): cudaMalloc / cudaFree pass-through (torch_mempool.cpp).
+  void* uncached_malloc(std::size_t n, c10::DeviceIndex device);
+  bool uncached_free(void* ptr);
+  // torch_ipc.cpp: the producer's exports of a block end when PyTorch frees it.
+  void end_exports(void* ptr);
+  void release_ipc_import(void* ptr, int device) noexcept;
 
   [[noreturn]] void out_of_memory(std::size_t n, c10::DeviceIndex device, cudaStream_t stream,
                                   const char* what) {
@@ -470,10 +549,19 @@ class torch_allocator final : public cca::CUDAAllocator {
  public:
   void free(void* ptr) {
     if (!ptr) return;
+    if (n_uncached_.load(std::memory_order_acquire) != 0 && uncached_free(ptr)) return;
     if (history_enabled_.load(std::memory_order_relaxed) ||
         has_trackers_.load(std::memory_order_relaxed))
       note_free(ptr);
+    if (n_pool_live_.load(std::memory_order_acquire) != 0) forget_pool_live(ptr);
     try {
+      if (n_exported_.load(std::memory_order_acquire) != 0) end_exports(ptr);  // torch_ipc.cpp
+      if (n_instances_.load(std::memory_order_acquire) != 0) {
+        if (std::shared_ptr<pool_instance> inst = instance_of(ptr)) {
+          inst->alloc->deallocate(ptr);
+          return;
+        }
+      }
       ss_->deallocate(ptr);
     } catch (const std::exception& e) {
       streamsafe::cuda::log_error(e.what());
@@ -497,9 +585,33 @@ class torch_allocator final : public cca::CUDAAllocator {
   std::array<streamsafe::statistics, max_devices> stats_base_{};
   std::array<double, max_devices> fractions_{};
 
-  std::mutex pools_mu_;
+  std::array<std::atomic<std::size_t>, max_devices> backed_bytes_;  // every instance's segments
+
+  std::mutex pools_mu_;  // guards pools_, captures_, routes_, instances_
   std::map<MempoolId_t, pool_state> pools_;
   std::vector<capture_state> captures_;
+  std::vector<pool_route> routes_;
+  std::vector<std::shared_ptr<pool_instance>> instances_;
+  std::atomic<int> n_routes_{0};     // routes_.size(), read without the lock
+  std::atomic<int> n_instances_{0};  // instances_.size(), read without the lock
+  std::atomic<int> n_captures_{0};   // captures_.size(), read without the lock
+  // The live blocks allocated into a pool (a route, a capture): ptr -> (pool, device).
+  std::unordered_map<void*, std::pair<MempoolId_t, int>> pool_live_;
+  std::atomic<int> n_pool_live_{0};
+
+  std::atomic<bool> enabled_{true};
+  std::mutex uncached_mu_;
+  std::unordered_map<void*, int> uncached_;  // caching_allocator_enable(False): ptr -> device
+  std::atomic<int> n_uncached_{0};
+
+  // CUDA IPC (torch_ipc.cpp). Producer: the exports of each block, ended when PyTorch frees it
+  // (PyTorch frees a sent block only once every consumer has let go). Consumer: open imports by
+  // the producer's block, so that a block received twice is mapped once.
+  std::mutex ipc_mu_;  // a leaf: guards ipc_exports_ and ipc_imports_
+  std::unordered_map<void*, std::vector<streamsafe::ipc_handle>> ipc_exports_;
+  std::atomic<int> n_exported_{0};
+  std::map<std::tuple<std::int64_t, std::uint64_t, int>, std::weak_ptr<void>> ipc_imports_;
+  std::mutex ipc_import_mu_;  // serialises getIpcDevPtr's imports (held across the import)
 
   std::mutex observers_mu_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;

@@ -7,6 +7,7 @@
 #include <streamsafe/backends/forwarding_backend.hpp>
 
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 
 #include <atomic>
 #include <cstddef>
@@ -27,12 +28,18 @@ struct owned_backend {
 // per-device cap on reserved bytes (set_per_process_memory_fraction) as the device being out of
 // memory, so that streamsafe's out-of-memory path (release behind a fence, retry, out_of_memory)
 // applies; and reports segment events to the history.
+//
+// pluggable_backend: the segments of a MemPool with its own allocator (a CUDAPluggableAllocator)
+// come from that allocator's raw_alloc / raw_delete, as in PyTorch; events and streams are the
+// real backend's.
 class limited_backend final : private owned_backend, public forwarding_backend {
  public:
+  // backed_bytes: the device's bytes backed by memory, shared by every limited_backend of the
+  // device (the main allocator's and each MemPool allocator's), so that the cap is device-wide.
   limited_backend(std::unique_ptr<device_backend> inner, std::atomic<std::size_t>* limit_bytes,
-                  torch_allocator* owner)
+                  std::atomic<std::size_t>* backed_bytes, torch_allocator* owner)
       : owned_backend{std::move(inner)}, forwarding_backend(*owned), limit_bytes_(limit_bytes),
-        owner_(owner) {}
+        owner_(owner), backed_bytes_(*backed_bytes) {}
 
   void* allocate_segment(std::size_t size_bytes) override {
     if (!take(size_bytes)) return nullptr;
@@ -91,7 +98,21 @@ class limited_backend final : private owned_backend, public forwarding_backend {
 
   std::atomic<std::size_t>* limit_bytes_;
   torch_allocator* owner_;
-  std::atomic<std::size_t> backed_bytes_{0};
+  std::atomic<std::size_t>& backed_bytes_;
+};
+
+class pluggable_backend final : private owned_backend, public forwarding_backend {
+ public:
+  pluggable_backend(std::unique_ptr<device_backend> inner,
+                    std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator)
+      : owned_backend{std::move(inner)}, forwarding_backend(*owned),
+        allocator_(std::move(allocator)) {}
+
+  void* allocate_segment(std::size_t size_bytes) override;  // torch_mempool.cpp
+  void free_segment(void* base, std::size_t size_bytes) override;
+
+ private:
+  std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator_;
 };
 
 }  // namespace streamsafe::torch_ext

@@ -5,22 +5,37 @@
 
 namespace streamsafe::torch_ext {
 
+// mempool_id {0, 0}: every pool's segments (MemPools' segments name their pool in
+// owner_private_pool_id); a MemPool's id: that pool's segments only (MemPool.snapshot()).
 cca::SnapshotInfo torch_allocator::snapshot(MempoolId_t mempool_id, bool include_traces) {
-  TORCH_CHECK(
-      mempool_id.first == 0 && mempool_id.second == 0,
-      "streamsafe: a snapshot of one memory pool (MemPool.snapshot(), snapshot(mempool_id)) is not "
-      "supported; torch.cuda.memory._snapshot() covers every pool");
+  const bool every_pool = mempool_id.first == 0 && mempool_id.second == 0;
   cca::SnapshotInfo out;
   std::unordered_map<void*, live_block> live;
   if (history_enabled_.load()) {
     std::lock_guard<std::mutex> lock(history_mu_);
     live = live_;
   }
-  for (int d = 0; d < ss_->device_count(); ++d) {
-    streamsafe::caching_allocator* a = ss_->find_device_allocator(d);
-    if (!a) continue;
-    const streamsafe::memory_snapshot snap = a->snapshot();
+  struct source {
+    streamsafe::caching_allocator* alloc = nullptr;
+    int device = 0;
+    MempoolId_t owner{0, 0};  // an instance's pool; {0, 0}: the main allocator (by tag)
+    bool instance = false;
+  };
+  std::vector<source> sources;
+  for (int d = 0; d < ss_->device_count(); ++d)
+    if (streamsafe::caching_allocator* a = ss_->find_device_allocator(d))
+      sources.push_back({a, d, {0, 0}, false});
+  for (const std::shared_ptr<pool_instance>& inst : instances()) {
+    if (!every_pool && inst->id != mempool_id) continue;
+    if (streamsafe::caching_allocator* a = inst->alloc->find_device_allocator(inst->device))
+      sources.push_back({a, inst->device, inst->id, true});
+  }
+  for (const source& src : sources) {
+    const int d = src.device;
+    const streamsafe::memory_snapshot snap = src.alloc->snapshot();
     for (const auto& seg : snap.segments) {
+      const MempoolId_t owner = src.instance ? src.owner : pool_of_tag(seg.tag);
+      if (!every_pool && owner != mempool_id) continue;
       // One SegmentInfo per run of mapped blocks (an expandable segment's unmapped address
       // space is not memory; PyTorch's snapshot shows mapped ranges only).
       cda::SegmentInfo cur;
@@ -41,6 +56,7 @@ cca::SnapshotInfo torch_allocator::snapshot(MempoolId_t mempool_id, bool include
           cur.stream = reinterpret_cast<void*>(seg.stream);
           cur.is_large = seg.pool == streamsafe::snapshot_pool::large;
           cur.is_expandable = seg.expandable;
+          cur.owner_private_pool_id = owner;
           open = true;
         }
         cda::BlockInfo bi;

@@ -1,0 +1,338 @@
+// streamsafe core: caching_allocator::impl (internal), one device's allocator: its state is the
+// base, detail::allocator_state (allocator_state.hpp, with the lock order); here its functions,
+// grouped by the .cpp file that defines them, where their contracts are stated. Functions that
+// take a pool or a block need the lock of its owner stream (state_of(pool).mu), which clang cannot
+// match to the caller's stream state: that rule stays a convention.
+#pragma once
+
+#include "allocator_state.hpp"
+
+#include <streamsafe/core/caching_allocator.hpp>
+#include <streamsafe/core/sleep.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace streamsafe {
+
+struct caching_allocator::impl : detail::allocator_state {
+  using stream_state = detail::stream_state;
+  using release_batch = detail::release_batch;
+  using tag_state = detail::tag_state;
+  using paused_segment = detail::paused_segment;
+  using resume_work = detail::resume_work;
+  struct census;  // invariants.cpp
+
+  impl(device_backend& backend, options opts);  // caching_allocator.cpp
+  // ---- streams.cpp: stream states, keys (a handle, or a per-thread stream's key) -------------
+  stream_state& state_for(stream_handle stream);  // no lock held; may take mu_
+  stream_state& get_or_create_stream_locked(stream_handle stream) STREAMSAFE_REQUIRES(mu_);
+  stream_state& new_state_locked(stream_handle key, stream_handle handle,
+                                 stream_handle cache_key = 0) STREAMSAFE_REQUIRES(mu_);
+  stream_handle key_of(stream_handle stream) const;
+  stream_handle record_event_on(event_handle e, stream_handle key);
+  void stream_wait_on(stream_handle key, event_handle e);
+  bool query_stream_of(stream_handle key);
+  bool stream_capturing(stream_handle key) noexcept;
+  stream_state* owner_locked(const void* ptr) STREAMSAFE_REQUIRES(mu_);
+  void retire_dead_streams_locked() STREAMSAFE_REQUIRES(mu_);
+  void drop_tombstone_locked(event_handle e) STREAMSAFE_REQUIRES(mu_);
+  stream_state* cached_live_state(stream_handle stream) const;  // this thread's stream cache
+  // ---- events.cpp: the event pool, cross-stream order, the pending list ----------------------
+  event_handle get_event();  // takes the event pool's lock (a leaf)
+  void put_event(event_handle e);
+  event_handle get_event(stream_state& st) STREAMSAFE_REQUIRES(st.mu);  // st's cache first
+  void put_event(stream_state& st, event_handle e) STREAMSAFE_REQUIRES(st.mu);
+  void order_after_locked(stream_handle waiter, stream_handle on) STREAMSAFE_REQUIRES(mu_);
+  void add_use_locked(block* b, stream_handle stream);  // record_stream: b's owner lock held
+  void note_use_locked(segment* seg, stream_handle stream);
+  void retire_pending_locked(stream_state& st, block* b) STREAMSAFE_REQUIRES(st.mu);
+  void process_events_locked(stream_state& st) STREAMSAFE_REQUIRES(st.mu);
+  block* take_pending_locked(stream_state& st, pool& p, std::size_t rounded)
+      STREAMSAFE_REQUIRES(st.mu);
+  // ---- blocks.cpp: fit, split and merge within a pool (its owner stream's lock held) ---------
+  block* new_block(stream_state& st);
+  void recycle_block(stream_state& st, block* b);
+  block* best_fit(pool& p, std::size_t rounded) const;
+  bool split_limit_refuses(const pool& p, const block* b, std::size_t rounded) const noexcept;
+  bool keeps_whole(const block* b, std::size_t rounded) const noexcept;  // segment_fit.hpp
+  bool idle_at_growth(const block* b, std::size_t rounded) const noexcept;
+  block* fit_ignoring_whole_rule(pool& p, std::size_t rounded) const;  // at the memory limit
+  void split_locked(block* b, std::size_t rounded);  // b's remainder, if worth a block
+  block* split_off_locked(block* b, std::size_t offset);
+  block* take_cached_fit_locked(pool& p, std::size_t rounded);  // quick cache, else best fit
+  block* free_block_locked(block* b);         // to its pool, merging free neighbours
+  block* merge_locked(block* lo, block* hi);  // address-adjacent; returns the survivor
+  void flush_quick_locked(pool& p);
+  // ---- growth.cpp: new segments, mapped chunks, segments moved between streams ---------------
+  block* new_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  // A new segment of p at `base` as one free block: mapped (cuda_malloc) or not (expandable).
+  block* add_segment_locked(pool& p, std::uintptr_t base, std::size_t size, bool mapped)
+      STREAMSAFE_REQUIRES(mu_);
+  // The unmapped block of p to grow into for `rounded` bytes and how many bytes to map there;
+  // within_limit false: also when mapping map_bytes would pass the limit (reclaim by alias).
+  block* choose_unmapped_locked(const pool& p, std::size_t rounded, std::size_t& map_bytes,
+                                bool within_limit = true) const STREAMSAFE_REQUIRES(mu_);
+  // A new reserved range of p, large enough for `rounded` bytes.
+  void reserve_range_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  // Bytes mapped: chunks of `chunk` up to `fine_from` bytes into the range, of `fine` after it.
+  std::size_t map_chunks_locked(segment* seg, std::uintptr_t addr, std::size_t bytes,
+                                std::size_t chunk, std::size_t fine_from = SIZE_MAX,
+                                std::size_t fine = 0) STREAMSAFE_REQUIRES(mu_);
+  block* expandable_fit_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  // whole_rule: not a segment the whole-segment rule keeps whole for the request.
+  block* steal_segment_locked(pool& p, std::size_t rounded, bool whole_rule)
+      STREAMSAFE_REQUIRES(mu_);
+  // A destroyed stream's whole free segment for p, behind the tombstone (before growing).
+  block* adopt_dead_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  // Moves a whole free segment to p; p's stream waits for every stream that may still touch it.
+  block* move_segment_locked(segment* seg, pool& p) STREAMSAFE_REQUIRES(mu_);
+  // ==== growth_policy.cpp, reclaim.cpp: the growth policy and reclaim ========================
+  // mu_ and the lock of p's stream held unless said otherwise.
+  // The one entry point of the growth policy: after the fast path found nothing, every way to
+  // serve `rounded` bytes from p, in its order; nullptr: out of memory (or a capture began while
+  // it waited: the caller checks). Drops and retakes slk (st's lock) around releases and waits.
+  block* expand_pool_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
+                            stream_state& st, pool& p, std::size_t rounded)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  block* grow_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);  // a growth
+  // True when p can grow for `rounded` bytes without raising peak reserved (within the limit).
+  bool growth_within_peak_locked(const pool& p, std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
+  void note_headroom_locked() STREAMSAFE_REQUIRES(mu_);  // headroom_hint_ after reserved changed
+  bool growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const
+      STREAMSAFE_REQUIRES(mu_);
+  bool expandable_growth_raises_peak_locked(const pool& p, std::size_t rounded) const
+      STREAMSAFE_REQUIRES(mu_);
+  // Bytes a growth of p for `rounded` bytes maps beyond peak reserved (0: none), and the free
+  // mapped block it extends (null: none).
+  std::size_t expandable_growth_excess_locked(const pool& p, std::size_t rounded,
+                                              const block** extended) const
+      STREAMSAFE_REQUIRES(mu_);
+  bool wants_collection_locked(std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
+  // mu_ held, st's lock not: gives back st's whole free large segments that the whole-segment
+  // rule refuses to a request of `rounded` bytes (before a growth that would raise the peak).
+  std::size_t release_refused_segments(device_lock& lk, stream_state& st, std::size_t rounded)
+      STREAMSAFE_REQUIRES(mu_);
+  // mu_ held, no stream lock: free chunks of every expandable pool but `keep`, up to `bytes`,
+  // smallest first, detached, fenced and queued; returns the bytes.
+  std::size_t queue_idle_chunks_locked(const block* keep, bool large_only, std::size_t bytes)
+      STREAMSAFE_REQUIRES(mu_);
+  // Defer mode, last resort of the out-of-memory path: a host wait (mu_ dropped), bounded, on
+  // every queued release fence; true when they all completed.
+  bool wait_queued_fences_locked(device_lock& dlk) STREAMSAFE_REQUIRES(mu_);
+  // reclaim.cpp: taking queued memory back (no host wait, no new memory).
+  void wait_on_fence_locked(stream_handle stream, const release_batch& batch)
+      STREAMSAFE_REQUIRES(mu_);
+  void take_from_batch_locked(std::deque<release_batch>::iterator batch, block* b)
+      STREAMSAFE_REQUIRES(mu_);
+  // The smallest queued block of p that serves the request, back to p's free lists
+  // (whole_rule: not a segment the whole-segment rule keeps whole for the request).
+  block* reclaim_in_place_locked(pool& p, std::size_t rounded, bool whole_rule = true)
+      STREAMSAFE_REQUIRES(mu_);
+  // cuda_malloc: the smallest queued whole segment of another pool that serves the request,
+  // moved to p behind a wait of p's stream on its release fence.
+  block* reclaim_segment_locked(pool& p, std::size_t rounded, bool whole_rule)
+      STREAMSAFE_REQUIRES(mu_);
+  // expandable: queued chunks of any pool mapped again into p's range behind their fences.
+  block* reclaim_by_alias_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  // A new address's [addr, addr + bytes) goes back to the driver: the bytes of it still mapped
+  // at a ghost (the old address of reclaimed memory) become that ghost's to give back.
+  std::size_t unghost_locked(std::uintptr_t addr, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
+  // The ghost b's unmap: forgets its entries, moves older ones along; returns ghost_owned.
+  std::size_t drop_ghost_locked(block* b) STREAMSAFE_REQUIRES(mu_);
+  // ==== end of the growth policy and reclaim ==================================================
+  // ---- allocate.cpp: the allocation order ----------------------------------------------------
+  block* find_block_locked(stream_state& st, pool& p, std::size_t rounded, bool grow = true)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  void* finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size)
+      STREAMSAFE_REQUIRES(st.mu);
+  void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small,
+                      tag_id tag) STREAMSAFE_EXCLUDES(mu_, st.mu);
+  // ---- free.cpp: deallocate and record_stream ------------------------------------------------
+  void free_found_locked(stream_state& st, block* b, const stream_handle* stream)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  bool free_without_events_locked(stream_state& st, block* b, const stream_handle* stream)
+      STREAMSAFE_REQUIRES(st.mu);
+  bool free_with_events_locked(stream_state& st, block* b, const stream_handle* stream,
+                               bool device_locked) STREAMSAFE_REQUIRES(st.mu);
+  bool record_use_events_locked(block* b, const stream_handle* stream, bool device_locked);
+  void commit_free_locked(stream_state& st, block* b, const stream_handle* stream)
+      STREAMSAFE_REQUIRES(st.mu);
+  void defer_fence_locked(stream_state& st, block* b, const stream_handle* stream)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  void fence_unfenced_locked() STREAMSAFE_REQUIRES(mu_);
+  void count_free_locked(stream_state& st, const block* b) STREAMSAFE_REQUIRES(st.mu);
+  void free_same_stream_locked(stream_state& st, block* b) STREAMSAFE_REQUIRES(st.mu);
+  void free_unfenced_locked(stream_state& st, block* b) STREAMSAFE_REQUIRES(st.mu);
+  void fence_host_frees_locked(stream_state& st) STREAMSAFE_REQUIRES(mu_, st.mu);
+  void fence_dead_stream_frees_locked(stream_state& st) STREAMSAFE_REQUIRES(mu_, st.mu);
+  bool thread_allocated_here() const noexcept;  // this thread's last allocation was here
+  void deallocate_impl(void* ptr, const stream_handle* stream);
+  // ---- diagnostics.cpp -----------------------------------------------------------------------
+  std::string oom_message_locked(std::size_t size, std::size_t rounded, stream_handle stream,
+                                 const stream_state* held) STREAMSAFE_REQUIRES(mu_);
+  std::size_t largest_free_locked(const stream_state* held) const STREAMSAFE_REQUIRES(mu_);
+  [[noreturn]] void throw_out_of_memory_locked(device_lock& dlk,
+                                               detail::unique_lock<stream_lock>* slk,
+                                               std::size_t size, std::size_t rounded,
+                                               stream_handle stream, const stream_state* held,
+                                               const std::string& note) STREAMSAFE_REQUIRES(mu_);
+  [[noreturn]] void throw_invalid_pointer_locked(const void* ptr, const char* what) const
+      STREAMSAFE_REQUIRES(mu_);
+  // ---- invariants.cpp (mu_ and every stream lock held) -------------------------------------
+  void check_block_locked(const block* b, census& c) const STREAMSAFE_REQUIRES(mu_);
+  void check_segment_locked(std::uintptr_t key, const segment* seg, census& c) const
+      STREAMSAFE_REQUIRES(mu_);
+  void check_pool_locked(const pool& p, census& c) const STREAMSAFE_REQUIRES(mu_);
+  void check_stream_locked(const stream_state& st, census& c) const STREAMSAFE_REQUIRES(mu_, st.mu);
+  void check_releasing_segments_locked(census& c) const STREAMSAFE_REQUIRES(mu_);
+  void check_held_frees_locked(const census& c) const STREAMSAFE_REQUIRES(mu_);
+  void check_census_locked(const census& c) const STREAMSAFE_REQUIRES(mu_);
+  void check_dead_streams_locked() const STREAMSAFE_REQUIRES(mu_);
+  // ---- capture.cpp ---------------------------------------------------------------------------
+  stream_state* graph_state_locked(std::uint64_t graph) STREAMSAFE_REQUIRES(mu_);
+  std::uint64_t begin_capture_locked(stream_handle stream, bool detected,
+                                     std::uint64_t share_pool_of = 0) STREAMSAFE_REQUIRES(mu_);
+  void release_released_pools_locked(device_lock& lk, stream_handle stream)
+      STREAMSAFE_REQUIRES(mu_);
+  std::uint64_t end_capture_locked(device_lock& lk, stream_handle stream) STREAMSAFE_REQUIRES(mu_);
+  void detect_captures_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
+  void after_captures_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
+  void release_graph_locked(std::uint64_t graph) STREAMSAFE_REQUIRES(mu_);
+  std::exception_ptr complete_held_frees_locked(std::uint64_t graph,
+                                                const std::vector<stream_handle>& uses)
+      STREAMSAFE_REQUIRES(mu_);
+  bool free_during_capture_locked(stream_state& owner, block* b, const stream_handle* stream)
+      STREAMSAFE_REQUIRES(mu_, owner.mu);
+  void* allocate_during_capture_locked(device_lock& dlk, std::size_t size, std::size_t rounded,
+                                       bool small, stream_handle stream) STREAMSAFE_REQUIRES(mu_);
+  std::string capture_note_locked() const STREAMSAFE_REQUIRES(mu_);
+  // ---- fork.cpp ------------------------------------------------------------------------------
+  bool inherited() const noexcept;  // a child forked after this allocator was made
+  static std::uint64_t current_fork_generation();
+  [[noreturn]] void throw_inherited(const char* what) const;
+  // ---- ipc.cpp (interprocess export and import, core/ipc.hpp) --------------------------------
+  void hold_exported_free_locked(stream_state& owner, block* b, const stream_handle* stream)
+      STREAMSAFE_REQUIRES(mu_, owner.mu);
+  void poll_ipc_locked() STREAMSAFE_REQUIRES(mu_);
+  void wait_ipc_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
+  void end_export_locked(std::map<std::uint64_t, detail::ipc_export_record>::iterator it)
+      STREAMSAFE_REQUIRES(mu_);
+  void destroy_ipc_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
+  void check_ipc_locked() const STREAMSAFE_REQUIRES(mu_);
+  // ---- release.cpp: giving memory back behind fences (mu_, and a segment's owner lock) ------
+  std::vector<stream_handle> fence_streams_locked(const segment* seg) const
+      STREAMSAFE_REQUIRES(mu_);
+  void add_fence_streams_locked(release_batch& batch, const segment* seg) const
+      STREAMSAFE_REQUIRES(mu_);
+  void detach_whole_segment_locked(release_batch& batch, segment* seg)
+      STREAMSAFE_REQUIRES(mu_);  // a free cuda_malloc segment
+  // Forgets seg's chunks in [addr, addr + bytes) after their unmap; returns how many.
+  static std::size_t forget_chunks(segment* seg, std::uintptr_t addr, std::size_t bytes);
+  // True when [addr, addr + bytes) is a union of whole mapped chunks of seg.
+  static bool whole_chunk_run(const segment* seg, std::uintptr_t addr, std::size_t bytes);
+  // The chunks wholly inside mapped block b of expandable seg: [lo, hi); false if none.
+  static bool whole_chunks_of(const segment* seg, const block* b, std::uintptr_t& lo,
+                              std::uintptr_t& hi);
+  // The whole chunks of seg's free mapped blocks but `keep`, detached into batch; true if any.
+  bool detach_free_chunks_locked(release_batch& batch, segment* seg, const block* keep)
+      STREAMSAFE_REQUIRES(mu_);
+  // Free memory that can go back: everything, only released graphs' pools, or only one tag's.
+  release_batch collect_releasable_locked(bool released_graphs_only = false,
+                                          const tag_id* only_tag = nullptr)
+      STREAMSAFE_REQUIRES(mu_);
+  void record_fence_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
+  bool fence_done_locked(const release_batch& batch) STREAMSAFE_REQUIRES(mu_);
+  // The blocks of `batch` whose fence streams are idle now (polled) and release would not block.
+  release_batch take_safe_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
+  // free_segment waits for the whole device (cudaFree) and a known stream is busy (polled).
+  bool free_segment_would_block_locked() STREAMSAFE_REQUIRES(mu_);
+  void wait_fence_unlocked(release_batch& batch);
+  void restore_batch_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
+  void requeue_aliased_locked(block* b) STREAMSAFE_REQUIRES(mu_);  // a ghost back in the queue
+  std::size_t release_batch_memory(device_lock& lk, release_batch& batch) STREAMSAFE_REQUIRES(mu_);
+  std::size_t finish_deferred(device_lock& lk, bool wait) STREAMSAFE_REQUIRES(mu_);
+  // The queued blocks of every batch whose fence streams are idle now go back; never waits.
+  std::size_t release_completed_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
+  // Those blocks, moved out of the queue into one batch (with the events of emptied batches).
+  release_batch take_completed_locked() STREAMSAFE_REQUIRES(mu_);
+  std::size_t release_cached(device_lock& lk, empty_cache_mode mode) STREAMSAFE_REQUIRES(mu_);
+  // The opportunistic release (max_cached_bytes, garbage_collection_threshold, an empty_cache
+  // asked for from a stream callback): releases what is safe now, never waits, queues nothing.
+  std::size_t trim_cached(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
+  void prepare_release_locked() STREAMSAFE_REQUIRES(mu_);
+  // Fences `batch`, releases what is idle now; the rest back to the pools (no queue, no wait).
+  std::size_t release_safe_now(device_lock& lk, release_batch& batch) STREAMSAFE_REQUIRES(mu_);
+  void queue_batch_locked(release_batch& batch)
+      STREAMSAFE_REQUIRES(mu_);  // to the deferred queue (fence recorded)
+  // Fences and releases a collected batch (queued in defer mode when its fence is pending).
+  std::size_t release_collected(device_lock& lk, release_batch& batch, empty_cache_mode mode)
+      STREAMSAFE_REQUIRES(mu_);
+  // Before a cuda_malloc growth (K12): the whole free segments of st's completed idle fence are
+  // proven idle; those not labelled yet get a new fence (polled later, never waited on). A failed
+  // backend call leaves the labels as they were.
+  void prove_idle_segments_locked(stream_state& st, pool& p) STREAMSAFE_REQUIRES(mu_, st.mu);
+  void drop_idle_fence_locked(stream_state& st)
+      STREAMSAFE_REQUIRES(mu_);  // its events back to the pool
+  // After the driver call for b (released or not): its bookkeeping, under b's owner lock.
+  std::size_t account_release_locked(block* b, bool released) STREAMSAFE_REQUIRES(mu_);
+  // ---- destruction.cpp -----------------------------------------------------------------------
+  void retire_all_pending_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
+  void destroy_events_locked() STREAMSAFE_REQUIRES(mu_);
+  void delete_host_bookkeeping() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS;  // no other thread
+  void destroy_all() STREAMSAFE_EXCLUDES(mu_);
+  // ---- tags.cpp, sleep.cpp, wake.cpp ---------------------------------------------------------
+  tag_state& tag_state_locked(tag_id tag) STREAMSAFE_REQUIRES(mu_);  // created on first use
+  pool& pool_for_locked(stream_state& st, bool small, tag_id tag, std::size_t size)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  stream_handle copy_stream_locked() STREAMSAFE_REQUIRES(mu_);
+  caching_allocator& host_allocator_locked() STREAMSAFE_REQUIRES(mu_);
+  void call_hooks_unlocked(const std::vector<sleep_hook_event>& events, const sleep_hook& hook);
+  void wait_tag_idle_locked(device_lock& lk, const tag_state& t) STREAMSAFE_REQUIRES(mu_);
+  void enqueue_offload_locked(device_lock& lk, tag_state& t) STREAMSAFE_REQUIRES(mu_);
+  bool pause_ready_locked(const paused_segment& ps) STREAMSAFE_REQUIRES(mu_);  // polls only
+  std::vector<paused_segment*> wait_pause_locked(device_lock& lk, tag_state& t)
+      STREAMSAFE_REQUIRES(mu_);
+  std::size_t unmap_paused_locked(device_lock& lk, tag_state& t,
+                                  const std::vector<paused_segment*>& ready)
+      STREAMSAFE_REQUIRES(mu_);
+  void release_pause_events_locked(paused_segment& ps) STREAMSAFE_REQUIRES(mu_);
+  std::size_t advance_pause_locked(device_lock& lk, tag_state& t, bool wait)
+      STREAMSAFE_REQUIRES(mu_);
+  std::size_t advance_pauses_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // every tag
+  pause_status tag_status_locked(const tag_state& t) STREAMSAFE_REQUIRES(mu_);
+  void destroy_sleep_state_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // destruction
+  std::vector<paused_segment> collect_pause_locked(tag_id tag, pause_mode mode,
+                                                   const std::string& where)
+      STREAMSAFE_REQUIRES(mu_);
+  void record_pause_fences_locked(std::vector<paused_segment>& segs) STREAMSAFE_REQUIRES(mu_);
+  bool resume_segment_locked(tag_state& t, paused_segment& ps, resume_work& w)
+      STREAMSAFE_REQUIRES(mu_);
+  void order_after_restore_locked(resume_work& w, const stream_handle* also)
+      STREAMSAFE_REQUIRES(mu_);
+  void set_phase_after_resume_locked(tag_state& t, std::vector<paused_segment> kept)
+      STREAMSAFE_REQUIRES(mu_);
+  void resume_tag_locked(device_lock& lk, tag_state& t, const stream_handle* also,
+                         const std::string& where) STREAMSAFE_REQUIRES(mu_);
+  std::size_t advance_resumes_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // the worker
+  // ---- release_worker.cpp --------------------------------------------------------------------
+  static std::int64_t current_pid() noexcept;
+  bool worker_usable_locked() const STREAMSAFE_REQUIRES(mu_);
+  bool worker_releases_locked(empty_cache_mode mode) const STREAMSAFE_REQUIRES(mu_);
+  bool ensure_worker_locked() STREAMSAFE_REQUIRES(mu_);
+  void hand_to_worker_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
+  std::size_t worker_pass_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
+  void worker_main() STREAMSAFE_EXCLUDES(mu_);
+  bool wait_for_worker_locked(device_lock& lk,
+                              const std::chrono::steady_clock::time_point* deadline)
+      STREAMSAFE_REQUIRES(mu_);
+  void stop_worker() STREAMSAFE_EXCLUDES(mu_);
+  struct process_hooks;  // pthread_atfork and atexit handlers
+};
+
+}  // namespace streamsafe

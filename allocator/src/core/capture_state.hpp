@@ -1,0 +1,61 @@
+// streamsafe core: the graph-capture state (internal; capture.cpp has the rules, case K11):
+// the captures underway, the graphs the allocator has given an id, the frees held until a
+// capture ends or a graph is released, and the requests put off until the last capture ends.
+// Lock rule: impl::capture_ is GUARDED_BY(mu_), the device lock; every member is read and
+// written under it. Its one lock-free mirror, impl::captures_underway_ (an atomic, beside it),
+// holds captures.size() so that the fast paths test for a capture without mu_.
+#pragma once
+
+#include "block.hpp"
+
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+namespace streamsafe::detail {
+
+// A capture underway on one stream of the device.
+struct capture_record {
+  stream_handle stream = 0;
+  std::uint64_t graph = 0;  // the id notify_capture_begin returned
+  std::uint64_t pool = 0;   // the graph whose private pool it allocates into (graph, or shared)
+  bool detected = false;    // found by backend_.stream_is_capturing, not announced
+};
+
+// A graph the allocator has given an id: the private pool it allocates into (its own, keyed
+// graph_key(graph), or an earlier graph's that it shares) and whether it was released.
+struct graph_record {
+  std::uint64_t pool = 0;
+  bool released = false;
+};
+
+// A free made during a capture that could not complete then (see capture.cpp).
+struct held_free {
+  block* b = nullptr;
+  bool has_stream = false;
+  stream_handle stream = 0;
+  std::uint64_t graph = 0;  // 0: completes when no capture is underway; else at its release
+};
+
+// The stream-registry key of graph `graph`'s private pool.
+constexpr stream_handle graph_key(std::uint64_t graph) { return ~stream_handle{0} - graph; }
+
+struct capture_state {
+  std::vector<capture_record> captures;
+  std::vector<held_free> held_frees;
+  std::unordered_map<std::uint64_t, graph_record> graphs;
+  std::vector<std::uint64_t> releases_after;  // notify_graph_released during a capture
+  bool empty_cache_after = false;             // empty_cache asked for during a capture
+  std::uint64_t next_graph_id = 1;
+  std::uint64_t deferrals = 0;  // releases/queries skipped because of a capture
+
+  // The capture underway on `stream`, or null.
+  const capture_record* find(stream_handle stream) const noexcept {
+    for (const auto& c : captures) {
+      if (c.stream == stream) return &c;
+    }
+    return nullptr;
+  }
+};
+
+}  // namespace streamsafe::detail

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# PyTorch's own caching-allocator tests (the peer suite, .device-deps/peer/ on the GPU machine,
+# shared/peer/ in the steering tree) with PyTorch's allocator and with streamsafe installed on
+# both backends; prints the results side by side and the tests that pass natively but fail with
+# streamsafe. Run from the repository root on the GPU machine after
+# `pip install --no-build-isolation --no-deps .`:
+#
+#   bash tests/peer_suite.sh [PEER_DIR] [OUT_DIR]
+#
+# PEER_DIR: the folder holding torch_memory_tests.py (default .device-deps/peer, else
+# ../shared/peer). OUT_DIR: where each run's log goes (default $OUT if set, else /tmp/peer_suite).
+# Per run timeout: PEER_TIMEOUT seconds (default 200); PEER_RUNS picks the runs. Exit status 0 when every run completed
+# (whatever the tests said); the comparison is the output.
+set -u
+peer=${1:-}
+if [ -z "$peer" ]; then
+  if [ -f .device-deps/peer/torch_memory_tests.py ]; then peer=.device-deps/peer; else peer=../shared/peer; fi
+fi
+peer=$(cd "$peer" && pwd) || { echo "peer_suite: no folder $peer"; exit 2; }
+out=${2:-${OUT:-/tmp/peer_suite}}
+mkdir -p "$out" ~/.cache
+work=$(mktemp -d /tmp/peer_tc.XXXXXX)
+# The copy must be named test_cuda.py: a few tests assert that recorded stacks name that file.
+cp "$peer/torch_memory_tests.py" "$work/test_cuda.py"
+[ -f "$peer/flamegraph.pl" ] && cp "$peer/flamegraph.pl" ~/.cache/
+export PYTHONPATH="$peer${PYTHONPATH:+:$PYTHONPATH}"
+timeout_s=${PEER_TIMEOUT:-200}
+
+run() {  # run NAME [ENV...]
+  local name=$1
+  shift
+  echo "== peer suite: $name ($*)"
+  (cd "$work" && env "$@" timeout "$timeout_s" python3 -m pytest -q -rA -p no:cacheprovider \
+    --timeout 90 test_cuda.py) >"$out/$name.log" 2>&1
+  echo "   exit $? ; $(grep -E '^(=+ )?[0-9]+ (passed|failed)' "$out/$name.log" | tail -1)"
+  grep -E '^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) ' "$out/$name.log" |
+    sed -E 's/^([A-Z]+) test_cuda.py::([^ ]+).*/\2 \1/' | sort -u >"$out/$name.results"
+}
+
+# PEER_RUNS: which runs, in order (default all three).
+for r in ${PEER_RUNS:-pytorch streamsafe_cuda_malloc streamsafe_expandable}; do
+  case $r in
+    pytorch) run pytorch ;;
+    streamsafe_cuda_malloc) run "$r" STREAMSAFE_INSTALL=1 STREAMSAFE_ALLOC_CONF=backend:cuda_malloc ;;
+    streamsafe_expandable) run "$r" STREAMSAFE_INSTALL=1 STREAMSAFE_ALLOC_CONF=backend:expandable ;;
+    *) echo "peer_suite: unknown run $r (pytorch, streamsafe_cuda_malloc, streamsafe_expandable)"; exit 2 ;;
+  esac
+done
+
+python3 - "$out" <<'EOF'
+import os, sys
+out = sys.argv[1]
+runs = ["pytorch", "streamsafe_cuda_malloc", "streamsafe_expandable"]
+res = {}
+for r in runs:
+    d = {}
+    path = os.path.join(out, r + ".results")
+    if os.path.exists(path):
+        for line in open(path):
+            parts = line.split()
+            if len(parts) == 2:
+                d[parts[0]] = parts[1]
+    res[r] = d
+tests = sorted(set().union(*[set(d) for d in res.values()]))
+w = max([len(t) for t in tests] + [10])
+print()
+print(f"{'test':<{w}}  {'pytorch':<8} {'ss cuda_malloc':<14} {'ss expandable':<14}")
+for t in tests:
+    print(f"{t:<{w}}  {res['pytorch'].get(t, '-'):<8} {res['streamsafe_cuda_malloc'].get(t, '-'):<14} "
+          f"{res['streamsafe_expandable'].get(t, '-'):<14}")
+for r in runs:
+    d = res[r]
+    print(f"{r}: {sum(v == 'PASSED' for v in d.values())} passed, "
+          f"{sum(v in ('FAILED', 'ERROR') for v in d.values())} failed")
+native = {t for t, v in res["pytorch"].items() if v == "PASSED"}
+for r in runs[1:]:
+    lost = sorted(t for t in native if res[r].get(t) != "PASSED")
+    print(f"\npasses with PyTorch's allocator, not with {r} ({len(lost)}):")
+    for t in lost:
+        print("  " + t)
+EOF
+rm -rf "$work"
+exit 0

@@ -1,0 +1,249 @@
+"""streamsafe's own tests of what PyTorch users rely on beyond plain tensors (docs/pytorch.md):
+MemPool outside a capture (use_mem_pool, a pool's own allocator, use_on_oom, one pool's snapshot
+and empty_cache, live-allocation checks), caching_allocator_enable(False), statistics peaks,
+and CUDA IPC of tensors between two processes with its control.
+"""
+
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+MiB = 1 << 20
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _pool_segments(pool_id):
+    return [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) == tuple(pool_id)]
+
+
+def _wait_released(pool_id, ss, timeout_s=10.0):
+    end = time.time() + timeout_s
+    while time.time() < end:
+        ss.reclaim()
+        if not _pool_segments(pool_id):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_use_mem_pool_routes_only_the_calling_thread(ss):
+    pool = torch.cuda.MemPool()
+    assert pool.use_count() == 1
+    other = {}
+
+    def elsewhere():
+        other["t"] = torch.empty(MiB, device="cuda")
+
+    with torch.cuda.use_mem_pool(pool):
+        assert pool.use_count() == 2
+        x = torch.empty(4 * MiB, device="cuda")
+        th = threading.Thread(target=elsewhere)
+        th.start()
+        th.join()
+    assert pool.use_count() == 1
+    y = torch.empty(4 * MiB, device="cuda")  # after the block: not the pool's
+    addresses = {b["address"] for s in pool.snapshot() for b in s["blocks"] if b["state"] == "active_allocated"}
+    assert x.data_ptr() in addresses
+    assert other["t"].data_ptr() not in addresses
+    assert y.data_ptr() not in addresses
+    for s in pool.snapshot():
+        assert tuple(s["segment_pool_id"]) == tuple(pool.id)
+    del x, y, other, pool
+    gc.collect()
+
+
+def test_nested_use_mem_pool_innermost_wins(ss):
+    p1, p2 = torch.cuda.MemPool(), torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(p1):
+        a = torch.empty(MiB, device="cuda")
+        with torch.cuda.use_mem_pool(p2):
+            b = torch.empty(MiB, device="cuda")
+        c = torch.empty(MiB, device="cuda")
+
+    def live(pool):
+        return {b_["address"] for s in pool.snapshot() for b_ in s["blocks"] if b_["state"] == "active_allocated"}
+
+    assert {a.data_ptr(), c.data_ptr()} <= live(p1)
+    assert b.data_ptr() in live(p2) and b.data_ptr() not in live(p1)
+    del a, b, c, p1, p2
+    gc.collect()
+
+
+def test_empty_cache_keeps_a_live_pool_and_releases_it_with_the_pool(ss):
+    torch.cuda.empty_cache()
+    pool = torch.cuda.MemPool()
+    pool_id = pool.id
+    with torch.cuda.use_mem_pool(pool):
+        x = torch.empty(8 * MiB, device="cuda")
+    del x
+    torch.cuda.empty_cache()  # PyTorch: a MemPool in use keeps its cache
+    ss.reclaim()
+    assert len(pool.snapshot()) >= 1
+    del pool  # ~MemPool: emptyCache(its id)
+    gc.collect()
+    assert _wait_released(pool_id, ss), _pool_segments(pool_id)
+
+
+def test_empty_cache_of_one_pool_in_threads(ss):
+    pools = [torch.cuda.MemPool() for _ in range(4)]
+    errors = []
+
+    def work(pool):
+        try:
+            with torch.cuda.use_mem_pool(pool):
+                t = torch.randn(1024, device="cuda")
+                del t
+                torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in pools]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for p in pools:
+        assert len(p.snapshot()) == 1  # the live pools kept their cached segment
+    del pools
+    gc.collect()
+
+
+def _pluggable_allocator(ss):
+    path = ss._library("libstreamsafe_torch.so", "STREAMSAFE_TORCH_LIB")
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "streamsafe_torch_alloc", "streamsafe_torch_free")
+    lib = ctypes.CDLL(path)
+    lib.streamsafe_torch_stats_json.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
+
+    def allocated():
+        buf = ctypes.create_string_buffer(1 << 16)
+        assert lib.streamsafe_torch_stats_json(torch.cuda.current_device(), buf, len(buf)) >= 0
+        return json.loads(buf.value.decode())["allocated_bytes.all.current"]
+
+    return alloc, allocated
+
+
+def test_mempool_with_its_own_allocator(ss):
+    # The pool's allocator here is streamsafe's pluggable library: a second allocator whose own
+    # statistics show what the pool asked of it.
+    alloc, allocated = _pluggable_allocator(ss)
+    before = allocated()
+    pool = torch.cuda.MemPool(alloc.allocator())
+    with torch.cuda.use_mem_pool(pool):
+        x = torch.full((MiB,), 3.0, device="cuda")
+    assert allocated() >= before + 4 * MiB  # the pool's segment came from its allocator
+    assert torch.cuda.memory_allocated() >= 4 * MiB  # and counts in the device's statistics
+    assert len(pool.snapshot()) == 1
+    assert float(x.sum()) == 3.0 * MiB
+    del pool, alloc  # PyTorch keeps the allocator alive while the pool's memory lives
+    gc.collect()
+    assert allocated() >= before + 4 * MiB
+    del x
+    torch.cuda.empty_cache()  # the pool is gone and its memory free: back to its allocator
+    assert allocated() == before
+
+
+def test_use_on_oom_pool_serves_an_allocation_that_found_no_memory(ss):
+    alloc, _ = _pluggable_allocator(ss)
+    torch.cuda.empty_cache()
+    _, total = torch.cuda.mem_get_info()
+    fraction0 = torch.cuda.get_per_process_memory_fraction()
+    pool = torch.cuda.MemPool(alloc.allocator(), use_on_oom=True)
+    try:
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 48 * MiB) / total)
+        with torch.cuda.use_mem_pool(pool):
+            a = torch.empty(40 * MiB, dtype=torch.uint8, device="cuda")
+        address = a.data_ptr()
+        del a  # cached in the pool
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+        c = torch.empty(30 * MiB, dtype=torch.uint8, device="cuda")  # from the pool's cache
+        assert c.data_ptr() == address
+        del c
+    finally:
+        torch.cuda.set_per_process_memory_fraction(fraction0)
+        del pool
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def test_check_pool_live_allocations(ss):
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        x = torch.empty(MiB, device="cuda")
+        y = torch.empty(MiB, device="cuda")
+    device = torch.cuda.current_device()
+    check = torch._C._cuda_checkPoolLiveAllocations
+    assert check(device, pool.id, {x.data_ptr(), y.data_ptr()})
+    assert not check(device, pool.id, {x.data_ptr()})
+    del y
+    assert check(device, pool.id, {x.data_ptr()})
+    del x, pool
+    gc.collect()
+
+
+def test_caching_allocator_disabled_goes_to_cuda_malloc(ss):
+    stream = torch.cuda.current_stream().cuda_stream
+    start = torch.cuda.memory_stats()["requested_bytes.all.allocated"]
+    torch.cuda.caching_allocator_enable(False)
+    try:
+        p = torch._C._cuda_cudaCachingAllocator_raw_alloc(MiB, stream)
+        assert torch.cuda.memory_stats()["requested_bytes.all.allocated"] == start
+        torch._C._cuda_cudaCachingAllocator_raw_delete(p)
+        t = torch.ones(1000, device="cuda")
+        assert float(t.sum()) == 1000.0
+        del t
+    finally:
+        torch.cuda.caching_allocator_enable(True)
+    p = torch._C._cuda_cudaCachingAllocator_raw_alloc(MiB, stream)
+    assert torch.cuda.memory_stats()["requested_bytes.all.allocated"] == start + MiB
+    torch._C._cuda_cudaCachingAllocator_raw_delete(p)
+
+
+def test_count_peaks_not_below_current(ss):
+    side = torch.cuda.Stream()
+    keep = [torch.empty(1024, device="cuda") for _ in range(8)]
+    with torch.cuda.stream(side):
+        keep += [torch.empty(1024, device="cuda") for _ in range(8)]
+    stats = torch.cuda.memory_stats()
+    for key in ("allocation", "active", "segment"):
+        assert stats[f"{key}.all.peak"] >= stats[f"{key}.all.current"], key
+    del keep
+
+
+def _ipc(conf, mode):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env.pop("STREAMSAFE_TORCH_INSTALL", None)
+    p = subprocess.run([sys.executable, os.path.join(HERE, "ipc_scenario.py"), conf, mode], env=env,
+                       capture_output=True, text=True, timeout=600)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    assert p.returncode == 0 and lines, p.stdout + p.stderr
+    out = json.loads(lines[-1])
+    print(out)
+    return out
+
+
+@pytest.mark.parametrize("conf", ["backend:expandable", "backend:cuda_malloc"])
+def test_ipc_consumer_reads_while_producer_frees_and_allocates(ss, conf):
+    out = _ipc(conf, "hold")
+    assert out["consumer_error"] is None, out
+    assert not out["reused"], out  # the sent block was held for the consumer
+    assert out["read_ok"], out
+
+
+@pytest.mark.parametrize("conf", ["backend:expandable", "backend:cuda_malloc"])
+def test_ipc_control_without_the_hold_reads_wrong_data(ss, conf):
+    out = _ipc(conf, "control")
+    if not out["reused"]:
+        pytest.skip(f"the producer did not take the released block again: {out}")
+    assert out["consumer_error"] is not None or out["read_ok"] is False, out
