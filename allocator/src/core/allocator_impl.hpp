@@ -258,9 +258,12 @@ struct caching_allocator::impl : detail::allocator_state {
   std::size_t release_batch_memory(device_lock& lk, release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   std::size_t finish_deferred(device_lock& lk, bool wait) STREAMSAFE_REQUIRES(mu_);
   // The queued blocks of every batch whose fence streams are idle now go back; never waits.
-  std::size_t release_completed_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
+  // skip_ghosted: not memory still mapped at a ghost (reclaim.cpp), which would not go back.
+  std::size_t release_completed_locked(device_lock& lk, bool skip_ghosted = false)
+      STREAMSAFE_REQUIRES(mu_);
   // Those blocks, moved out of the queue into one batch (with the events of emptied batches).
-  release_batch take_completed_locked() STREAMSAFE_REQUIRES(mu_);
+  release_batch take_completed_locked(bool skip_ghosted = false) STREAMSAFE_REQUIRES(mu_);
+  bool ghosted_locked(const block* b) const STREAMSAFE_REQUIRES(mu_);  // b's memory has a ghost
   std::size_t release_cached(device_lock& lk, empty_cache_mode mode) STREAMSAFE_REQUIRES(mu_);
   // The opportunistic release (max_cached_bytes, garbage_collection_threshold, an empty_cache
   // asked for from a stream callback): releases what is safe now, never waits, queues nothing.

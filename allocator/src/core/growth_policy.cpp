@@ -355,7 +355,7 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
       unlocked([&] {
         queue_idle_chunks_locked(keep, p.small, excess);
         try {
-          release_completed_locked(dlk);
+          release_completed_locked(dlk, true);
         } catch (const std::exception& e) {
           detail::log().warn("device {}: giving idle chunks back before growing failed: {}",
                              backend_.device(), e.what());

@@ -439,10 +439,31 @@ caching_allocator::impl::release_batch caching_allocator::impl::take_safe_locked
   return safe;
 }
 
-caching_allocator::impl::release_batch caching_allocator::impl::take_completed_locked() {
+bool caching_allocator::impl::ghosted_locked(const block* b) const {
+  const auto& ghosts = releases_.ghosts;
+  if (ghosts.empty() || !b->seg->expandable) return false;
+  auto it = ghosts.upper_bound(b->addr);
+  if (it != ghosts.begin() && std::prev(it)->first + std::prev(it)->second.first > b->addr)
+    return true;
+  return it != ghosts.end() && it->first < b->addr + b->size;
+}
+
+caching_allocator::impl::release_batch caching_allocator::impl::take_completed_locked(
+    bool skip_ghosted) {
   release_batch now;
   for (auto it = releases_.deferred.begin(); it != releases_.deferred.end();) {
     release_batch part = take_safe_locked(*it);  // a failing query throws before anything moves
+    if (skip_ghosted) {  // memory still mapped at a ghost stays queued (reclaimed, not released)
+      auto keep = std::stable_partition(part.blocks.begin(), part.blocks.end(),
+                                        [&](const block* b) { return !ghosted_locked(b); });
+      for (auto k = keep; k != part.blocks.end(); ++k) {
+        it->blocks.push_back(*k);
+        const std::size_t bytes = (*k)->aliased ? 0 : (*k)->size;  // as take_safe_locked counts
+        it->bytes += bytes;
+        part.bytes -= bytes;
+      }
+      part.blocks.erase(keep, part.blocks.end());
+    }
     releases_.deferred_bytes -= part.bytes;
     now.bytes += part.bytes;
     now.blocks.insert(now.blocks.end(), part.blocks.begin(), part.blocks.end());
@@ -457,9 +478,9 @@ caching_allocator::impl::release_batch caching_allocator::impl::take_completed_l
   return now;
 }
 
-std::size_t caching_allocator::impl::release_completed_locked(device_lock& lk) {
+std::size_t caching_allocator::impl::release_completed_locked(device_lock& lk, bool skip_ghosted) {
   if (releases_.deferred.empty() || capturing()) return 0;
-  release_batch now = take_completed_locked();
+  release_batch now = take_completed_locked(skip_ghosted);
   if (now.blocks.empty()) {
     for (auto& e : now.fence) put_event(e.event);
     return 0;
