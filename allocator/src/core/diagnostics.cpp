@@ -58,18 +58,39 @@ std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::s
   } catch (const std::exception&) {
   }
   std::int64_t allocated = 0;
-  for (auto& [s, state] : streams_.states)
+  std::int64_t pending = 0;  // freed by the host, waiting for other streams' uses
+  for (auto& [s, state] : streams_.states) {
     allocated += state->cur_allocated.load(std::memory_order_relaxed);
+    pending += state->cur_pending.load(std::memory_order_relaxed);
+  }
+  std::size_t graph_bytes = 0;  // reserved by graphs' private pools not released yet
+  for (const auto& [base, seg] : streams_.segments) {
+    const stream_state& owner = state_of(*seg->owner);
+    if (owner.graph != 0 && !owner.graph_released) graph_bytes += seg->mapped_bytes;
+  }
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+  const std::size_t queued = queued_release_bytes_locked();
+  const std::size_t busy = static_cast<std::size_t>(allocated + pending) + queued;
+  const std::size_t cached = reserved > busy ? reserved - busy : 0;
   std::ostringstream os;
+  // PyTorch's form first (torch.OutOfMemoryError), then streamsafe's account.
+  os << "CUDA out of memory. Tried to allocate "
+     << detail::human_bytes(static_cast<std::int64_t>(size)) << ". GPU " << backend_.device()
+     << " has a total capacity of " << detail::human_bytes(static_cast<std::int64_t>(total_bytes))
+     << " of which " << detail::human_bytes(static_cast<std::int64_t>(free_bytes)) << " is free. ";
   os << "streamsafe: out of memory on device " << backend_.device() << ": tried to allocate "
      << detail::bytes_with_count(size);
   if (rounded != size) os << " (rounded to " << detail::bytes_with_count(rounded) << ")";
   os << " on stream " << hex(stream) << "; device total " << detail::bytes_with_count(total_bytes)
      << ", free " << detail::bytes_with_count(free_bytes) << "; allocated "
      << detail::bytes_with_count(static_cast<std::size_t>(allocated)) << ", reserved "
-     << detail::bytes_with_count(static_cast<std::size_t>(stats_.reserved_bytes.current))
-     << ", largest free block " << detail::bytes_with_count(largest_free_locked(held)) << "; limit "
-     << detail::bytes_with_count(limits_.limit_bytes);
+     << detail::bytes_with_count(reserved) << " (cached " << detail::bytes_with_count(cached)
+     << ", queued for release " << detail::bytes_with_count(queued)
+     << ", pending other streams' work "
+     << detail::bytes_with_count(static_cast<std::size_t>(pending))
+     << ", held by graphs' private pools " << detail::bytes_with_count(graph_bytes)
+     << "), largest free block " << detail::bytes_with_count(largest_free_locked(held))
+     << "; limit " << detail::bytes_with_count(limits_.limit_bytes);
   if (releases_.bytes() != 0) {
     // Which streams the queued releases still wait for (polled; a failing query names none).
     std::vector<stream_handle> busy;

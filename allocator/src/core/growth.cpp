@@ -21,6 +21,7 @@
 #include "size_classes.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdint>
 
 namespace streamsafe {
@@ -147,9 +148,47 @@ block* caching_allocator::impl::choose_unmapped_locked(const pool& p, std::size_
 }
 
 void caching_allocator::impl::reserve_range_locked(pool& p, std::size_t rounded) {
+  // The address space a range spans scales with the ranges already reserved: the first ones span
+  // the limit (any request fits), then limit * 8 / (ranges + 8), never less than the request,
+  // so that n ranges take about 8 * limit * (1 + ln(n / 16)) (63 streams' two pools each: about
+  // 25 times the limit, not 126). A failed reservation (the address space, not memory) is tried
+  // again at half the size down to the request; then out_of_memory says so.
   const std::size_t gran = p.small ? limits_.small_chunk_bytes : limits_.large_chunk_bytes;
-  const std::size_t reserve = detail::round_up(std::max(limits_.limit_bytes, rounded), gran);
-  void* base = backend_.reserve_address_range(reserve);
+  const std::size_t need = detail::round_up(rounded, gran);
+  std::size_t ranges = 0;
+  for (const auto& [base, seg] : streams_.segments) ranges += seg->expandable ? 1 : 0;
+  const std::size_t scaled = ranges < 8 ? limits_.limit_bytes
+                                        : limits_.limit_bytes / (ranges + 8) * 8;
+  std::size_t reserve = std::max(need, detail::round_up(scaled, gran));
+  void* base = nullptr;
+  for (;;) {
+    try {
+      base = backend_.reserve_address_range(reserve);
+      break;
+    } catch (const backend_error& e) {
+      // Only the address space running out (the driver's out-of-memory error) is tried smaller;
+      // any other failure is the backend's to report.
+      std::string what = e.what();
+      std::transform(what.begin(), what.end(), what.begin(),
+                     [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+      if (what.find("out_of_memory") == std::string::npos &&
+          what.find("out of memory") == std::string::npos)
+        throw;
+      if (reserve == need) {
+        ++stats_.num_ooms;
+        throw out_of_memory("streamsafe: out of memory on device " +
+                            std::to_string(backend_.device()) +
+                            ": the virtual address space is exhausted (" + std::to_string(ranges) +
+                            " expandable ranges reserved; reserving " + std::to_string(need) +
+                            " bytes for a " + std::to_string(rounded) + "-byte request on stream " +
+                            hex(p.stream) + " failed: " + e.what() + ")");
+      }
+      detail::log().warn("device {}: reserving {} bytes of address space failed ({}); trying {}",
+                         backend_.device(), reserve, e.what(),
+                         std::max(need, detail::round_up(reserve / 2, gran)));
+      reserve = std::max(need, detail::round_up(reserve / 2, gran));
+    }
+  }
   segment* seg = add_segment_locked(p, reinterpret_cast<std::uintptr_t>(base), reserve, false)->seg;
   if (!p.expandable) p.expandable = seg;
 }
@@ -158,13 +197,13 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   const std::size_t gran = p.small ? limits_.small_chunk_bytes : limits_.large_chunk_bytes;
   // A pool reserves its first range on its first growth, and another range whenever a request
   // fits in no hole of the ranges it has while the memory under the limit is there: holes left
-  // between live blocks never make the pool run out of memory with memory free. A
-  // range spans the limit, so an empty range serves any request: a pool never holds two empty
-  // ranges, and holds at most one range per mapped chunk plus one.
+  // between live blocks never make the pool run out of memory with memory free. The first
+  // ranges span the limit, so an empty one serves any request; with many pools they are smaller
+  // (reserve_range_locked), and a request larger than a pool's empty range gets one of its own.
   std::size_t map_bytes = 0;
   block* choice = p.expandable ? choose_unmapped_locked(p, rounded, map_bytes) : nullptr;
   if (!choice && (!p.expandable || static_cast<std::size_t>(stats_.reserved_bytes.current) +
-                                           detail::round_up(rounded, gran) <=
+                                           detail::round_up(rounded, limits_.small_chunk_bytes) <=
                                        limits_.limit_bytes)) {
     // The first range, or no hole fits while the memory is there: a fresh range.
     reserve_range_locked(p, rounded);
