@@ -118,6 +118,8 @@ std::size_t caching_allocator::impl::map_chunks_locked(segment* seg, std::uintpt
   return done;
 }
 
+// within_limit false: also when mapping map_bytes would pass the limit (reclaim by alias maps
+// memory it already counts).
 block* caching_allocator::impl::choose_unmapped_locked(const pool& p, std::size_t rounded,
                                                        std::size_t& map_bytes,
                                                        bool within_limit) const {
@@ -244,6 +246,8 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   return partial ? nullptr : best_fit(p, rounded);
 }
 
+// Another stream's whole free segment for p (whole_rule: not one the whole-segment rule keeps
+// whole for the request), moved behind event waits; nullptr if none.
 block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounded,
                                                      bool whole_rule) {
   if (opts_.backend == backend_kind::expandable || opts_.release_fence == fence_scope::device)

@@ -61,6 +61,7 @@ constexpr std::size_t k_min_idle_release_bytes = detail::k_large_segment_bytes;
 
 // ---- headroom ---------------------------------------------------------------------------------
 
+// True when p can grow for `rounded` bytes without raising peak reserved, within the limit.
 bool caching_allocator::impl::growth_within_peak_locked(const pool& p, std::size_t rounded) const {
   std::size_t bytes = 0;
   if (opts_.backend == backend_kind::expandable) {
@@ -73,6 +74,7 @@ bool caching_allocator::impl::growth_within_peak_locked(const pool& p, std::size
   return reserved + bytes <= std::min(limits_.limit_bytes, reserved_high_water_locked());
 }
 
+// headroom_hint_ after reserved bytes changed: the fast path reads it without mu_.
 void caching_allocator::impl::note_headroom_locked() {
   const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
   const std::size_t top = std::min(limits_.limit_bytes, reserved_high_water_locked());
@@ -308,8 +310,27 @@ bool caching_allocator::impl::wait_queued_fences_locked(device_lock& dlk) {
   return done;
 }
 
+// ---- a retry of the search (the pool may have changed while its lock was dropped) ----------
+
+block* caching_allocator::impl::find_block_locked(stream_state& st, pool& p, std::size_t rounded,
+                                                  bool grow) {
+  if (!st.pending.empty()) process_events_locked(st);
+  if (block* b = take_cached_fit_locked(p, rounded)) return b;
+  // Free headroom under the peak goes before a block pending another stream's work
+  // (growth_policy.cpp).
+  const bool headroom = growth_within_peak_locked(p, rounded);
+  if (headroom && grow) {
+    if (block* b = grow_locked(p, rounded)) return b;
+  }
+  if (block* b = take_pending_locked(st, p, rounded)) return b;
+  return grow && !headroom ? grow_locked(p, rounded) : nullptr;
+}
+
 // ---- the entry point --------------------------------------------------------------------------
 
+// Every way to serve `rounded` bytes from p once the fast path found nothing, in the order at
+// the top of this file; nullptr: out of memory (or a capture began while it waited: the caller
+// checks). mu_ and st's lock held on entry and return; slk is dropped around releases and waits.
 block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
                                                    detail::unique_lock<stream_lock>& slk,
                                                    stream_state& st, pool& p, std::size_t rounded) {

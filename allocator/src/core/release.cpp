@@ -448,6 +448,8 @@ bool caching_allocator::impl::ghosted_locked(const block* b) const {
   return it != ghosts.end() && it->first < b->addr + b->size;
 }
 
+// The queued blocks whose fence streams are idle now, out of the queue into one batch (with the
+// events of emptied batches); skip_ghosted: not memory still mapped at a ghost (reclaim.cpp).
 caching_allocator::impl::release_batch caching_allocator::impl::take_completed_locked(
     bool skip_ghosted) {
   release_batch now;
