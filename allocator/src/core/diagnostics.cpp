@@ -70,8 +70,8 @@ std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::s
   }
   const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
   const std::size_t queued = queued_release_bytes_locked();
-  const std::size_t busy = static_cast<std::size_t>(allocated + pending) + queued;
-  const std::size_t cached = reserved > busy ? reserved - busy : 0;
+  const std::size_t in_use = static_cast<std::size_t>(allocated + pending) + queued;
+  const std::size_t cached = reserved > in_use ? reserved - in_use : 0;
   std::ostringstream os;
   // PyTorch's form first (torch.OutOfMemoryError), then streamsafe's account.
   os << "CUDA out of memory. Tried to allocate "
