@@ -105,7 +105,7 @@ struct caching_allocator::impl : detail::allocator_state {
   bool wait_queued_fences_locked(device_lock& dlk) STREAMSAFE_REQUIRES(mu_);
   void wait_on_fence_locked(stream_handle stream, const release_batch& batch)
       STREAMSAFE_REQUIRES(mu_);
-  void take_from_batch_locked(std::deque<release_batch>::iterator batch, block* b)
+  void take_from_batch_locked(const std::deque<release_batch>::iterator& batch, block* b)
       STREAMSAFE_REQUIRES(mu_);
   block* reclaim_in_place_locked(pool& p, std::size_t rounded, bool whole_rule = true)
       STREAMSAFE_REQUIRES(mu_);

@@ -324,6 +324,8 @@ bool caching_allocator::impl::wait_queued_fences_locked(device_lock& dlk) {
 // The one entry point of the growth policy: after the fast path found nothing, every way to
 // serve `rounded` bytes from p, in its order; nullptr: out of memory (or a capture began while
 // it waited: the caller checks). Drops and retakes slk (st's lock) around releases and waits.
+// The ordered steps of the policy in one entry point, on purpose.
+// NOLINTNEXTLINE(readability-function-cognitive-complexity)
 block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
                                                    detail::unique_lock<stream_lock>& slk,
                                                    stream_state& st, pool& p, std::size_t rounded) {

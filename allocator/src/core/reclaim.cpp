@@ -44,8 +44,8 @@ void caching_allocator::impl::wait_on_fence_locked(stream_handle stream,
   }
 }
 
-void caching_allocator::impl::take_from_batch_locked(std::deque<release_batch>::iterator batch,
-                                                     block* b) {
+void caching_allocator::impl::take_from_batch_locked(
+    const std::deque<release_batch>::iterator& batch, block* b) {
   auto& blocks = batch->blocks;
   blocks.erase(std::find(blocks.begin(), blocks.end(), b));
   if (!b->aliased) {
@@ -138,6 +138,8 @@ block* caching_allocator::impl::reclaim_segment_locked(pool& p, std::size_t roun
 }
 
 // expandable: queued chunks of any pool mapped again into p's range behind their fences.
+// Choosing the run and mapping it are still one function.
+// NOLINTNEXTLINE(readability-function-cognitive-complexity)
 block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rounded) {
   if (capturing() || opts_.backend != backend_kind::expandable ||
       opts_.release_fence == fence_scope::device || releases_.deferred.empty())
