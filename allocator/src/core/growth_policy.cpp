@@ -334,6 +334,8 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
   auto retry = [&](bool grow) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
     return find_block_locked(st, p, rounded, grow);
   };
+  // The functions it runs need mu_, which stays held (only st's lock is dropped); the
+  // analysis cannot see a lock held across a lambda, so the lambdas it is given opt out too.
   auto unlocked = [&](auto&& f) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
     slk.unlock();
     f();
@@ -354,7 +356,7 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
   // 4. Queued releases whose fences completed go back before the pool grows (a refused segment
   // queued at one growth would otherwise stay reserved through the next). Never waits.
   if (!b && !releases_.deferred.empty() && !worker) {
-    unlocked([&] { finish_deferred(dlk, false); });
+    unlocked([&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { finish_deferred(dlk, false); });
     b = retry(false);
   }
   // 5. A growth; past the peak, idle memory makes room first (never a host wait).
@@ -368,7 +370,7 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
       // driver (measured on the corpus: mapping them again instead keeps their old addresses,
       // and what they later give back, in the queue), the rest are reclaimed behind a
       // device-side wait.
-      unlocked([&] {
+      unlocked([&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
         queue_idle_chunks_locked(keep, p.small, excess);
         try {
           release_completed_locked(dlk, true);
@@ -382,7 +384,7 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
     } else {
       // Opportunistic: a failed release leaves its memory in the pool, and the allocation goes
       // on.
-      unlocked([&] {
+      unlocked([&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
         try {
           release_refused_segments(dlk, st, rounded);
         } catch (const std::exception& e) {
@@ -397,7 +399,7 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
     b = grow_locked(p, rounded);
   }
   if (!b && !releases_.deferred.empty() && !worker) {
-    unlocked([&] { finish_deferred(dlk, false); });
+    unlocked([&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { finish_deferred(dlk, false); });
     b = retry(true);
   }
   // 6. At the limit: another stream's whole free segment, or every pool's free chunks.
@@ -405,7 +407,9 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
   if (!b && expandable) {
     const block* keep = nullptr;
     const std::size_t excess = expandable_growth_excess_locked(p, rounded, &keep);
-    unlocked([&] { queue_idle_chunks_locked(keep, false, excess); });
+    unlocked([&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+      queue_idle_chunks_locked(keep, false, excess);
+    });
     b = reclaim_by_alias_locked(p, rounded);
   }
   if (b) return b;
@@ -414,19 +418,19 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
   // empty_cache:wait waits (host, no lock held) on exactly the fence events; empty_cache:defer
   // never blocks the host here: it releases what is safe now and queues the rest (case K8: a
   // fenced stream may run a collective that waits for work this thread has yet to enqueue).
-  unlocked([&] { release_cached(dlk, opts_.empty_cache); });
+  unlocked([&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { release_cached(dlk, opts_.empty_cache); });
   b = retry(true);
   if (!b && worker && (!releases_.deferred.empty() || stats_.release_worker_bytes != 0)) {
     // Wait (no lock held) for a pass of the release worker over what was just queued and for
     // its release in flight, then retry. Never waits on a fence.
-    unlocked([&] { wait_for_worker_locked(dlk, nullptr); });
+    unlocked([&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { wait_for_worker_locked(dlk, nullptr); });
     if (capturing()) return nullptr;  // the caller allocates for the capture instead
     b = retry(true);
   }
   if (!b && opts_.empty_cache == empty_cache_mode::defer && !releases_.deferred.empty()) {
     // The last wait: on the host, bounded, for the queued fences; then what they free goes back.
     bool waited = false;
-    unlocked([&] {
+    unlocked([&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
       waited = wait_queued_fences_locked(dlk);
       if (!waited) return;
       if (worker) {

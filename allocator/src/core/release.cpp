@@ -463,8 +463,9 @@ caching_allocator::impl::release_batch caching_allocator::impl::take_completed_l
   for (auto it = releases_.deferred.begin(); it != releases_.deferred.end();) {
     release_batch part = take_safe_locked(*it);  // a failing query throws before anything moves
     if (skip_ghosted) {  // memory still mapped at a ghost stays queued (reclaimed, not released)
-      auto keep = std::stable_partition(part.blocks.begin(), part.blocks.end(),
-                                        [&](const block* b) { return !ghosted_locked(b); });
+      auto keep = std::stable_partition(
+          part.blocks.begin(), part.blocks.end(),
+          [&](const block* b) STREAMSAFE_REQUIRES(mu_) { return !ghosted_locked(b); });
       for (auto k = keep; k != part.blocks.end(); ++k) {
         it->blocks.push_back(*k);
         const std::size_t bytes = (*k)->aliased ? 0 : (*k)->size;  // as take_safe_locked counts
