@@ -71,33 +71,25 @@ struct caching_allocator::impl : detail::allocator_state {
   void flush_quick_locked(pool& p);
   // ---- growth.cpp: new segments, mapped chunks, segments moved between streams ---------------
   block* new_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
-  // A new segment of p at `base` as one free block: mapped (cuda_malloc) or not (expandable).
   block* add_segment_locked(pool& p, std::uintptr_t base, std::size_t size, bool mapped)
       STREAMSAFE_REQUIRES(mu_);
-  // The unmapped block of p to grow into for `rounded` bytes and how many bytes to map there.
   block* choose_unmapped_locked(const pool& p, std::size_t rounded, std::size_t& map_bytes,
                                 bool within_limit = true) const STREAMSAFE_REQUIRES(mu_);
   void reserve_range_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
-  // Bytes mapped: chunks of `chunk` up to `fine_from` bytes into the range, of `fine` after it.
   std::size_t map_chunks_locked(segment* seg, std::uintptr_t addr, std::size_t bytes,
                                 std::size_t chunk, std::size_t fine_from = SIZE_MAX,
                                 std::size_t fine = 0) STREAMSAFE_REQUIRES(mu_);
   block* expandable_fit_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
   block* steal_segment_locked(pool& p, std::size_t rounded, bool whole_rule)
       STREAMSAFE_REQUIRES(mu_);
-  // A destroyed stream's whole free segment for p, behind the tombstone (before growing).
   block* adopt_dead_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
-  // Moves a whole free segment to p; p's stream waits for every stream that may still touch it.
   block* move_segment_locked(segment* seg, pool& p) STREAMSAFE_REQUIRES(mu_);
-  // ==== growth_policy.cpp (the growth policy, one entry point) and reclaim.cpp =============
   block* expand_pool_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
                             stream_state& st, pool& p, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_, st.mu);
-  block* find_block_locked(stream_state& st, pool& p, std::size_t rounded, bool grow = true)
-      STREAMSAFE_REQUIRES(mu_, st.mu);
-  block* grow_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  block* grow_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);  // a growth
   bool growth_within_peak_locked(const pool& p, std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
-  void note_headroom_locked() STREAMSAFE_REQUIRES(mu_);
+  void note_headroom_locked() STREAMSAFE_REQUIRES(mu_);  // headroom_hint_ after reserved changed
   bool growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const
       STREAMSAFE_REQUIRES(mu_);
   bool expandable_growth_raises_peak_locked(const pool& p, std::size_t rounded) const
@@ -113,7 +105,7 @@ struct caching_allocator::impl : detail::allocator_state {
   bool wait_queued_fences_locked(device_lock& dlk) STREAMSAFE_REQUIRES(mu_);
   void wait_on_fence_locked(stream_handle stream, const release_batch& batch)
       STREAMSAFE_REQUIRES(mu_);
-  void take_from_batch_locked(std::deque<release_batch>::iterator batch, block* b)
+  void take_from_batch_locked(const std::deque<release_batch>::iterator& batch, block* b)
       STREAMSAFE_REQUIRES(mu_);
   block* reclaim_in_place_locked(pool& p, std::size_t rounded, bool whole_rule = true)
       STREAMSAFE_REQUIRES(mu_);
@@ -123,8 +115,9 @@ struct caching_allocator::impl : detail::allocator_state {
       STREAMSAFE_REQUIRES(mu_);
   std::size_t unghost_locked(std::uintptr_t addr, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
   std::size_t drop_ghost_locked(block* b) STREAMSAFE_REQUIRES(mu_);
-  // ==== end of the growth policy and reclaim ==================================================
   // ---- allocate.cpp: the allocation order ----------------------------------------------------
+  block* find_block_locked(stream_state& st, pool& p, std::size_t rounded, bool grow = true)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
   void* finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size)
       STREAMSAFE_REQUIRES(st.mu);
   void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small,
@@ -208,25 +201,18 @@ struct caching_allocator::impl : detail::allocator_state {
       STREAMSAFE_REQUIRES(mu_);
   void detach_whole_segment_locked(release_batch& batch, segment* seg)
       STREAMSAFE_REQUIRES(mu_);  // a free cuda_malloc segment
-  // Forgets seg's chunks in [addr, addr + bytes) after their unmap; returns how many.
   static std::size_t forget_chunks(segment* seg, std::uintptr_t addr, std::size_t bytes);
-  // True when [addr, addr + bytes) is a union of whole mapped chunks of seg.
   static bool whole_chunk_run(const segment* seg, std::uintptr_t addr, std::size_t bytes);
-  // The chunks wholly inside mapped block b of expandable seg: [lo, hi); false if none.
   static bool whole_chunks_of(const segment* seg, const block* b, std::uintptr_t& lo,
                               std::uintptr_t& hi);
-  // The whole chunks of seg's free mapped blocks but `keep`, detached into batch; true if any.
   bool detach_free_chunks_locked(release_batch& batch, segment* seg, const block* keep)
       STREAMSAFE_REQUIRES(mu_);
-  // Free memory that can go back: everything, only released graphs' pools, or only one tag's.
   release_batch collect_releasable_locked(bool released_graphs_only = false,
                                           const tag_id* only_tag = nullptr)
       STREAMSAFE_REQUIRES(mu_);
   void record_fence_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   bool fence_done_locked(const release_batch& batch) STREAMSAFE_REQUIRES(mu_);
-  // The blocks of `batch` whose fence streams are idle now (polled) and release would not block.
   release_batch take_safe_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
-  // free_segment waits for the whole device (cudaFree) and a known stream is busy (polled).
   bool free_segment_would_block_locked() STREAMSAFE_REQUIRES(mu_);
   void wait_fence_unlocked(release_batch& batch);
   void restore_batch_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
@@ -236,26 +222,18 @@ struct caching_allocator::impl : detail::allocator_state {
   std::size_t release_completed_locked(device_lock& lk, bool skip_ghosted = false)
       STREAMSAFE_REQUIRES(mu_);
   release_batch take_completed_locked(bool skip_ghosted = false) STREAMSAFE_REQUIRES(mu_);
-  bool ghosted_locked(const block* b) const STREAMSAFE_REQUIRES(mu_);
+  bool ghosted_locked(const block* b) const STREAMSAFE_REQUIRES(mu_);  // b's memory has a ghost
   std::size_t release_cached(device_lock& lk, empty_cache_mode mode) STREAMSAFE_REQUIRES(mu_);
-  // The opportunistic release (max_cached_bytes, garbage_collection_threshold, an empty_cache
-  // asked for from a stream callback): releases what is safe now, never waits, queues nothing.
   std::size_t trim_cached(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
   void prepare_release_locked() STREAMSAFE_REQUIRES(mu_);
-  // Fences `batch`, releases what is idle now; the rest back to the pools (no queue, no wait).
   std::size_t release_safe_now(device_lock& lk, release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   void queue_batch_locked(release_batch& batch)
       STREAMSAFE_REQUIRES(mu_);  // to the deferred queue (fence recorded)
-  // Fences and releases a collected batch (queued in defer mode when its fence is pending).
   std::size_t release_collected(device_lock& lk, release_batch& batch, empty_cache_mode mode)
       STREAMSAFE_REQUIRES(mu_);
-  // Before a cuda_malloc growth (K12): the whole free segments of st's completed idle fence are
-  // proven idle; those not labelled yet get a new fence (polled later, never waited on). A failed
-  // backend call leaves the labels as they were.
   void prove_idle_segments_locked(stream_state& st, pool& p) STREAMSAFE_REQUIRES(mu_, st.mu);
   void drop_idle_fence_locked(stream_state& st)
       STREAMSAFE_REQUIRES(mu_);  // its events back to the pool
-  // After the driver call for b (released or not): its bookkeeping, under b's owner lock.
   std::size_t account_release_locked(block* b, bool released) STREAMSAFE_REQUIRES(mu_);
   // ---- destruction.cpp -----------------------------------------------------------------------
   void retire_all_pending_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);

@@ -28,6 +28,7 @@ namespace streamsafe {
 
 using detail::hex;
 
+// A new segment of p at `base` as one free block: mapped (cuda_malloc) or not (expandable).
 block* caching_allocator::impl::add_segment_locked(pool& p, std::uintptr_t base, std::size_t size,
                                                    bool mapped) {
   auto* seg = new segment;
@@ -67,6 +68,7 @@ block* caching_allocator::impl::new_segment_locked(pool& p, std::size_t rounded)
   return b;
 }
 
+// Bytes mapped: chunks of `chunk` up to `fine_from` bytes into the range, of `fine` after it.
 std::size_t caching_allocator::impl::map_chunks_locked(segment* seg, std::uintptr_t addr,
                                                        std::size_t bytes, std::size_t chunk,
                                                        std::size_t fine_from, std::size_t fine) {
@@ -118,8 +120,8 @@ std::size_t caching_allocator::impl::map_chunks_locked(segment* seg, std::uintpt
   return done;
 }
 
-// within_limit false: also when mapping map_bytes would pass the limit (reclaim by alias maps
-// memory it already counts).
+// The unmapped block of p to grow into for `rounded` bytes and how many bytes to map there;
+// within_limit false: also when mapping map_bytes would pass the limit (reclaim by alias).
 block* caching_allocator::impl::choose_unmapped_locked(const pool& p, std::size_t rounded,
                                                        std::size_t& map_bytes,
                                                        bool within_limit) const {
@@ -149,6 +151,7 @@ block* caching_allocator::impl::choose_unmapped_locked(const pool& p, std::size_
   return choice;
 }
 
+// A new reserved range of p, large enough for `rounded` bytes.
 void caching_allocator::impl::reserve_range_locked(pool& p, std::size_t rounded) {
   // The address space a range spans scales with the ranges already reserved: the first ones span
   // the limit (any request fits), then limit * 8 / (ranges + 8), never less than the request,
@@ -246,8 +249,7 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   return partial ? nullptr : best_fit(p, rounded);
 }
 
-// Another stream's whole free segment for p (whole_rule: not one the whole-segment rule keeps
-// whole for the request), moved behind event waits; nullptr if none.
+// whole_rule: not a segment the whole-segment rule keeps whole for the request.
 block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounded,
                                                      bool whole_rule) {
   if (opts_.backend == backend_kind::expandable || opts_.release_fence == fence_scope::device)
@@ -285,6 +287,7 @@ block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounde
   return move_segment_locked(best, p);
 }
 
+// Moves a whole free segment to p; p's stream waits for every stream that may still touch it.
 block* caching_allocator::impl::move_segment_locked(segment* best, pool& p) {
   // The new stream waits, on the device, for every stream that may still touch the segment.
   for (stream_handle s : fence_streams_locked(best)) {
@@ -310,6 +313,7 @@ block* caching_allocator::impl::move_segment_locked(segment* best, pool& p) {
   return best->first;
 }
 
+// A destroyed stream's whole free segment for p, behind the tombstone (before growing).
 block* caching_allocator::impl::adopt_dead_segment_locked(pool& p, std::size_t rounded) {
   // Before growing: a whole free segment of a destroyed stream, behind the tombstone (one
   // stream wait, none once the tombstone is seen complete). The search follows the destroyed

@@ -132,6 +132,8 @@ bool caching_allocator::impl::growth_raises_peak_with_refused_locked(const pool&
   return idle >= detail::segment_bytes_for(rounded) / detail::k_idle_release_divisor;
 }
 
+// Bytes a growth of p for `rounded` bytes maps beyond peak reserved (0: none), and the free
+// mapped block it extends (null: none).
 std::size_t caching_allocator::impl::expandable_growth_excess_locked(const pool& p,
                                                                      std::size_t rounded,
                                                                      const block** extended) const {
@@ -186,6 +188,8 @@ bool caching_allocator::impl::wants_collection_locked(std::size_t rounded) const
 
 // ---- idle memory before a growth --------------------------------------------------------------
 
+// mu_ held, no stream lock: free chunks of every expandable pool but `keep`, up to `bytes`,
+// smallest first, detached, fenced and queued; returns the bytes.
 std::size_t caching_allocator::impl::queue_idle_chunks_locked(const block* keep, bool large_only,
                                                               std::size_t bytes) {
   if (capturing() || bytes == 0 || opts_.release_fence == fence_scope::device) return 0;
@@ -248,6 +252,8 @@ std::size_t caching_allocator::impl::queue_idle_chunks_locked(const block* keep,
   return queued;
 }
 
+// mu_ held, st's lock not: gives back st's whole free large segments that the whole-segment
+// rule refuses to a request of `rounded` bytes (before a growth that would raise the peak).
 std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, stream_state& st,
                                                               std::size_t rounded) {
   release_batch batch;   // behind a fence recorded now
@@ -284,6 +290,8 @@ std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, s
 
 // ---- the out-of-memory path's last wait -------------------------------------------------------
 
+// Defer mode, last resort of the out-of-memory path: a host wait (mu_ dropped), bounded, on
+// every queued release fence; true when they all completed.
 bool caching_allocator::impl::wait_queued_fences_locked(device_lock& dlk) {
   if (releases_.deferred.empty() || capturing() || opts_.release_fence == fence_scope::device)
     return false;
@@ -345,6 +353,8 @@ block* caching_allocator::impl::find_block_locked(stream_state& st, pool& p, std
 // Every way to serve `rounded` bytes from p once the fast path found nothing, in the order at
 // the top of this file; nullptr: out of memory (or a capture began while it waited: the caller
 // checks). mu_ and st's lock held on entry and return; slk is dropped around releases and waits.
+// The ordered steps of the policy in one entry point, on purpose.
+// NOLINTNEXTLINE(readability-function-cognitive-complexity)
 block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
                                                    detail::unique_lock<stream_lock>& slk,
                                                    stream_state& st, pool& p, std::size_t rounded) {

@@ -31,6 +31,7 @@ namespace streamsafe {
 
 using detail::hex;
 
+// reclaim.cpp: taking queued memory back (no host wait, no new memory).
 void caching_allocator::impl::wait_on_fence_locked(stream_handle stream,
                                                    const release_batch& batch) {
   for (const auto& e : batch.fence) {
@@ -43,8 +44,8 @@ void caching_allocator::impl::wait_on_fence_locked(stream_handle stream,
   }
 }
 
-void caching_allocator::impl::take_from_batch_locked(std::deque<release_batch>::iterator batch,
-                                                     block* b) {
+void caching_allocator::impl::take_from_batch_locked(
+    const std::deque<release_batch>::iterator& batch, block* b) {
   auto& blocks = batch->blocks;
   blocks.erase(std::find(blocks.begin(), blocks.end(), b));
   if (!b->aliased) {
@@ -59,8 +60,8 @@ void caching_allocator::impl::take_from_batch_locked(std::deque<release_batch>::
   }
 }
 
-// The smallest queued block of p that serves the request, back to p's free lists (whole_rule:
-// not a segment the whole-segment rule keeps whole for the request); returns the fit.
+// The smallest queued block of p that serves the request, back to p's free lists
+// (whole_rule: not a segment the whole-segment rule keeps whole for the request).
 block* caching_allocator::impl::reclaim_in_place_locked(pool& p, std::size_t rounded,
                                                         bool whole_rule) {
   if (capturing()) return nullptr;
@@ -95,8 +96,8 @@ block* caching_allocator::impl::reclaim_in_place_locked(pool& p, std::size_t rou
   return whole_rule ? best_fit(p, rounded) : fit_ignoring_whole_rule(p, rounded);
 }
 
-// cuda_malloc: the smallest queued whole segment of another pool that serves the request, moved
-// to p behind a wait of p's stream on its release fence.
+// cuda_malloc: the smallest queued whole segment of another pool that serves the request,
+// moved to p behind a wait of p's stream on its release fence.
 block* caching_allocator::impl::reclaim_segment_locked(pool& p, std::size_t rounded,
                                                        bool whole_rule) {
   if (capturing() || opts_.release_fence == fence_scope::device) return nullptr;
@@ -137,6 +138,8 @@ block* caching_allocator::impl::reclaim_segment_locked(pool& p, std::size_t roun
 }
 
 // expandable: queued chunks of any pool mapped again into p's range behind their fences.
+// Choosing the run and mapping it are still one function.
+// NOLINTNEXTLINE(readability-function-cognitive-complexity)
 block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rounded,
                                                         bool* in_flight) {
   if (capturing() || opts_.backend != backend_kind::expandable ||
@@ -291,8 +294,8 @@ block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rou
   return best_fit(p, rounded);
 }
 
-// A new address's [addr, addr + bytes) goes back to the driver: the bytes of it still mapped at
-// a ghost become that ghost's to give back (ghost_owned); returns them.
+// A new address's [addr, addr + bytes) goes back to the driver: the bytes of it still mapped
+// at a ghost (the old address of reclaimed memory) become that ghost's to give back.
 std::size_t caching_allocator::impl::unghost_locked(std::uintptr_t addr, std::size_t bytes) {
   if (releases_.ghosts.empty()) return 0;
   const std::uintptr_t end = addr + bytes;
@@ -319,6 +322,7 @@ std::size_t caching_allocator::impl::unghost_locked(std::uintptr_t addr, std::si
   return held;
 }
 
+// The ghost b's unmap: forgets its entries, moves older ones along; returns ghost_owned.
 std::size_t caching_allocator::impl::drop_ghost_locked(block* b) {
   // b's own entries go; older ghosts of memory mapped at b's address follow the memory to where
   // b's is now (the parts of their entries inside b's address range).

@@ -97,6 +97,7 @@ void caching_allocator::impl::detach_whole_segment_locked(release_batch& batch, 
   add_fence_streams_locked(batch, seg);
 }
 
+// The whole chunks of seg's free mapped blocks but `keep`, detached into batch; true if any.
 bool caching_allocator::impl::detach_free_chunks_locked(release_batch& batch, segment* seg,
                                                         const block* keep) {
   // The whole chunks inside each free mapped block of an expandable segment (but `keep`) become
@@ -124,6 +125,7 @@ bool caching_allocator::impl::detach_free_chunks_locked(release_batch& batch, se
   return took;
 }
 
+// The chunks wholly inside mapped block b of expandable seg: [lo, hi); false if none.
 bool caching_allocator::impl::whole_chunks_of(const segment* seg, const block* b,
                                               std::uintptr_t& lo, std::uintptr_t& hi) {
   // The chunks of a mapped block lie back to back; those wholly inside it form [lo, hi).
@@ -137,6 +139,7 @@ bool caching_allocator::impl::whole_chunks_of(const segment* seg, const block* b
   return hi > lo;
 }
 
+// Forgets seg's chunks in [addr, addr + bytes) after their unmap; returns how many.
 std::size_t caching_allocator::impl::forget_chunks(segment* seg, std::uintptr_t addr,
                                                    std::size_t bytes) {
   const auto from = seg->chunks.lower_bound(addr);
@@ -146,6 +149,7 @@ std::size_t caching_allocator::impl::forget_chunks(segment* seg, std::uintptr_t 
   return n;
 }
 
+// True when [addr, addr + bytes) is a union of whole mapped chunks of seg.
 bool caching_allocator::impl::whole_chunk_run(const segment* seg, std::uintptr_t addr,
                                               std::size_t bytes) {
   const auto first = seg->chunks.find(addr);
@@ -155,6 +159,7 @@ bool caching_allocator::impl::whole_chunk_run(const segment* seg, std::uintptr_t
   return last->first + last->second == addr + bytes;
 }
 
+// Free memory that can go back: everything, only released graphs' pools, or only one tag's.
 caching_allocator::impl::release_batch caching_allocator::impl::collect_releasable_locked(
     bool released_graphs_only, const tag_id* only_tag) {
   release_batch batch;
@@ -286,6 +291,7 @@ std::size_t caching_allocator::impl::release_batch_memory(device_lock& lk, relea
   return released;
 }
 
+// After the driver call for b (released or not): its bookkeeping, under b's owner lock.
 std::size_t caching_allocator::impl::account_release_locked(block* b, bool released) {
   segment* seg = b->seg;
   if (!seg->expandable) {
@@ -381,6 +387,7 @@ std::size_t caching_allocator::impl::finish_deferred(device_lock& lk, bool wait)
   return released;
 }
 
+// free_segment waits for the whole device (cudaFree) and a known stream is busy (polled).
 bool caching_allocator::impl::free_segment_would_block_locked() {
   if (!backend_.free_segment_synchronizes()) return false;
   for (auto& t : streams_.tombstones) {
@@ -395,6 +402,7 @@ bool caching_allocator::impl::free_segment_would_block_locked() {
   return false;
 }
 
+// The blocks of `batch` whose fence streams are idle now (polled) and release would not block.
 caching_allocator::impl::release_batch caching_allocator::impl::take_safe_locked(
     release_batch& batch) {
   // Polls every event first (a failing query throws before anything moves), then moves out the
@@ -448,18 +456,16 @@ bool caching_allocator::impl::ghosted_locked(const block* b) const {
   return it != ghosts.end() && it->first < b->addr + b->size;
 }
 
-// The queued blocks whose fence streams are idle now, out of the queue into one batch (with the
-// events of emptied batches); skip_ghosted: not memory still mapped at a ghost (reclaim.cpp).
+// Those blocks, moved out of the queue into one batch (with the events of emptied batches).
 caching_allocator::impl::release_batch caching_allocator::impl::take_completed_locked(
     bool skip_ghosted) {
   release_batch now;
   for (auto it = releases_.deferred.begin(); it != releases_.deferred.end();) {
     release_batch part = take_safe_locked(*it);  // a failing query throws before anything moves
     if (skip_ghosted) {  // memory still mapped at a ghost stays queued (reclaimed, not released)
-      auto keep = std::stable_partition(part.blocks.begin(), part.blocks.end(),
-                                        [&](const block* b) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-                                          return !ghosted_locked(b);  // under mu_, as here
-                                        });
+      auto keep = std::stable_partition(
+          part.blocks.begin(), part.blocks.end(),
+          [&](const block* b) STREAMSAFE_REQUIRES(mu_) { return !ghosted_locked(b); });
       for (auto k = keep; k != part.blocks.end(); ++k) {
         it->blocks.push_back(*k);
         const std::size_t bytes = (*k)->aliased ? 0 : (*k)->size;  // as take_safe_locked counts
@@ -482,6 +488,8 @@ caching_allocator::impl::release_batch caching_allocator::impl::take_completed_l
   return now;
 }
 
+// The queued blocks of every batch whose fence streams are idle now go back; never waits.
+// skip_ghosted: not memory still mapped at a ghost (reclaim.cpp), which would not go back.
 std::size_t caching_allocator::impl::release_completed_locked(device_lock& lk, bool skip_ghosted) {
   if (releases_.deferred.empty() || capturing()) return 0;
   release_batch now = take_completed_locked(skip_ghosted);
@@ -528,6 +536,8 @@ void caching_allocator::impl::prepare_release_locked() {
   }
 }
 
+// The opportunistic release (max_cached_bytes, garbage_collection_threshold, an empty_cache
+// asked for from a stream callback): releases what is safe now, never waits, queues nothing.
 std::size_t caching_allocator::impl::trim_cached(device_lock& lk) {
   detect_captures_locked(lk);
   if (capturing()) return 0;  // an opportunistic release just waits for the next chance
@@ -540,6 +550,7 @@ std::size_t caching_allocator::impl::trim_cached(device_lock& lk) {
   return released;
 }
 
+// Fences `batch`, releases what is idle now; the rest back to the pools (no queue, no wait).
 std::size_t caching_allocator::impl::release_safe_now(device_lock& lk, release_batch& batch) {
   if (batch.blocks.empty()) return 0;
   release_batch now;
@@ -566,6 +577,9 @@ void caching_allocator::impl::drop_idle_fence_locked(stream_state& st) {
   st.idle_fence.clear();
 }
 
+// Before a cuda_malloc growth (K12): the whole free segments of st's completed idle fence are
+// proven idle; those not labelled yet get a new fence (polled later, never waited on). A failed
+// backend call leaves the labels as they were.
 void caching_allocator::impl::prove_idle_segments_locked(stream_state& st, pool& p) {
   // A fence recorded when a segment is refused comes after the stream's newest work, which a
   // loop whose requests grow a little each step (K12) has always just launched: it is still
@@ -613,6 +627,7 @@ void caching_allocator::impl::prove_idle_segments_locked(stream_state& st, pool&
   });
 }
 
+// Fences and releases a collected batch (queued in defer mode when its fence is pending).
 std::size_t caching_allocator::impl::release_collected(device_lock& lk, release_batch& batch,
                                                        empty_cache_mode mode) {
   std::size_t released = 0;
