@@ -28,20 +28,6 @@ using detail::hex;
 using detail::stream_cache_entry;
 using detail::t_cache;
 
-block* caching_allocator::impl::find_block_locked(stream_state& st, pool& p, std::size_t rounded,
-                                                  bool grow) {
-  if (!st.pending.empty()) process_events_locked(st);
-  if (block* b = take_cached_fit_locked(p, rounded)) return b;
-  // Free headroom under the peak goes before a block pending another stream's work
-  // (growth_policy.cpp).
-  const bool headroom = growth_within_peak_locked(p, rounded);
-  if (headroom && grow) {
-    if (block* b = grow_locked(p, rounded)) return b;
-  }
-  if (block* b = take_pending_locked(st, p, rounded)) return b;
-  return grow && !headroom ? grow_locked(p, rounded) : nullptr;
-}
-
 void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std::size_t rounded,
                                                  std::size_t size) {
   if (b->state == block_state::quick_cached) {

@@ -34,8 +34,10 @@
 //      bounded by k_oom_fence_wait_us (a stream held by a collective that waits for this
 //      thread ends the wait, never the process: K8). Then nullptr: the caller throws
 //      out_of_memory.
-// Steps 1-5 never block the host. Locks: mu_ and s's lock held on entry and on return; s's
-// lock is dropped around the steps that take other streams' locks, release or wait.
+// Steps 1-5 never wait on GPU work; step 1 may wait for the release worker's driver calls in
+// flight when mapping anew beside them would raise the peak. Locks: mu_ and s's lock held on entry
+// and on return; s's lock is dropped around the steps that take other streams' locks, release or
+// wait.
 #include "allocator_impl.hpp"
 #include "format.hpp"
 #include "logging.hpp"
@@ -57,11 +59,23 @@ constexpr std::uint64_t k_oom_fence_wait_us = 1000000;
 // Idle bytes below which a growth past the peak is not worth a release fence (one event per
 // stream): PyTorch's large segment, the default chunk.
 constexpr std::size_t k_min_idle_release_bytes = detail::k_large_segment_bytes;
+
+// slk, the caller's lock of st.mu, dropped and retaken: the analysis follows st.mu through these
+// (it cannot tie a lock object passed by reference to the mutex it holds).
+void drop_stream_lock(detail::unique_lock<stream_lock>& slk, detail::stream_state& st)
+    STREAMSAFE_RELEASE(st.mu) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+  slk.unlock();
+}
+void retake_stream_lock(detail::unique_lock<stream_lock>& slk, detail::stream_state& st)
+    STREAMSAFE_ACQUIRE(st.mu) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+  slk.lock();
+}
+
 }  // namespace
 
 // ---- headroom ---------------------------------------------------------------------------------
 
-// True when p can grow for `rounded` bytes without raising peak reserved (within the limit).
+// True when p can grow for `rounded` bytes without raising peak reserved, within the limit.
 bool caching_allocator::impl::growth_within_peak_locked(const pool& p, std::size_t rounded) const {
   std::size_t bytes = 0;
   if (opts_.backend == backend_kind::expandable) {
@@ -74,6 +88,7 @@ bool caching_allocator::impl::growth_within_peak_locked(const pool& p, std::size
   return reserved + bytes <= std::min(limits_.limit_bytes, reserved_high_water_locked());
 }
 
+// headroom_hint_ after reserved bytes changed: the fast path reads it without mu_.
 void caching_allocator::impl::note_headroom_locked() {
   const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
   const std::size_t top = std::min(limits_.limit_bytes, reserved_high_water_locked());
@@ -317,13 +332,27 @@ bool caching_allocator::impl::wait_queued_fences_locked(device_lock& dlk) {
   return done;
 }
 
+// ---- a retry of the search (the pool may have changed while its lock was dropped) ----------
+
+block* caching_allocator::impl::find_block_locked(stream_state& st, pool& p, std::size_t rounded,
+                                                  bool grow) {
+  if (!st.pending.empty()) process_events_locked(st);
+  if (block* b = take_cached_fit_locked(p, rounded)) return b;
+  // Free headroom under the peak goes before a block pending another stream's work
+  // (growth_policy.cpp).
+  const bool headroom = growth_within_peak_locked(p, rounded);
+  if (headroom && grow) {
+    if (block* b = grow_locked(p, rounded)) return b;
+  }
+  if (block* b = take_pending_locked(st, p, rounded)) return b;
+  return grow && !headroom ? grow_locked(p, rounded) : nullptr;
+}
+
 // ---- the entry point --------------------------------------------------------------------------
 
-// ==== growth_policy.cpp, reclaim.cpp: the growth policy and reclaim ========================
-// mu_ and the lock of p's stream held unless said otherwise.
-// The one entry point of the growth policy: after the fast path found nothing, every way to
-// serve `rounded` bytes from p, in its order; nullptr: out of memory (or a capture began while
-// it waited: the caller checks). Drops and retakes slk (st's lock) around releases and waits.
+// Every way to serve `rounded` bytes from p once the fast path found nothing, in the order at
+// the top of this file; nullptr: out of memory (or a capture began while it waited: the caller
+// checks). mu_ and st's lock held on entry and return; slk is dropped around releases and waits.
 // The ordered steps of the policy in one entry point, on purpose.
 // NOLINTNEXTLINE(readability-function-cognitive-complexity)
 block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
@@ -334,20 +363,20 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
   auto retry = [&](bool grow) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
     return find_block_locked(st, p, rounded, grow);
   };
-  // The functions it runs need mu_, which stays held (only st's lock is dropped); the
-  // analysis cannot see a lock held across a lambda, so the lambdas it is given opt out too.
-  auto unlocked = [&](auto&& f) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-    slk.unlock();
-    f();
-    slk.lock();
-  };
   // 1. Queued memory first: p's own in place, another pool's behind a wait on its fence.
   block* b = nullptr;
   if (!releases_.deferred.empty()) {
     b = reclaim_in_place_locked(p, rounded);
-    if (!b)
-      b = expandable ? reclaim_by_alias_locked(p, rounded)
-                     : reclaim_segment_locked(p, rounded, true);
+    bool in_flight = false;  // the release worker is giving memory back right now
+    if (!b && expandable) b = reclaim_by_alias_locked(p, rounded, &in_flight);
+    if (!b && !expandable) b = reclaim_segment_locked(p, rounded, true);
+    if (in_flight) {  // that release ends (driver calls, never a fence wait), then once more
+      drop_stream_lock(slk, st);
+      wait_for_worker_locked(dlk, nullptr);
+      retake_stream_lock(slk, st);
+      if (capturing()) return nullptr;
+      b = reclaim_by_alias_locked(p, rounded);
+    }
   }
   // 2. Free headroom under the peak, before a block pending another stream's work.
   if (!b && growth_within_peak_locked(p, rounded)) b = grow_locked(p, rounded);
@@ -356,7 +385,9 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
   // 4. Queued releases whose fences completed go back before the pool grows (a refused segment
   // queued at one growth would otherwise stay reserved through the next). Never waits.
   if (!b && !releases_.deferred.empty() && !worker) {
-    unlocked([&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { finish_deferred(dlk, false); });
+    drop_stream_lock(slk, st);
+    finish_deferred(dlk, false);
+    retake_stream_lock(slk, st);
     b = retry(false);
   }
   // 5. A growth; past the peak, idle memory makes room first (never a host wait).
@@ -370,36 +401,38 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
       // driver (measured on the corpus: mapping them again instead keeps their old addresses,
       // and what they later give back, in the queue), the rest are reclaimed behind a
       // device-side wait.
-      unlocked([&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-        queue_idle_chunks_locked(keep, p.small, excess);
-        try {
-          release_completed_locked(dlk, true);
-        } catch (const std::exception& e) {
-          detail::log().warn("device {}: giving idle chunks back before growing failed: {}",
-                             backend_.device(), e.what());
-        }
-      });
+      drop_stream_lock(slk, st);
+      queue_idle_chunks_locked(keep, p.small, excess);
+      try {
+        release_completed_locked(dlk, true);
+      } catch (const std::exception& e) {
+        detail::log().warn("device {}: giving idle chunks back before growing failed: {}",
+                           backend_.device(), e.what());
+      }
+      retake_stream_lock(slk, st);
       b = reclaim_by_alias_locked(p, rounded);
       if (!b) b = retry(true);
     } else {
       // Opportunistic: a failed release leaves its memory in the pool, and the allocation goes
       // on.
-      unlocked([&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-        try {
-          release_refused_segments(dlk, st, rounded);
-        } catch (const std::exception& e) {
-          detail::log().warn(
-              "device {}: giving refused whole segments back before growing failed: {}",
-              backend_.device(), e.what());
-        }
-      });
+      drop_stream_lock(slk, st);
+      try {
+        release_refused_segments(dlk, st, rounded);
+      } catch (const std::exception& e) {
+        detail::log().warn(
+            "device {}: giving refused whole segments back before growing failed: {}",
+            backend_.device(), e.what());
+      }
+      retake_stream_lock(slk, st);
       b = retry(true);  // the pool may have changed while its lock was dropped
     }
   } else if (!b) {
     b = grow_locked(p, rounded);
   }
   if (!b && !releases_.deferred.empty() && !worker) {
-    unlocked([&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { finish_deferred(dlk, false); });
+    drop_stream_lock(slk, st);
+    finish_deferred(dlk, false);
+    retake_stream_lock(slk, st);
     b = retry(true);
   }
   // 6. At the limit: another stream's whole free segment, or every pool's free chunks.
@@ -407,9 +440,9 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
   if (!b && expandable) {
     const block* keep = nullptr;
     const std::size_t excess = expandable_growth_excess_locked(p, rounded, &keep);
-    unlocked([&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-      queue_idle_chunks_locked(keep, false, excess);
-    });
+    drop_stream_lock(slk, st);
+    queue_idle_chunks_locked(keep, false, excess);
+    retake_stream_lock(slk, st);
     b = reclaim_by_alias_locked(p, rounded);
   }
   if (b) return b;
@@ -418,27 +451,30 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
   // empty_cache:wait waits (host, no lock held) on exactly the fence events; empty_cache:defer
   // never blocks the host here: it releases what is safe now and queues the rest (case K8: a
   // fenced stream may run a collective that waits for work this thread has yet to enqueue).
-  unlocked([&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { release_cached(dlk, opts_.empty_cache); });
+  drop_stream_lock(slk, st);
+  release_cached(dlk, opts_.empty_cache);
+  retake_stream_lock(slk, st);
   b = retry(true);
   if (!b && worker && (!releases_.deferred.empty() || stats_.release_worker_bytes != 0)) {
     // Wait (no lock held) for a pass of the release worker over what was just queued and for
     // its release in flight, then retry. Never waits on a fence.
-    unlocked([&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { wait_for_worker_locked(dlk, nullptr); });
+    drop_stream_lock(slk, st);
+    wait_for_worker_locked(dlk, nullptr);
+    retake_stream_lock(slk, st);
     if (capturing()) return nullptr;  // the caller allocates for the capture instead
     b = retry(true);
   }
   if (!b && opts_.empty_cache == empty_cache_mode::defer && !releases_.deferred.empty()) {
     // The last wait: on the host, bounded, for the queued fences; then what they free goes back.
     bool waited = false;
-    unlocked([&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-      waited = wait_queued_fences_locked(dlk);
-      if (!waited) return;
-      if (worker) {
-        wait_for_worker_locked(dlk, nullptr);
-      } else {
-        finish_deferred(dlk, false);
-      }
-    });
+    drop_stream_lock(slk, st);
+    waited = wait_queued_fences_locked(dlk);
+    if (waited && worker) {
+      wait_for_worker_locked(dlk, nullptr);
+    } else if (waited) {
+      finish_deferred(dlk, false);
+    }
+    retake_stream_lock(slk, st);
     if (capturing()) return nullptr;
     if (waited) b = retry(true);
   }

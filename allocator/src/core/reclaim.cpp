@@ -140,7 +140,8 @@ block* caching_allocator::impl::reclaim_segment_locked(pool& p, std::size_t roun
 // expandable: queued chunks of any pool mapped again into p's range behind their fences.
 // Choosing the run and mapping it are still one function.
 // NOLINTNEXTLINE(readability-function-cognitive-complexity)
-block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rounded) {
+block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rounded,
+                                                        bool* in_flight) {
   if (capturing() || opts_.backend != backend_kind::expandable ||
       opts_.release_fence == fence_scope::device || releases_.deferred.empty())
     return nullptr;
@@ -209,9 +210,16 @@ block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rou
     need = have >= rounded ? 0 : detail::round_up(rounded - have, limits_.small_chunk_bytes);
   }
   const std::size_t fresh = need > taken ? need - taken : 0;  // mapped anew, under the limit
-  if (static_cast<std::size_t>(stats_.reserved_bytes.current) + fresh > limits_.limit_bytes ||
-      taken + fresh > target->size)
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+  if (reserved + fresh > limits_.limit_bytes || taken + fresh > target->size) return nullptr;
+  // Memory the release worker is giving back right now still counts: mapping anew beside it
+  // would raise the peak by it. The caller waits for that release (driver calls, never a
+  // fence) and asks again (in_flight).
+  if (in_flight && fresh != 0 && stats_.release_worker_bytes != 0 &&
+      reserved + fresh > reserved_high_water_locked()) {
+    *in_flight = true;
     return nullptr;
+  }
   // p's stream waits on each batch's fence, once, before anything changes (a failed wait leaves
   // everything as it was; a wait for nothing only orders more).
   std::vector<const release_batch*> waited;

@@ -73,20 +73,16 @@ class caching_allocator {
   caching_allocator& operator=(const caching_allocator&) = delete;
 
   // Returns a block of at least size_bytes, aligned to 512 bytes, usable on `stream` at once.
-  // Throws invalid_size for 0, out_of_memory when the device (or the configured limit) cannot
-  // satisfy it after a safe release of cached memory and one retry.
-  // Blocking: allocate never blocks the host except in the out-of-memory retry with
-  // options::empty_cache == wait, which may wait on the release fence, i.e. on exactly the
-  // fenced streams, without holding any lock. The opportunistic releases (max_cached_bytes,
-  // garbage_collection_threshold, whole segments refused before a growth) never wait in
-  // either mode: they release what is safe now and leave the rest cached, queueing nothing.
-  // In a callback_scope it makes no backend call: it is served from cached free blocks or
-  // throws std::logic_error at once. With empty_cache == defer the out-of-memory path never blocks
-  // the host: it releases only memory whose fence has already completed (and, when free_segment
-  // waits for the whole device as cudaFree does, only while every known stream is idle),
-  // queues the rest, and throws out_of_memory if that is not enough; the message then names
-  // the bytes waiting behind fences and the streams still busy (case K8: a fenced stream may
-  // run a collective that waits for work this thread has yet to enqueue).
+  // Throws invalid_size for 0, out_of_memory (PyTorch's wording first) when cached, queued and
+  // in-flight memory of every stream and pool cannot serve it under the limit.
+  // Blocking: allocate never blocks the host outside its out-of-memory path: memory queued for
+  // release or pending other streams' work is reused behind a device-side wait, and a growth
+  // past the peak gives idle memory back without waiting. The out-of-memory path waits, without
+  // holding any lock: with options::empty_cache == wait on exactly the fenced streams; with
+  // defer at most 1 s on the queued fences (case K8: a fenced stream may run a collective that
+  // waits for work this thread has yet to enqueue: the wait ends, out_of_memory follows, naming
+  // the bytes waiting behind fences and the streams still busy). In a callback_scope it makes
+  // no backend call: it is served from cached free blocks or throws std::logic_error at once.
   void* allocate(std::size_t size_bytes, stream_handle stream);
 
   // Host free: the last use is on the allocation stream or on streams given to record_stream.

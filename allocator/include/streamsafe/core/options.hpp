@@ -25,8 +25,9 @@ enum class fence_scope {
 // memory whose fence has not completed.
 enum class empty_cache_mode {
   wait,   // wait (host, no lock held) on exactly the fence events, then release
-  defer,  // never block the host: release what is safe now, queue the rest; later calls /
-          // reclaim() finish it; allocate throws out_of_memory rather than wait (case K8)
+  defer,  // never block the host: release what is safe now, queue the rest (still memory:
+          // reused first, behind device-side waits); later calls / reclaim() / the worker
+          // finish it; allocate's out-of-memory path waits at most 1 s on it (case K8)
 };
 
 enum class backend_kind { cuda_malloc, expandable };

@@ -11,7 +11,10 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
+#include <mutex>
+#include <unordered_map>
 
 namespace streamsafe::torch_ext {
 
@@ -80,8 +83,27 @@ class limited_backend final : private owned_backend, public forwarding_backend {
   }
   void unmap(void* addr, std::size_t size_bytes) override {
     inner().unmap(addr, size_bytes);
-    backed_bytes_.fetch_sub(size_bytes);
+    backed_bytes_.fetch_sub(forget(reinterpret_cast<std::uintptr_t>(addr), size_bytes));
     note(cda::TraceEntry::SEGMENT_UNMAP, addr, size_bytes);
+  }
+  // The core maps queued memory a second time for another stream (reclaim.cpp): no new memory,
+  // so nothing is taken from the cap, and the memory goes back at the unmap of its last address.
+  bool map_alias(void* addr, const void* from, std::size_t size_bytes) override {
+    if (!inner().map_alias(addr, from, size_bytes)) return false;
+    const std::size_t gran = inner().map_granularity_bytes();
+    const auto dst = reinterpret_cast<std::uintptr_t>(addr);
+    const auto src = reinterpret_cast<std::uintptr_t>(from);
+    std::lock_guard<std::mutex> lk(alias_mu_);
+    for (std::size_t off = 0; off < size_bytes; off += gran) {
+      auto it = memory_of_.find(src + off);
+      if (it == memory_of_.end()) {  // first aliased: a name for the memory
+        it = memory_of_.emplace(src + off, ++last_memory_).first;
+        refs_[it->second] = 1;
+      }
+      memory_of_[dst + off] = it->second;
+      ++refs_[it->second];
+    }
+    return true;
   }
 
  private:
@@ -95,7 +117,33 @@ class limited_backend final : private owned_backend, public forwarding_backend {
     return true;
   }
   void note(cda::TraceEntry::Action action, void* addr, std::size_t size_bytes) noexcept;
+  // The bytes of [addr, addr + size) whose memory goes back with this unmap (not still mapped at
+  // another address, map_alias).
+  std::size_t forget(std::uintptr_t addr, std::size_t size_bytes) {
+    std::lock_guard<std::mutex> lk(alias_mu_);
+    if (memory_of_.empty()) return size_bytes;
+    const std::size_t gran = inner().map_granularity_bytes();
+    std::size_t freed = 0;
+    for (std::size_t off = 0; off < size_bytes; off += gran) {
+      auto it = memory_of_.find(addr + off);
+      if (it == memory_of_.end()) {
+        freed += gran;
+        continue;
+      }
+      const std::uint64_t memory = it->second;
+      memory_of_.erase(it);
+      if (--refs_[memory] == 0) {
+        refs_.erase(memory);
+        freed += gran;
+      }
+    }
+    return freed;
+  }
 
+  std::mutex alias_mu_;
+  std::unordered_map<std::uintptr_t, std::uint64_t> memory_of_;  // aliased granule -> memory
+  std::unordered_map<std::uint64_t, int> refs_;                  // memory -> its addresses
+  std::uint64_t last_memory_ = 0;
   std::atomic<std::size_t>* limit_bytes_;
   torch_allocator* owner_;
   std::atomic<std::size_t>& backed_bytes_;
