@@ -11,7 +11,10 @@ then runs. MODE "hold": PyTorch's reference counting of the sent tensor is left 
 producer's free waits for the consumer (the block is not reused): the read sees 7. MODE
 "control": the consumer gives its reference back at once, as if the count were missing: the
 producer's free goes through, its new tensors may take the block, and the read then sees what
-they wrote. Prints one JSON line: {"mode", "reused", "read_ok", "consumer_error"}.
+they wrote. A second read, queued only once the producer has written its new tensors ("late_ok"),
+does not depend on how the GPU interleaves the two processes: in "hold" it must see 7, in
+"control" it sees 9 whenever the producer took the block again. Prints one JSON line:
+{"mode", "reused", "read_ok", "late_ok", "consumer_error"}.
 """
 
 import json
@@ -38,8 +41,9 @@ def consumer(conf, mode, args, to_producer, from_producer, result):
         ones = (x == 7).all()
         to_producer.put("reading")
         assert from_producer.get(timeout=120) == "reallocated"
+        late = (x == 7).all()     # a read queued after the producer's new tensors were written
         torch.cuda.synchronize()
-        result.put({"read_ok": bool(ones.item()), "sum": float(total.item())})
+        result.put({"read_ok": bool(ones.item()), "late_ok": bool(late.item()), "sum": float(total.item())})
         del x
         torch.cuda.synchronize()
     except Exception as e:  # reported to the producer
@@ -59,7 +63,8 @@ def main():
     _, args = reduce_tensor(x)
     child = ctx.Process(target=consumer, args=(conf, mode, args, to_producer, from_producer, result))
     child.start()
-    out = {"mode": mode, "conf": conf, "reused": False, "read_ok": None, "consumer_error": None}
+    out = {"mode": mode, "conf": conf, "reused": False, "read_ok": None, "late_ok": None,
+           "consumer_error": None}
     msg = to_producer.get(timeout=300)
     assert msg == "reading", msg
     del x, args
@@ -77,6 +82,7 @@ def main():
         out["consumer_error"] = r["error"]
     else:
         out["read_ok"] = r["read_ok"]
+        out["late_ok"] = r["late_ok"]
     del fresh
     print(json.dumps(out), flush=True)
 

@@ -238,7 +238,7 @@ def test_ipc_consumer_reads_while_producer_frees_and_allocates(ss, conf):
     out = _ipc(conf, "hold")
     assert out["consumer_error"] is None, out
     assert not out["reused"], out  # the sent block was held for the consumer
-    assert out["read_ok"], out
+    assert out["read_ok"] and out["late_ok"], out
 
 
 @pytest.mark.parametrize("conf", ["backend:expandable", "backend:cuda_malloc"])
@@ -246,4 +246,5 @@ def test_ipc_control_without_the_hold_reads_wrong_data(ss, conf):
     out = _ipc(conf, "control")
     if not out["reused"]:
         pytest.skip(f"the producer did not take the released block again: {out}")
-    assert out["consumer_error"] is not None or out["read_ok"] is False, out
+    # The late read is queued after the producer wrote 9 into the block it took again.
+    assert out["consumer_error"] is not None or out["late_ok"] is False, out

@@ -1,5 +1,8 @@
 // streamsafe core: creates the "streamsafe" logger once (a function-local static, so creation
 // is thread-safe); spdlog's logger is itself thread-safe. Configuration: logging.hpp.
+// The logger is never destroyed: blocks are still freed during process exit (PyTorch frees the
+// storages of CUDA IPC exports from a static destructor), after this file's statics would be
+// gone, and a warning logged then must not touch a destroyed logger.
 #include "logging.hpp"
 
 #include <spdlog/sinks/basic_file_sink.h>
@@ -11,7 +14,8 @@
 namespace streamsafe::detail {
 
 spdlog::logger& log() {
-  static std::shared_ptr<spdlog::logger> logger = [] {
+  // NOLINTNEXTLINE(cppcoreguidelines-owning-memory): immortal on purpose, see above
+  static const auto* const logger = new std::shared_ptr<spdlog::logger>([] {
     if (auto existing = spdlog::get("streamsafe")) return existing;
     std::shared_ptr<spdlog::logger> made;
     const char* file = std::getenv("STREAMSAFE_LOG_FILE");
@@ -27,8 +31,8 @@ spdlog::logger& log() {
       made->set_level(spdlog::level::from_str(level));
     }
     return made;
-  }();
-  return *logger;
+  }());
+  return **logger;
 }
 
 }  // namespace streamsafe::detail
