@@ -180,7 +180,9 @@ def stats(device=None):
     """streamsafe's statistics of one device: PyTorch's flat keys ("allocated_bytes.all.current",
     ...) plus streamsafe's counters (events_recorded, stream_waits, fence_waits, fence_wait_ns,
     releases_deferred, bytes_released, release_queued_bytes, release_worker_bytes (being given back
-    by the release worker now), release_worker_releases, pending_release_bytes, ...)."""
+    by the release worker now), release_worker_releases, pending_release_bytes, and the
+    extension's backed_bytes (device memory of every streamsafe allocator of the device, what
+    set_per_process_memory_fraction caps), limit_bytes (that cap, 0 = none), pool_instances)."""
     if device is None:
         device = torch.cuda.current_device()
     elif isinstance(device, torch.device):

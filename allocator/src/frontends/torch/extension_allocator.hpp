@@ -138,6 +138,15 @@ class torch_allocator final : public cca::CUDAAllocator {
   }
 
   streamsafe::cuda::allocator& core() { return *ss_; }
+  // The device's bytes backed by memory in every streamsafe allocator of the extension (the main
+  // one and each MemPool's), what set_per_process_memory_fraction caps, and that cap (0 = none).
+  std::size_t backed_bytes(int device) const {
+    return backed_bytes_.at(static_cast<std::size_t>(device)).load();
+  }
+  std::size_t limit_bytes(int device) const {
+    return limit_bytes_.at(static_cast<std::size_t>(device)).load();
+  }
+  int pool_instances() const { return n_instances_.load(std::memory_order_acquire); }
 
   // ---- c10::Allocator ------------------------------------------------------------------
   c10::DataPtr allocate(size_t n) override {
