@@ -115,15 +115,12 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_stats_json(int device, char* buf, siz
     const std::size_t held = d ? d->held_free_count() : 0;
     const auto close = text.rfind('}');
     if (close != std::string::npos) {
-      text.insert(close, std::string(text.size() > 2 ? ", " : "") +
-                             "\"pending_release_bytes\": " + std::to_string(pending) +
-                             ", \"held_free_count\": " + std::to_string(held) +
-                             ", \"backed_bytes\": " +
-                             std::to_string(g_allocator->backed_bytes(device)) +
-                             ", \"limit_bytes\": " +
-                             std::to_string(g_allocator->limit_bytes(device)) +
-                             ", \"pool_instances\": " +
-                             std::to_string(g_allocator->pool_instances()));
+      text.insert(close,
+                  std::string(text.size() > 2 ? ", " : "") + "\"pending_release_bytes\": " +
+                      std::to_string(pending) + ", \"held_free_count\": " + std::to_string(held) +
+                      ", \"backed_bytes\": " + std::to_string(g_allocator->backed_bytes(device)) +
+                      ", \"limit_bytes\": " + std::to_string(g_allocator->limit_bytes(device)) +
+                      ", \"pool_instances\": " + std::to_string(g_allocator->pool_instances()));
     }
     return streamsafe::detail::copy_text(text, buf, len);
   } catch (const std::exception& e) {
