@@ -20,7 +20,8 @@
 #   build.log         configure and build
 #   under_cap.log     part 1, every step      fsdp.log   part 2, every step
 #   seed.log          part 3                  bench_tests.log   parts 5 and 6
-#   artifacts.tar.gz  the corpus capture (traces, PyTorch's peaks, corpus_rows.csv, logs), the
+#   artifacts.tar.gz  the corpus capture (traces, PyTorch's peaks, corpus_rows.csv, logs; not the raw
+#                     snapshots, which would pass the 16 MiB a returned file may have), the
 #                     replay reports and the benchmarks' JSON
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -273,5 +274,5 @@ kept=()
 for f in corpus corpus_eval corpus_report.txt bench_sim.json bench_gpu.json bench_list.txt; do
   [ -e "$work/$f" ] && kept+=("$f")
 done
-[ "${#kept[@]}" -gt 0 ] && tar -czf "$OUT/artifacts.tar.gz" -C "$work" "${kept[@]}" 2>> "$run_log"
+[ "${#kept[@]}" -gt 0 ] && tar -czf "$OUT/artifacts.tar.gz" --exclude="*.pickle" --exclude="corpus/raw" -C "$work" "${kept[@]}" 2>> "$run_log"
 say "done in $(( $(date +%s) - start )) s; files in $OUT: $(find "$OUT" -maxdepth 1 -type f -printf '%f ')"
