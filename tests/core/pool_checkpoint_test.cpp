@@ -112,8 +112,9 @@ TEST_CASE("Restoring a checkpoint of several segments of both sizes brings each 
   EACH_BACKEND(backend);
   checkpoint_env env(backend);
   env.begin();
-  void* x = env.alloc.allocate(8 * 512, env.s);
-  void* x2 = env.alloc.allocate(8 * 512, env.s);  // x + x: the first x dies in the graph
+  constexpr std::size_t x_bytes = 4 * KiB;
+  void* x = env.alloc.allocate(x_bytes, env.s);
+  void* x2 = env.alloc.allocate(x_bytes, env.s);  // x + x: the first x dies in the graph
   env.alloc.deallocate(x);
   void* small = env.alloc.allocate(512, env.s);
   void* big = env.alloc.allocate(6 * MiB, env.s);
