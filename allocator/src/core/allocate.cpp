@@ -41,6 +41,17 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
     st.active.insert(b);
   }
   b->requested = size;
+  count_allocation_locked(st, b);
+  t_cache.last_used = {id_, st.handle, &st};
+  trace(trace_action::alloc, b->addr, size, st.handle);
+  if (trace_log_)
+    detail::log().trace("alloc {} bytes at {} stream {}", size, hex(b->addr), hex(st.handle));
+  return reinterpret_cast<void*>(b->addr);
+}
+
+// The counters of an allocation of b (b->requested set), and the device-wide peaks.
+void caching_allocator::impl::count_allocation_locked(stream_state& st, const block* b) {
+  const std::size_t size = b->requested;
   const std::int64_t old_peak = st.stats.allocated_bytes.peak;
   const auto bytes = static_cast<std::int64_t>(b->size);
   st.stats.allocated_bytes.add(bytes);
@@ -58,11 +69,6 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
   if (st.stats.allocated_bytes.current > old_peak ||
       sampling_.count.load(std::memory_order_relaxed) > 1)
     sampling_.sample();
-  t_cache.last_used = {id_, st.handle, &st};
-  trace(trace_action::alloc, b->addr, size, st.handle);
-  if (trace_log_)
-    detail::log().trace("alloc {} bytes at {} stream {}", size, hex(b->addr), hex(st.handle));
-  return reinterpret_cast<void*>(b->addr);
 }
 
 void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,

@@ -120,6 +120,7 @@ struct caching_allocator::impl : detail::allocator_state {
       STREAMSAFE_REQUIRES(mu_, st.mu);
   void* finish_allocation(stream_state& st, block* b, std::size_t rounded, std::size_t size)
       STREAMSAFE_REQUIRES(st.mu);
+  void count_allocation_locked(stream_state& st, const block* b) STREAMSAFE_REQUIRES(st.mu);
   void* allocate_slow(stream_state& st, std::size_t size, std::size_t rounded, bool small,
                       tag_id tag) STREAMSAFE_EXCLUDES(mu_, st.mu);
   // ---- free.cpp: deallocate and record_stream ------------------------------------------------
@@ -181,6 +182,13 @@ struct caching_allocator::impl : detail::allocator_state {
   void* allocate_during_capture_locked(device_lock& dlk, std::size_t size, std::size_t rounded,
                                        bool small, stream_handle stream) STREAMSAFE_REQUIRES(mu_);
   std::string capture_note_locked() const STREAMSAFE_REQUIRES(mu_);
+  // ---- pool_checkpoint.cpp -------------------------------------------------------------------
+  stream_state& checkpoint_pool_locked(std::uint64_t graph, const char* what)
+      STREAMSAFE_REQUIRES(mu_);
+  void check_restorable_locked(const stream_state& st, const pool_checkpoint& c,
+                               const pool_checkpoint_segment& cs) const STREAMSAFE_REQUIRES(mu_);
+  void* restore_block_locked(stream_state& st, segment* seg, const pool_checkpoint_block& cb)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
   // ---- fork.cpp ------------------------------------------------------------------------------
   bool inherited() const noexcept;  // a child forked after this allocator was made
   static std::uint64_t current_fork_generation();

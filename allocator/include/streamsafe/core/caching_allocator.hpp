@@ -34,6 +34,7 @@
 #include <streamsafe/core/errors.hpp>
 #include <streamsafe/core/ipc.hpp>
 #include <streamsafe/core/options.hpp>
+#include <streamsafe/core/pool_checkpoint.hpp>
 #include <streamsafe/core/sleep.hpp>
 #include <streamsafe/core/snapshot.hpp>
 #include <streamsafe/core/statistics.hpp>
@@ -207,6 +208,23 @@ class caching_allocator {
   bool capture_underway() const noexcept;
   // Frees made during a capture that have not completed yet.
   std::size_t held_free_count() const;
+  // checkpoint_graph_pool(graph): the layout of the private pool that graph allocates into
+  // (core/pool_checkpoint.hpp; a shared pool is the pool of each of its graphs). Throws
+  // std::invalid_argument for an unknown graph or one whose pool is released.
+  pool_checkpoint checkpoint_graph_pool(std::uint64_t graph) const;
+  // restore_graph_pool(c): the pool's blocks become c's layout again, at the same addresses:
+  // every block of the pool allocated now is freed, as deallocate would (a block with uses on
+  // other streams keeps them: it waits for their events before its memory serves anyone), and
+  // each block allocated in c is allocated again (its memory still pending other streams' work:
+  // the pool's stream waits on those events, on the device, and the streams stay uses of the
+  // block, fenced at its next free); the rest of c's segments is free. Statistics count the
+  // frees and allocations. The caller owns the blocks allocated (freed with deallocate) and
+  // must stop using those freed. Throws std::logic_error, with nothing changed, during a graph
+  // capture, when a segment of c is gone or no longer the pool's, or when a block of the pool
+  // cannot be freed or taken now (a free held by a capture or an IPC export, memory paused or
+  // being released, unmapped since, or pending frees whose events are not recorded yet);
+  // std::invalid_argument for an unknown or released graph. Thread-safe.
+  pool_restore restore_graph_pool(const pool_checkpoint& checkpoint);
 
   // ---- tags and sleep/wake (core/sleep.hpp, docs/sleep.md) --------------------------------
   // pause(tag, mode): every mapped chunk of the tag's segments (its live blocks and its cached

@@ -64,6 +64,7 @@ struct segment_snapshot {
   snapshot_pool pool = snapshot_pool::large;
   bool expandable = false;
   std::string tag;                     // the tag of its memory ("" untagged; core/sleep.hpp)
+  std::uint64_t graph_pool = 0;        // a CUDA graph's private pool: its first graph's id; else 0
   std::size_t paused_bytes = 0;        // given back by pause: mapped again at resume
   std::vector<block_snapshot> blocks;  // in address order, tiling [address, address+size_bytes)
 

@@ -3,7 +3,8 @@
 // CUDAAllocator) over streamsafe::cuda::allocator, and limited_backend, the device backend
 // wrapper that enforces set_per_process_memory_fraction and reports segment events to the
 // memory history. Member functions are defined here and in torch_history.cpp (alloc/free trace
-// entries), torch_snapshot.cpp (snapshot()), torch_pools.cpp (CUDA graph pools); the C entry
+// entries), torch_snapshot.cpp (snapshot()), torch_pools.cpp (CUDA graph pools),
+// torch_checkpoint.cpp (graph pools' checkpoints, for cudagraph trees); the C entry
 // points that Python calls are in torch_extension.cpp.
 //
 //
@@ -12,7 +13,7 @@
 // allocation, torch.cuda.empty_cache(), Tensor.record_stream, memory_stats(), _snapshot(),
 // set_per_process_memory_fraction, CUDA graph pools and torch.accelerator.* reach streamsafe.
 // docs/pytorch.md lists what each call does and what is refused (with a c10::Error that names
-// it), e.g. the checkpointing of graph pools that torch.compile's cudagraph trees use.
+// it), e.g. MemPool(no_split=True).
 // torch_mempool.cpp routes torch.cuda.use_mem_pool (MemPool outside a capture) and MemPools with
 // their own allocator; torch_ipc.cpp shares tensors between processes (CUDA IPC).
 //
@@ -366,20 +367,11 @@ class torch_allocator final : public cca::CUDAAllocator {
       return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
     return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
   }
-  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex /*device*/,
-                                                          MempoolId_t /*id*/) override {
-    TORCH_CHECK(
-        false,
-        "streamsafe: checkpointing a CUDA graph pool (getCheckpointState, used by torch.compile "
-        "mode=\"reduce-overhead\" cudagraph trees) is not supported by the streamsafe allocator");
-  }
-  cca::CheckpointDelta setCheckpointPoolState(
-      c10::DeviceIndex /*device*/, std::shared_ptr<cca::AllocatorState> /*pps*/) override {
-    TORCH_CHECK(
-        false,
-        "streamsafe: restoring a CUDA graph pool (setCheckpointPoolState, used by torch.compile "
-        "mode=\"reduce-overhead\" cudagraph trees) is not supported by the streamsafe allocator");
-  }
+  // torch_checkpoint.cpp: a CUDA graph pool's checkpoint (cudagraph trees).
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                          MempoolId_t id) override;
+  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
+                                              std::shared_ptr<cca::AllocatorState> pps) override;
   std::string name() override { return "streamsafe"; }
 
   // ---- used by limited_backend and the C entry points ----------------------------------
@@ -503,6 +495,7 @@ class torch_allocator final : public cca::CUDAAllocator {
     return p;
   }
 
+  std::uint64_t graph_of_pool(c10::DeviceIndex device, MempoolId_t mempool_id);  // checkpoint
   // torch_mempool.cpp
   pool_route_choice pick_route(int device, cudaStream_t stream);
   void note_pool_live(void* p, MempoolId_t pool, int device);

@@ -21,6 +21,14 @@ cca::SnapshotInfo torch_allocator::snapshot(MempoolId_t mempool_id, bool include
     MempoolId_t owner{0, 0};  // an instance's pool; {0, 0}: the main allocator (by tag)
     bool instance = false;
   };
+  // CUDA graph pools: streamsafe names a graph pool's segments by the pool's first graph.
+  std::unordered_map<std::uint64_t, MempoolId_t> graph_pools;
+  {
+    std::lock_guard<std::mutex> lock(pools_mu_);
+    for (const auto& [id, pool] : pools_)
+      for (std::uint64_t g : pool.graphs) graph_pools[g] = id;
+    for (const capture_state& c : captures_) graph_pools[c.graph] = c.pool;
+  }
   std::vector<source> sources;
   for (int d = 0; d < ss_->device_count(); ++d)
     if (streamsafe::caching_allocator* a = ss_->find_device_allocator(d))
@@ -34,12 +42,17 @@ cca::SnapshotInfo torch_allocator::snapshot(MempoolId_t mempool_id, bool include
     const int d = src.device;
     const streamsafe::memory_snapshot snap = src.alloc->snapshot();
     for (const auto& seg : snap.segments) {
-      const MempoolId_t owner = src.instance ? src.owner : pool_of_tag(seg.tag);
+      MempoolId_t owner = src.instance ? src.owner : pool_of_tag(seg.tag);
+      if (!src.instance && seg.graph_pool != 0) {
+        auto g = graph_pools.find(seg.graph_pool);
+        if (g != graph_pools.end()) owner = g->second;
+      }
       if (!every_pool && owner != mempool_id) continue;
       // One SegmentInfo per run of mapped blocks (an expandable segment's unmapped address
       // space is not memory; PyTorch's snapshot shows mapped ranges only).
       cda::SegmentInfo cur;
       bool open = false;
+      bool prev_free = false;  // the last block of cur is free (inactive)
       auto close = [&] {
         if (open && cur.total_size > 0) out.segments.push_back(std::move(cur));
         cur = cda::SegmentInfo();
@@ -59,6 +72,15 @@ cca::SnapshotInfo torch_allocator::snapshot(MempoolId_t mempool_id, bool include
           cur.owner_private_pool_id = owner;
           open = true;
         }
+        const bool free_block = b.state == streamsafe::snapshot_block_state::inactive;
+        if (free_block && prev_free && !cur.blocks.empty()) {
+          // Free neighbours are one block, as in PyTorch's allocator (streamsafe parks some
+          // freed blocks unmerged in its quick cache).
+          cur.blocks.back().size += b.size_bytes;
+          cur.total_size += b.size_bytes;
+          continue;
+        }
+        prev_free = free_block;
         cda::BlockInfo bi;
         bi.size = b.size_bytes;
         bi.requested_size = b.requested_bytes;
