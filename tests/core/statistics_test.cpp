@@ -73,6 +73,37 @@ void check_peaks(const statistics& s, std::vector<std::int64_t>& seen) {
   }
 }
 
+constexpr auto k_block_bytes = static_cast<std::int64_t>(256 * KiB);
+
+// A snapshot's totals from its walk, by kind: [0] every segment, [1] small pools', [2] large's.
+struct walk_totals {
+  std::int64_t mapped[3] = {}, allocated[3] = {}, active_bytes[3] = {}, requested[3] = {};
+  std::int64_t allocations[3] = {}, active[3] = {}, segments[3] = {};
+
+  explicit walk_totals(const memory_snapshot& snap) {
+    for (const segment_snapshot& seg : snap.segments) {
+      add(seg, 0);
+      add(seg, seg.pool == snapshot_pool::small ? 1 : 2);
+    }
+  }
+  void add(const segment_snapshot& seg, std::size_t k) {
+    ++segments[k];
+    mapped[k] += static_cast<std::int64_t>(seg.mapped_bytes);
+    for (const block_snapshot& b : seg.blocks) {
+      if (b.state == snapshot_block_state::active) {
+        ++allocations[k];
+        allocated[k] += static_cast<std::int64_t>(b.size_bytes);
+        requested[k] += static_cast<std::int64_t>(b.requested_bytes);
+      }
+      if (b.state == snapshot_block_state::active ||
+          b.state == snapshot_block_state::pending_free) {
+        ++active[k];
+        active_bytes[k] += static_cast<std::int64_t>(b.size_bytes);
+      }
+    }
+  }
+};
+
 }  // namespace
 
 TEST_CASE(
@@ -96,9 +127,9 @@ TEST_CASE(
   CHECK(s.allocation.current == 4);
   CHECK(s.allocation.peak == 5);
   CHECK(s.active.peak == 5);
-  CHECK(s.allocated_bytes.peak == static_cast<std::int64_t>(5 * 256 * KiB));
-  CHECK(s.active_bytes.peak == static_cast<std::int64_t>(5 * 256 * KiB));
-  CHECK(s.requested_bytes.peak == static_cast<std::int64_t>(5 * 256 * KiB));
+  CHECK(s.allocated_bytes.peak == 5 * k_block_bytes);
+  CHECK(s.active_bytes.peak == 5 * k_block_bytes);
+  CHECK(s.requested_bytes.peak == 5 * k_block_bytes);
 
   // After a reset the peaks are the current values, and a later device-wide high counts again.
   env.alloc.reset_peak_stats();
@@ -110,7 +141,7 @@ TEST_CASE(
   env.alloc.deallocate(on1.back());
   const statistics after = env.alloc.stats();
   CHECK(after.allocation.peak == 5);
-  CHECK(after.allocated_bytes.peak == static_cast<std::int64_t>(5 * 256 * KiB));
+  CHECK(after.allocated_bytes.peak == 5 * k_block_bytes);
   for (void* p : on2) env.alloc.deallocate(p);
   env.alloc.check_invariants();
 }
@@ -176,8 +207,8 @@ TEST_CASE(
   const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
   INFO("backend " << to_string(backend));
   sim_env env(make_options(backend));
-  std::vector<stream_handle> streams;
-  for (int i = 0; i < 3; ++i) streams.push_back(env.dev.create_stream());
+  const std::vector<stream_handle> streams = {env.dev.create_stream(), env.dev.create_stream(),
+                                              env.dev.create_stream()};
   struct live {
     void* p;
     stream_handle s;
@@ -249,42 +280,22 @@ TEST_CASE(
   }
   for (int i = 0; i < 400; ++i) {
     const memory_snapshot snap = env.alloc.snapshot();
-    // [0] every segment, [1] small pools', [2] large pools'.
-    std::int64_t mapped[3] = {}, allocated[3] = {}, active_bytes[3] = {}, requested[3] = {};
-    std::int64_t allocations[3] = {}, active[3] = {}, segments[3] = {};
-    for (const segment_snapshot& seg : snap.segments) {
-      for (const std::size_t k :
-           {std::size_t{0}, std::size_t{seg.pool == snapshot_pool::small ? 1u : 2u}}) {
-        ++segments[k];
-        mapped[k] += static_cast<std::int64_t>(seg.mapped_bytes);
-        for (const block_snapshot& b : seg.blocks) {
-          if (b.state == snapshot_block_state::active) {
-            ++allocations[k];
-            allocated[k] += static_cast<std::int64_t>(b.size_bytes);
-            requested[k] += static_cast<std::int64_t>(b.requested_bytes);
-          }
-          if (b.state == snapshot_block_state::active ||
-              b.state == snapshot_block_state::pending_free) {
-            ++active[k];
-            active_bytes[k] += static_cast<std::int64_t>(b.size_bytes);
-          }
-        }
-      }
-    }
+    const walk_totals w(snap);
     INFO("snapshot " << i);
     bool agree = true;
     const pool_statistics* kinds[] = {&snap.stats, &snap.stats.small_pool, &snap.stats.large_pool};
     for (std::size_t k = 0; k < 3; ++k) {
       INFO("kind " << k << " (all, small_pool, large_pool)");
       const pool_statistics& x = *kinds[k];
-      CHECK(x.reserved_bytes.current == mapped[k]);
-      CHECK(x.segment.current == segments[k]);
-      CHECK(x.allocated_bytes.current == allocated[k]);
-      CHECK(x.requested_bytes.current == requested[k]);
-      CHECK(x.allocation.current == allocations[k]);
-      CHECK(x.active_bytes.current == active_bytes[k]);
-      CHECK(x.active.current == active[k]);
-      agree = agree && x.reserved_bytes.current == mapped[k] && x.segment.current == segments[k];
+      CHECK(x.reserved_bytes.current == w.mapped[k]);
+      CHECK(x.segment.current == w.segments[k]);
+      CHECK(x.allocated_bytes.current == w.allocated[k]);
+      CHECK(x.requested_bytes.current == w.requested[k]);
+      CHECK(x.allocation.current == w.allocations[k]);
+      CHECK(x.active_bytes.current == w.active_bytes[k]);
+      CHECK(x.active.current == w.active[k]);
+      agree = agree && x.reserved_bytes.current == w.mapped[k] &&
+              x.segment.current == w.segments[k];
     }
     if (!agree) break;
   }
