@@ -1,7 +1,7 @@
 """streamsafe's own tests of what PyTorch users rely on beyond plain tensors (docs/pytorch.md):
 MemPool outside a capture (use_mem_pool, a pool's own allocator, use_on_oom, one pool's snapshot
-and empty_cache, live-allocation checks), caching_allocator_enable(False), statistics peaks,
-and CUDA IPC of tensors between two processes with its control.
+and empty_cache, live-allocation checks), caching_allocator_enable(False), statistics
+(small_pool / large_pool, device-wide peaks), and CUDA IPC of tensors between two processes with its control.
 """
 
 import ctypes
@@ -218,6 +218,90 @@ def test_count_peaks_not_below_current(ss):
     for key in ("allocation", "active", "segment"):
         assert stats[f"{key}.all.peak"] >= stats[f"{key}.all.current"], key
     del keep
+
+
+COUNTERS = ("allocated_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes",
+            "requested_bytes", "allocation", "segment", "active")
+
+
+def _check_kinds_add_up(stats):
+    for c in COUNTERS:
+        for f in ("current", "allocated", "freed"):
+            total = stats[f"{c}.small_pool.{f}"] + stats[f"{c}.large_pool.{f}"]
+            assert total == stats[f"{c}.all.{f}"], (c, f)
+        for kind in ("all", "small_pool", "large_pool"):
+            assert stats[f"{c}.{kind}.peak"] >= stats[f"{c}.{kind}.current"], (c, kind)
+
+
+def test_pool_kind_statistics_split_at_one_mib(ss):
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    with torch.cuda.stream(side):
+        small = torch.empty(MiB, dtype=torch.uint8, device="cuda")  # 1 MiB exactly: small pool
+        large = torch.empty(MiB + 512, dtype=torch.uint8, device="cuda")
+    after = torch.cuda.memory_stats()
+    for kind, size in (("small_pool", MiB), ("large_pool", MiB + 512)):
+        assert after[f"allocation.{kind}.current"] - before[f"allocation.{kind}.current"] == 1, kind
+        assert after[f"requested_bytes.{kind}.current"] - before[f"requested_bytes.{kind}.current"] == size
+        assert after[f"segment.{kind}.current"] >= 1, kind
+        assert after[f"reserved_bytes.{kind}.current"] > 0, kind
+    _check_kinds_add_up(after)
+    del small, large
+    _check_kinds_add_up(torch.cuda.memory_stats())
+
+
+def test_device_wide_peaks_of_two_streams(ss):
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    stats = torch.cuda.memory_stats()
+    for c in COUNTERS:
+        if c in ("reserved_bytes", "inactive_split_bytes"):
+            continue  # memory being released behind fences may still count as reserved
+        for kind in ("all", "small_pool", "large_pool"):
+            assert stats[f"{c}.{kind}.peak"] == stats[f"{c}.{kind}.current"], (c, kind)
+    base = stats["allocation.all.current"]
+    base_small = stats["allocation.small_pool.current"]
+    # a holds 4 blocks, b 1; a frees its 4, b takes 3 more. Device-wide peak: 5 blocks (neither
+    # the sum of the streams' peaks, 8, nor the larger stream's, 4).
+    with torch.cuda.stream(a):
+        on_a = [torch.empty(64 * 1024, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    with torch.cuda.stream(b):
+        on_b = [torch.empty(64 * 1024, dtype=torch.uint8, device="cuda")]
+    del on_a
+    with torch.cuda.stream(b):
+        on_b += [torch.empty(64 * 1024, dtype=torch.uint8, device="cuda") for _ in range(3)]
+    stats = torch.cuda.memory_stats()
+    assert stats["allocation.all.current"] == base + 4
+    assert stats["allocation.all.peak"] == base + 5
+    assert stats["allocation.small_pool.peak"] == base_small + 5
+    assert stats["active.all.peak"] >= base + 5
+    _check_kinds_add_up(stats)
+    del on_b
+
+
+def test_graph_pool_counts_in_its_pool_kind(ss):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        a = torch.ones(4 * MiB // 4, device="cuda")  # 4 MiB: large pool
+        pre = torch.cuda.memory_stats()
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin()
+        out = a.clone() + 1
+        g.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+    post = torch.cuda.memory_stats()
+    assert post["allocation.large_pool.current"] - pre["allocation.large_pool.current"] >= 1
+    assert post["reserved_bytes.large_pool.current"] > pre["reserved_bytes.large_pool.current"]
+    _check_kinds_add_up(post)
+    g.replay()
+    assert out.sum().item() == 2 * a.numel()
+    del g, out
+    gc.collect()
+    _check_kinds_add_up(torch.cuda.memory_stats())
 
 
 def _ipc(conf, mode):

@@ -49,26 +49,16 @@ void* caching_allocator::impl::finish_allocation(stream_state& st, block* b, std
   return reinterpret_cast<void*>(b->addr);
 }
 
-// The counters of an allocation of b (b->requested set), and the device-wide peaks.
+// The counters of an allocation of b (b->requested set), by pool kind, and the device-wide peaks.
 void caching_allocator::impl::count_allocation_locked(stream_state& st, const block* b) {
   const std::size_t size = b->requested;
-  const std::int64_t old_peak = st.stats.allocated_bytes.peak;
-  const auto bytes = static_cast<std::int64_t>(b->size);
-  st.stats.allocated_bytes.add(bytes);
-  st.stats.requested_bytes.add(static_cast<std::int64_t>(size));
-  st.stats.allocation.add(1);
-  st.stats.active_bytes_peak = std::max(
-      st.stats.active_bytes_peak,
-      st.stats.allocated_bytes.current + st.stats.pending_bytes.current);
-  st.stats.active_peak = std::max(st.stats.active_peak,
-                                  st.stats.allocation.current + st.stats.pending.current);
-  st.cur_allocated.store(st.stats.allocated_bytes.current, std::memory_order_relaxed);
-  st.cur_requested.store(st.stats.requested_bytes.current, std::memory_order_relaxed);
-  // The device-wide peaks: with one stream its own peak is the device's; with more, any
+  const std::size_t k = detail::kind_of(b->seg->small);
+  const bool rose = st.stats.on_allocate(k, static_cast<std::int64_t>(b->size),
+                                         static_cast<std::int64_t>(size));
+  st.mirror.publish(st.stats, k);
+  // The device-wide peaks: with one stream its own peaks are the device's; with more, any
   // allocation may set a device-wide peak while no stream passes its own.
-  if (st.stats.allocated_bytes.current > old_peak ||
-      sampling_.count.load(std::memory_order_relaxed) > 1)
-    sampling_.sample();
+  if (rose || sampling_.count.load(std::memory_order_relaxed) > 1) sampling_.sample();
 }
 
 void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,

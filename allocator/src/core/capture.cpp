@@ -356,7 +356,7 @@ void caching_allocator::impl::release_released_pools_locked(device_lock& lk, str
       streams_.segments.erase(seg->base);
       recycle_block(*st, seg->first);
       p->expandable = nullptr;
-      stats_.segment.decrease(1);
+      detail::sub_segment(stats_, seg->small);
       --st->segments;
       delete seg;
     }

@@ -60,8 +60,8 @@ std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::s
   std::int64_t allocated = 0;
   std::int64_t pending = 0;  // freed by the host, waiting for other streams' uses
   for (auto& [s, state] : streams_.states) {
-    allocated += state->cur_allocated.load(std::memory_order_relaxed);
-    pending += state->cur_pending.load(std::memory_order_relaxed);
+    allocated += state->mirror.allocated_total();
+    pending += state->mirror.pending_total();
   }
   std::size_t graph_bytes = 0;  // reserved by graphs' private pools not released yet
   for (const auto& [base, seg] : streams_.segments) {

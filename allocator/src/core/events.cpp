@@ -76,9 +76,9 @@ void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) 
     else tombstone_refs_.fetch_sub(1, std::memory_order_acq_rel);
   }
   b->events.clear();
-  st.stats.pending_bytes.sub(static_cast<std::int64_t>(b->size));
-  st.stats.pending.sub(1);
-  st.cur_pending.store(st.stats.pending_bytes.current, std::memory_order_relaxed);
+  const std::size_t k = detail::kind_of(b->seg->small);
+  st.stats.pending_done(k, static_cast<std::int64_t>(b->size));
+  st.mirror.publish_pending(st.stats, k);
   free_block_locked(b);
 }
 

@@ -33,11 +33,9 @@ bool callback_scope::active() noexcept { return t_callback_depth != 0; }
 
 // The host free's counters (st's lock held).
 void caching_allocator::impl::count_free_locked(stream_state& st, const block* b) {
-  st.stats.allocated_bytes.sub(static_cast<std::int64_t>(b->size));
-  st.stats.requested_bytes.sub(static_cast<std::int64_t>(b->requested));
-  st.stats.allocation.sub(1);
-  st.cur_allocated.store(st.stats.allocated_bytes.current, std::memory_order_relaxed);
-  st.cur_requested.store(st.stats.requested_bytes.current, std::memory_order_relaxed);
+  const std::size_t k = detail::kind_of(b->seg->small);
+  st.stats.on_free(k, static_cast<std::int64_t>(b->size), static_cast<std::int64_t>(b->requested));
+  st.mirror.publish(st.stats, k);
 }
 
 // b in st.active (it stays there if parked).
@@ -66,10 +64,9 @@ void caching_allocator::impl::free_unfenced_locked(stream_state& st, block* b) {
   trace(trace_action::free_requested, b->addr, b->requested, st.handle);
   count_free_locked(st, b);
   b->uses.clear();
-  st.stats.pending_bytes.add(
-      static_cast<std::int64_t>(b->size));  // still active: waiting for the fence
-  st.stats.pending.add(1);
-  st.cur_pending.store(st.stats.pending_bytes.current, std::memory_order_relaxed);
+  const std::size_t k = detail::kind_of(b->seg->small);
+  st.stats.pending_added(k, static_cast<std::int64_t>(b->size));  // active: waiting for the fence
+  st.mirror.publish_pending(st.stats, k);
   b->state = block_state::pending_free;
   st.unfenced.push_back(b);
 }
@@ -102,11 +99,11 @@ void caching_allocator::impl::fence_host_frees_locked(stream_state& st) {
     block* b = st.unfenced.front();
     st.unfenced.erase(b);
     trace(trace_action::free_completed, b->addr, b->requested, st.handle);
-    st.stats.pending_bytes.sub(static_cast<std::int64_t>(b->size));
-    st.stats.pending.sub(1);
+    st.stats.pending_done(detail::kind_of(b->seg->small), static_cast<std::int64_t>(b->size));
     free_block_locked(b);
   }
-  st.cur_pending.store(st.stats.pending_bytes.current, std::memory_order_relaxed);
+  for (std::size_t k : {detail::kind_of(true), detail::kind_of(false)})
+    st.mirror.publish_pending(st.stats, k);
 }
 
 // The same for a destroyed stream st.
@@ -270,9 +267,9 @@ void caching_allocator::impl::commit_free_locked(stream_state& st, block* b,
     free_block_locked(b);
     return;
   }
-  st.stats.pending_bytes.add(bytes);  // still active: waiting for other streams
-  st.stats.pending.add(1);
-  st.cur_pending.store(st.stats.pending_bytes.current, std::memory_order_relaxed);
+  const std::size_t k = detail::kind_of(seg->small);
+  st.stats.pending_added(k, bytes);  // still active: waiting for other streams
+  st.mirror.publish_pending(st.stats, k);
   b->state = block_state::pending_free;
   st.pending.push_back(b);
 }
@@ -290,9 +287,9 @@ void caching_allocator::impl::defer_fence_locked(stream_state& st, block* b,
   st.active.erase(b->addr);
   trace(trace_action::free_requested, b->addr, b->requested, seg->stream);
   count_free_locked(st, b);
-  st.stats.pending_bytes.add(static_cast<std::int64_t>(b->size));
-  st.stats.pending.add(1);
-  st.cur_pending.store(st.stats.pending_bytes.current, std::memory_order_relaxed);
+  const std::size_t k = detail::kind_of(seg->small);
+  st.stats.pending_added(k, static_cast<std::int64_t>(b->size));
+  st.mirror.publish_pending(st.stats, k);
   b->state = block_state::pending_free;
   st.pending.push_back(b);
   releases_.unfenced.push_back(b);

@@ -49,7 +49,7 @@ block* caching_allocator::impl::add_segment_locked(pool& p, std::uintptr_t base,
   streams_.segments.emplace(base, seg);
   if (mapped) p.mapped.insert(b);
   else p.unmapped.insert(b);
-  stats_.segment.increase(1);
+  detail::add_segment(stats_, seg->small);
   return b;
 }
 
@@ -60,7 +60,7 @@ block* caching_allocator::impl::new_segment_locked(pool& p, std::size_t rounded)
   void* base = backend_.allocate_segment(size);
   if (!base) return nullptr;
   block* b = add_segment_locked(p, reinterpret_cast<std::uintptr_t>(base), size, true);
-  stats_.reserved_bytes.increase(static_cast<std::int64_t>(size));
+  detail::add_reserved(stats_, b->seg->small, static_cast<std::int64_t>(size));
   ++stats_.num_device_alloc;
   trace(trace_action::segment_alloc, b->addr, size, p.stream);
   detail::log().debug("device {}: segment_alloc {} bytes at {} for stream {}", backend_.device(),
@@ -241,7 +241,7 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
     p.unmapped.insert(split_off_locked(choice, map_bytes));  // the rest stays unmapped
   choice->mapped = true;
   choice->seg->mapped_bytes += map_bytes;
-  stats_.reserved_bytes.increase(static_cast<std::int64_t>(map_bytes));
+  detail::add_reserved(stats_, choice->seg->small, static_cast<std::int64_t>(map_bytes));
   trace(trace_action::segment_map, choice->addr, map_bytes, p.stream);
   detail::log().debug("device {}: segment_map {} bytes at {} (stream {})", backend_.device(),
                       map_bytes, hex(choice->addr), hex(p.stream));

@@ -160,8 +160,7 @@ bool caching_allocator::impl::expandable_growth_raises_peak_locked(const pool& p
   // an upper bound of the whole free chunks elsewhere (other pools' blocks are not looked at
   // without their locks).
   std::int64_t allocated = 0;
-  for (auto& [s, state] : streams_.states)
-    allocated += state->cur_allocated.load(std::memory_order_relaxed);
+  for (auto& [s, state] : streams_.states) allocated += state->mirror.allocated_total();
   const std::int64_t idle = stats_.reserved_bytes.current - allocated -
                             static_cast<std::int64_t>(extended ? extended->size : 0) -
                             static_cast<std::int64_t>(queued_release_bytes_locked());
@@ -178,8 +177,7 @@ bool caching_allocator::impl::wants_collection_locked(std::size_t rounded) const
   }
   if (opts_.max_cached_bytes != 0) {
     std::int64_t allocated = 0;
-    for (auto& [s, state] : streams_.states)
-      allocated += state->cur_allocated.load(std::memory_order_relaxed);
+    for (auto& [s, state] : streams_.states) allocated += state->mirror.allocated_total();
     const auto cached = static_cast<std::int64_t>(reserved) - allocated;
     if (cached > static_cast<std::int64_t>(opts_.max_cached_bytes)) return true;
   }

@@ -20,9 +20,9 @@ namespace {
 template <class Impl, class LockStream>
 statistics collect_stats(const Impl& m,
                          LockStream&& lock_stream) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+  using detail::k_kinds;
   statistics s = m.stats_;
   s.release_queued_bytes = m.releases_.bytes();
-  std::int64_t inactive_split = 0;
   for (auto& [h, st] : m.streams_.states) {
     const auto held = lock_stream(*st);
     (void)held;
@@ -30,42 +30,53 @@ statistics collect_stats(const Impl& m,
       to.current += from.current;
       to.allocated += from.allocated;
       to.freed += from.freed;
-      to.peak = std::max(to.peak, from.peak);
     };
-    const auto& x = st->stats;
-    add(s.allocated_bytes, x.allocated_bytes.to_stat());
-    add(s.requested_bytes, x.requested_bytes.to_stat());
-    add(s.allocation, x.allocation.to_stat());
-    const std::int64_t active_bytes = x.allocated_bytes.current + x.pending_bytes.current;
-    add(s.active_bytes, stat{active_bytes, x.active_bytes_peak, x.allocated_bytes.total,
-                             x.allocated_bytes.total - active_bytes});
-    const std::int64_t active = x.allocation.current + x.pending.current;
-    add(s.active, stat{active, x.active_peak, x.allocation.total, x.allocation.total - active});
+    for (std::size_t k = 0; k < k_kinds; ++k) {
+      pool_statistics& to = detail::kind_stats(s, k);
+      const detail::stream_kind_stats& x = st->stats.by[k];
+      add(to.allocated_bytes, x.allocated_bytes.to_stat());
+      add(to.requested_bytes, x.requested_bytes.to_stat());
+      add(to.allocation, x.allocation.to_stat());
+      const std::int64_t active_bytes = x.allocated_bytes.current + x.pending_bytes.current;
+      add(to.active_bytes,
+          stat{active_bytes, 0, x.allocated_bytes.total, x.allocated_bytes.total - active_bytes});
+      const std::int64_t active = x.allocation.current + x.pending.current;
+      add(to.active, stat{active, 0, x.allocation.total, x.allocation.total - active});
+    }
     s.events_recorded += st->stats.events_recorded;
     s.stream_waits += st->stats.stream_waits;
   }
+  std::int64_t inactive_split[k_kinds] = {};
   for (auto& [base, seg] : m.streams_.segments) {
     const auto held = lock_stream(detail::state_of(*seg->owner));
     (void)held;
     for (const auto* b = seg->first; b; b = b->next) {
       if ((b->state == block_state::free || b->state == block_state::quick_cached) && b->mapped &&
           (b->prev || b->next)) {
-        inactive_split += static_cast<std::int64_t>(b->size);
+        inactive_split[detail::k_all] += static_cast<std::int64_t>(b->size);
+        inactive_split[detail::kind_of(seg->small)] += static_cast<std::int64_t>(b->size);
       }
     }
   }
-  // Device-wide peaks: sampled at every allocation that may set one (allocate.cpp). The count
-  // peaks are per-stream maxima, so at least the device-wide current count.
-  s.allocated_bytes.peak = std::max(
-      {s.allocated_bytes.peak, s.allocated_bytes.current, m.sampling_.peak_allocated.load()});
-  s.active_bytes.peak = std::max(
-      {s.active_bytes.peak, s.active_bytes.current, m.sampling_.peak_active.load()});
-  s.requested_bytes.peak = std::max(
-      {s.requested_bytes.peak, s.requested_bytes.current, m.sampling_.peak_requested.load()});
-  for (stat* x : {&s.allocation, &s.active, &s.segment, &s.reserved_bytes})
-    x->peak = std::max(x->peak, x->current);
-  s.inactive_split_bytes.current = inactive_split;
-  s.inactive_split_bytes.peak = std::max(s.inactive_split_bytes.peak, inactive_split);
+  // Peaks: device-wide, sampled at every allocation that may set one (allocate.cpp); reserved
+  // bytes and segments are device-level counters already (stats_). Never below the current
+  // value (a sample may have read a stream's mirror before its last change).
+  const detail::peak_sampler& p = m.sampling_;
+  for (std::size_t k = 0; k < k_kinds; ++k) {
+    pool_statistics& to = detail::kind_stats(s, k);
+    auto peak = [&](stat& x, detail::sampled q) {
+      x.peak = std::max(x.current, p.peak[q][k].load(std::memory_order_relaxed));
+    };
+    peak(to.allocated_bytes, detail::s_allocated_bytes);
+    peak(to.requested_bytes, detail::s_requested_bytes);
+    peak(to.allocation, detail::s_allocation);
+    peak(to.active_bytes, detail::s_active_bytes);
+    peak(to.active, detail::s_active);
+    for (stat* x : {&to.segment, &to.reserved_bytes}) x->peak = std::max(x->peak, x->current);
+    to.inactive_split_bytes.current = inactive_split[k];
+    detail::peak_sampler::raise(p.inactive_split_peak[k], inactive_split[k]);
+    to.inactive_split_bytes.peak = p.inactive_split_peak[k].load(std::memory_order_relaxed);
+  }
   return s;
 }
 
@@ -79,29 +90,34 @@ statistics caching_allocator::stats() const {
 }
 
 void caching_allocator::reset_peak_stats() {
+  using detail::k_kinds;
   impl& m = *impl_;
   detail::lock_guard<detail::mutex> dlk(m.mu_);
-  std::int64_t allocated = 0, active = 0, requested = 0;
+  std::int64_t now[detail::k_sampled][k_kinds] = {};
   for (auto& [h, st] : m.streams_.states) {
     detail::lock_guard<stream_lock> slk(st->mu);
-    auto& x = st->stats;
-    for (detail::fast_stat* f :
-         {&x.allocated_bytes, &x.requested_bytes, &x.allocation, &x.pending_bytes, &x.pending}) {
-      f->peak = f->current;
+    st->stats.reset_peaks();
+    for (std::size_t k = 0; k < k_kinds; ++k) {
+      const detail::stream_kind_stats& x = st->stats.by[k];
+      now[detail::s_allocated_bytes][k] += x.allocated_bytes.current;
+      now[detail::s_requested_bytes][k] += x.requested_bytes.current;
+      now[detail::s_allocation][k] += x.allocation.current;
+      now[detail::s_active_bytes][k] += x.active_bytes_peak;
+      now[detail::s_active][k] += x.active_peak;
     }
-    x.active_bytes_peak = x.allocated_bytes.current + x.pending_bytes.current;
-    x.active_peak = x.allocation.current + x.pending.current;
-    allocated += x.allocated_bytes.current;
-    active += x.active_bytes_peak;
-    requested += x.requested_bytes.current;
   }
-  m.sampling_.peak_allocated = allocated;
-  m.sampling_.peak_active = active;
-  m.sampling_.peak_requested = requested;
+  for (std::size_t q = 0; q < detail::k_sampled; ++q) {
+    for (std::size_t k = 0; k < k_kinds; ++k) m.sampling_.peak[q][k] = now[q][k];
+  }
+  // The next stats() or snapshot() walk sets them to the inactive split bytes it finds.
+  for (auto& x : m.sampling_.inactive_split_peak) x = 0;
   statistics& s = m.stats_;
   m.growth_.reserved_high_water =
       m.reserved_high_water_locked();  // the growth policy keeps its peak
-  for (stat* x : {&s.reserved_bytes, &s.inactive_split_bytes, &s.segment}) x->reset_peak();
+  for (std::size_t k = 0; k < k_kinds; ++k) {
+    pool_statistics& x = detail::kind_stats(s, k);
+    for (stat* y : {&x.reserved_bytes, &x.inactive_split_bytes, &x.segment}) y->reset_peak();
+  }
 }
 
 std::size_t caching_allocator::largest_free_block_bytes() const {
@@ -159,7 +175,15 @@ memory_snapshot caching_allocator::snapshot() const {
   for (auto& [h, st] : m.streams_.states) locks.emplace_back(st->mu);
   // The statistics under the same locks as the walk: one state.
   snap.stats = collect_stats(m, [](impl::stream_state&) { return 0; });
-  for (auto& [base, seg] : m.streams_.segments) {
+  // Every segment counted in the statistics: those in the segment map and those being freed
+  // with mu_ dropped (release.cpp), in address order.
+  std::vector<const segment*> segs;
+  segs.reserve(m.streams_.segments.size() + m.releases_.releasing_segments.size());
+  for (auto& [base, seg] : m.streams_.segments) segs.push_back(seg);
+  for (const segment* seg : m.releases_.releasing_segments) segs.push_back(seg);
+  std::sort(segs.begin(), segs.end(),
+            [](const segment* a, const segment* b) { return a->base < b->base; });
+  for (const segment* seg : segs) {
     segment_snapshot ss;
     ss.address = seg->base;
     ss.size_bytes = seg->size;

@@ -145,10 +145,19 @@ void caching_allocator::impl::check_stream_locked(const stream_state& st, census
         (b->state != block_state::active && b->state != block_state::quick_cached))
       fail("active map holds a block of another stream, or one neither active nor quick-cached");
   });
-  c.stat_allocated_bytes += st.stats.allocated_bytes.current;
-  c.stat_active_bytes += st.stats.allocated_bytes.current + st.stats.pending_bytes.current;
-  if (st.cur_allocated.load() != st.stats.allocated_bytes.current)
-    fail("allocated mirror disagrees");
+  const detail::stream_kind_stats& all = st.stats.by[detail::k_all];
+  c.stat_allocated_bytes += all.allocated_bytes.current;
+  c.stat_active_bytes += all.allocated_bytes.current + all.pending_bytes.current;
+  if (st.mirror.allocated_total() != all.allocated_bytes.current ||
+      st.mirror.pending_total() != all.pending_bytes.current)
+    fail("allocated or pending mirror disagrees");
+  const detail::stream_kind_stats& small = st.stats.by[detail::kind_of(true)];
+  const detail::stream_kind_stats& large = st.stats.by[detail::kind_of(false)];
+  if (small.allocation.current + large.allocation.current != all.allocation.current ||
+      small.requested_bytes.current + large.requested_bytes.current !=
+          all.requested_bytes.current ||
+      small.pending.current + large.pending.current != all.pending.current)
+    fail("a stream's small and large pool counters do not add up to its total");
 }
 
 void caching_allocator::impl::check_releasing_segments_locked(census& c) const {

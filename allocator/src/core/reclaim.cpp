@@ -282,7 +282,7 @@ block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rou
   target->mapped = true;
   dst->mapped_bytes += total;
   if (fresh != 0) {
-    stats_.reserved_bytes.increase(static_cast<std::int64_t>(fresh));
+    detail::add_reserved(stats_, dst->small, static_cast<std::int64_t>(fresh));
     trace(trace_action::segment_map, at, fresh, p.stream);
   }
   stats_.release_reclaimed_bytes += aliased;

@@ -314,7 +314,7 @@ std::size_t caching_allocator::impl::account_release_locked(block* b, bool relea
     b->aliased = false;
     b->ghost_owned = 0;
     if (owned != 0) {
-      stats_.reserved_bytes.decrease(static_cast<std::int64_t>(owned));
+      detail::sub_reserved(stats_, seg->small, static_cast<std::int64_t>(owned));
       stats_.bytes_released += owned;
       note_headroom_locked();
     }
@@ -327,7 +327,7 @@ std::size_t caching_allocator::impl::account_release_locked(block* b, bool relea
   }
   // Memory still mapped at an address queued for release (reclaim.cpp) is not back yet.
   const std::size_t bytes = b->size - (seg->expandable ? unghost_locked(b->addr, b->size) : 0);
-  stats_.reserved_bytes.decrease(static_cast<std::int64_t>(bytes));
+  detail::sub_reserved(stats_, seg->small, static_cast<std::int64_t>(bytes));
   note_headroom_locked();
   stats_.bytes_released += bytes;
   if (seg->expandable) {
@@ -343,7 +343,7 @@ std::size_t caching_allocator::impl::account_release_locked(block* b, bool relea
     trace(trace_action::segment_free, b->addr, bytes, seg->stream);
     detail::log().debug("device {}: segment_free {} bytes at {:#x}", backend_.device(), bytes,
                         b->addr);
-    stats_.segment.decrease(1);
+    detail::sub_segment(stats_, seg->small);
     recycle_block(owner, b);
     --owner.segments;
     delete seg;

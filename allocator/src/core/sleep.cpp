@@ -205,7 +205,7 @@ std::size_t caching_allocator::impl::unmap_paused_locked(
         stats_.num_device_free += forget_chunks(seg, ps.runs[r].first, ps.runs[r].second);
         ghosted += unghost_locked(ps.runs[r].first, ps.runs[r].second);
       }
-      stats_.reserved_bytes.decrease(static_cast<std::int64_t>(bytes - ghosted));
+      detail::sub_reserved(stats_, seg->small, static_cast<std::int64_t>(bytes - ghosted));
       stats_.bytes_released += bytes - ghosted;
       trace(trace_action::segment_unmap, seg->base, bytes, seg->stream);
       released += bytes;

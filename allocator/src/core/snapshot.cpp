@@ -104,21 +104,7 @@ void write_statistics_json(std::ostream& os, const statistics& s) {
     first = false;
     return os;
   };
-  auto put_stat = [&](const char* name, const stat& st) {
-    const std::string base = std::string(name) + ".all.";
-    key(base + "current") << st.current;
-    key(base + "peak") << st.peak;
-    key(base + "allocated") << st.allocated;
-    key(base + "freed") << st.freed;
-  };
-  put_stat("allocated_bytes", s.allocated_bytes);
-  put_stat("reserved_bytes", s.reserved_bytes);
-  put_stat("active_bytes", s.active_bytes);
-  put_stat("inactive_split_bytes", s.inactive_split_bytes);
-  put_stat("requested_bytes", s.requested_bytes);
-  put_stat("allocation", s.allocation);
-  put_stat("segment", s.segment);
-  put_stat("active", s.active);
+  for_each_counter(s, [&](const std::string& name, std::int64_t value) { key(name) << value; });
   key("num_alloc_retries") << s.num_alloc_retries;
   key("num_ooms") << s.num_ooms;
   key("num_device_alloc") << s.num_device_alloc;

@@ -8,20 +8,9 @@ namespace streamsafe {
 
 std::string statistics::to_string() const {
   std::ostringstream os;
-  auto put_stat = [&](const char* name, const stat& s) {
-    os << name << ".all.current: " << s.current << '\n'
-       << name << ".all.peak: " << s.peak << '\n'
-       << name << ".all.allocated: " << s.allocated << '\n'
-       << name << ".all.freed: " << s.freed << '\n';
-  };
-  put_stat("allocated_bytes", allocated_bytes);
-  put_stat("reserved_bytes", reserved_bytes);
-  put_stat("active_bytes", active_bytes);
-  put_stat("inactive_split_bytes", inactive_split_bytes);
-  put_stat("requested_bytes", requested_bytes);
-  put_stat("allocation", allocation);
-  put_stat("segment", segment);
-  put_stat("active", active);
+  for_each_counter(*this, [&](const std::string& key, std::int64_t value) {
+    os << key << ": " << value << '\n';
+  });
   os << "num_alloc_retries: " << num_alloc_retries << '\n'
      << "num_ooms: " << num_ooms << '\n'
      << "num_device_alloc: " << num_device_alloc << '\n'

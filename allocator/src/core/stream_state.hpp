@@ -78,7 +78,7 @@ struct alignas(64) stream_state {
   std::vector<pending_event> idle_fence;
   std::uint32_t idle_fence_id = 0;
   // Mirrors of stats' current values, read without the lock to sample device-wide peaks.
-  std::atomic<std::int64_t> cur_allocated{0}, cur_pending{0}, cur_requested{0};
+  detail::stat_mirror mirror;
   std::atomic<bool> alive{true};
   // The handle this state serves, for the threads' stream caches (a per-thread stream's
   // handle, cudaStreamPerThread, for its key's state): a retired state (reused for another

@@ -159,7 +159,8 @@ void caching_allocator::impl::retire_dead_streams_locked() {
     bool empty = false;
     {
       detail::lock_guard<stream_lock> slk(st->mu);
-      empty = st->segments == 0 && st->stats.allocation.current == 0 && st->pending.empty();
+      empty = st->segments == 0 && st->stats.by[detail::k_all].allocation.current == 0 &&
+              st->pending.empty();
       if (empty) {
         st->cache_key.store(detail::k_tombstone_stream, std::memory_order_release);
         // Its totals stay in stats() (which sums streams_.states and stats_); its peaks are in the
@@ -169,11 +170,15 @@ void caching_allocator::impl::retire_dead_streams_locked() {
           to.freed += from.total - from.current;
         };
         const detail::stream_stats& x = st->stats;
-        fold(stats_.allocated_bytes, x.allocated_bytes);
-        fold(stats_.requested_bytes, x.requested_bytes);
-        fold(stats_.allocation, x.allocation);
-        fold(stats_.active_bytes, x.allocated_bytes);
-        fold(stats_.active, x.allocation);
+        for (std::size_t k = 0; k < detail::k_kinds; ++k) {
+          pool_statistics& to = detail::kind_stats(stats_, k);
+          const detail::stream_kind_stats& from = x.by[k];
+          fold(to.allocated_bytes, from.allocated_bytes);
+          fold(to.requested_bytes, from.requested_bytes);
+          fold(to.allocation, from.allocation);
+          fold(to.active_bytes, from.allocated_bytes);
+          fold(to.active, from.allocation);
+        }
         stats_.events_recorded += x.events_recorded;
         stats_.stream_waits += x.stream_waits;
         st->stats = detail::stream_stats{};
@@ -263,23 +268,26 @@ caching_allocator::impl::stream_state* caching_allocator::impl::owner_locked(con
 
 void detail::peak_sampler::sample() noexcept {
   // Called after an allocation that may set a device-wide peak (allocate.cpp).
-  std::int64_t allocated = 0, active = 0, requested = 0;
+  // sum[q][kind]: the device-wide value of quantity q in the small (0) and large (1) pools.
+  std::int64_t sum[k_sampled][2] = {};
   const std::size_t n = count.load(std::memory_order_acquire);
   for (std::size_t i = 0; i < n; ++i) {
-    const stream_state* st = table[i].load(std::memory_order_acquire);
-    allocated += st->cur_allocated.load(std::memory_order_relaxed);
-    active += st->cur_allocated.load(std::memory_order_relaxed) +
-              st->cur_pending.load(std::memory_order_relaxed);
-    requested += st->cur_requested.load(std::memory_order_relaxed);
-  }
-  auto raise = [](std::atomic<std::int64_t>& peak, std::int64_t v) {
-    std::int64_t cur = peak.load(std::memory_order_relaxed);
-    while (v > cur && !peak.compare_exchange_weak(cur, v, std::memory_order_relaxed)) {
+    const stat_mirror& m = table[i].load(std::memory_order_acquire)->mirror;
+    for (std::size_t j = 0; j < 2; ++j) {
+      const std::int64_t allocated = m.allocated_bytes[j].load(std::memory_order_relaxed);
+      const std::int64_t allocation = m.allocation[j].load(std::memory_order_relaxed);
+      sum[s_allocated_bytes][j] += allocated;
+      sum[s_requested_bytes][j] += m.requested_bytes[j].load(std::memory_order_relaxed);
+      sum[s_allocation][j] += allocation;
+      sum[s_active_bytes][j] += allocated + m.pending_bytes[j].load(std::memory_order_relaxed);
+      sum[s_active][j] += allocation + m.pending[j].load(std::memory_order_relaxed);
     }
-  };
-  raise(peak_allocated, allocated);
-  raise(peak_active, active);
-  raise(peak_requested, requested);
+  }
+  for (std::size_t q = 0; q < k_sampled; ++q) {
+    raise(peak[q][k_all], sum[q][0] + sum[q][1]);
+    raise(peak[q][kind_of(true)], sum[q][0]);
+    raise(peak[q][kind_of(false)], sum[q][1]);
+  }
 }
 
 caching_allocator::impl::stream_state* caching_allocator::impl::cached_live_state(

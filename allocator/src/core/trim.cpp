@@ -35,8 +35,7 @@ std::size_t caching_allocator::trim(std::size_t bytes_to_keep) {
   m.prepare_release_locked();
   std::int64_t allocated = 0;
   for (auto& [s, st] : m.streams_.states) {
-    allocated += st->cur_allocated.load(std::memory_order_relaxed) +
-                 st->cur_pending.load(std::memory_order_relaxed);
+    allocated += st->mirror.allocated_total() + st->mirror.pending_total();
   }
   const std::int64_t cached = m.stats_.reserved_bytes.current - allocated -
                               static_cast<std::int64_t>(m.releases_.deferred_bytes);

@@ -71,7 +71,7 @@ bool caching_allocator::impl::resume_segment_locked(tag_state& t, paused_segment
     seg->paused_bytes -= given_back;
     seg->paused = false;
   }
-  stats_.reserved_bytes.increase(static_cast<std::int64_t>(given_back));
+  detail::add_reserved(stats_, seg->small, static_cast<std::int64_t>(given_back));
   if (given_back != 0) trace(trace_action::segment_map, seg->base, given_back, seg->stream);
   if (std::find(w.owners.begin(), w.owners.end(), seg->stream) == w.owners.end())
     w.owners.push_back(seg->stream);

@@ -6,10 +6,18 @@
 //   reserved   bytes held from the driver (segments; mapped chunks of expandable segments)
 //   inactive_split  free bytes in segments that also hold active blocks (fragmentation)
 //   requested  bytes asked for (before rounding)
+// Each counter is kept for every pool ("all", the statistics object itself) and for each pool
+// kind, PyTorch's split: small_pool (blocks of requests up to 1 MiB, in segments of small pools)
+// and large_pool (the rest); a block or segment counts in the kind of the pool that holds it,
+// tagged and graph (capture) pools included, so small_pool + large_pool == all for current,
+// allocated and freed. Peaks are device-wide high-water marks of the sum over every stream (sampled
+// after each allocation, streams.cpp), never below the current value; inactive_split_bytes' peak is
+// the largest value any stats() or snapshot() call has seen.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 namespace streamsafe {
 
@@ -31,9 +39,15 @@ struct stat {
   void reset_peak() noexcept { peak = current; }
 };
 
-struct statistics {
+// The counters of one pool kind, or of all pools (statistics derives from it).
+struct pool_statistics {
   stat allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes;
-  stat allocation, segment, active;        // counts of blocks / segments
+  stat allocation, segment, active;  // counts of blocks / segments
+};
+
+struct statistics : pool_statistics {      // the inherited counters: every pool ("all")
+  pool_statistics small_pool;              // PyTorch's "small_pool": requests up to 1 MiB
+  pool_statistics large_pool;              // PyTorch's "large_pool": larger requests
   std::uint64_t num_alloc_retries = 0;     // allocations that released cache and retried
   std::uint64_t num_ooms = 0;              // out_of_memory thrown
   std::uint64_t num_device_alloc = 0;      // segment allocations / chunk maps from the driver
@@ -60,5 +74,33 @@ struct statistics {
 
   std::string to_string() const;  // "key: value" lines, PyTorch's key names
 };
+
+// Calls f(key, value) for every counter of s under PyTorch's key, in PyTorch's order:
+// "<counter>.<all|small_pool|large_pool>.<current|peak|allocated|freed>".
+template <class F>
+void for_each_counter(const statistics& s, F&& f) {
+  const pool_statistics* kinds[] = {&s, &s.small_pool, &s.large_pool};
+  const char* kind_names[] = {"all", "small_pool", "large_pool"};
+  using member = stat pool_statistics::*;
+  const std::pair<const char*, member> counters[] = {
+      {"allocated_bytes", &pool_statistics::allocated_bytes},
+      {"reserved_bytes", &pool_statistics::reserved_bytes},
+      {"active_bytes", &pool_statistics::active_bytes},
+      {"inactive_split_bytes", &pool_statistics::inactive_split_bytes},
+      {"requested_bytes", &pool_statistics::requested_bytes},
+      {"allocation", &pool_statistics::allocation},
+      {"segment", &pool_statistics::segment},
+      {"active", &pool_statistics::active}};
+  for (const auto& [name, field] : counters) {
+    for (std::size_t k = 0; k < 3; ++k) {
+      const stat& x = kinds[k]->*field;
+      const std::string base = std::string(name) + '.' + kind_names[k] + '.';
+      f(base + "current", x.current);
+      f(base + "peak", x.peak);
+      f(base + "allocated", x.allocated);
+      f(base + "freed", x.freed);
+    }
+  }
+}
 
 }  // namespace streamsafe

@@ -85,6 +85,10 @@ using c10::MempoolId_t;
 constexpr int max_devices = streamsafe::cuda::allocator::max_devices;
 constexpr std::size_t aggregate = static_cast<std::size_t>(
     c10::CachingAllocator::StatType::AGGREGATE);
+constexpr std::size_t small_pool_type = static_cast<std::size_t>(
+    c10::CachingAllocator::StatType::SMALL_POOL);
+constexpr std::size_t large_pool_type = static_cast<std::size_t>(
+    c10::CachingAllocator::StatType::LARGE_POOL);
 
 inline std::uint64_t now_us() {
   return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
@@ -186,22 +190,30 @@ class torch_allocator final : public cca::CUDAAllocator {
       std::lock_guard<std::mutex> lock(base_mu_);
       base = stats_base_[static_cast<std::size_t>(device)];
     }
-    auto put = [](c10::CachingAllocator::StatArray& a, const streamsafe::stat& v,
-                  const streamsafe::stat& b) {
-      auto& d = a[aggregate];
-      d.current = v.current;
-      d.peak = v.peak;
-      d.allocated = v.allocated - b.allocated;
-      d.freed = v.freed - b.freed;
-    };
-    put(out.allocation, s.allocation, base.allocation);
-    put(out.segment, s.segment, base.segment);
-    put(out.active, s.active, base.active);
-    put(out.allocated_bytes, s.allocated_bytes, base.allocated_bytes);
-    put(out.reserved_bytes, s.reserved_bytes, base.reserved_bytes);
-    put(out.active_bytes, s.active_bytes, base.active_bytes);
-    put(out.inactive_split_bytes, s.inactive_split_bytes, base.inactive_split_bytes);
-    put(out.requested_bytes, s.requested_bytes, base.requested_bytes);
+    // PyTorch's StatType order: AGGREGATE, SMALL_POOL, LARGE_POOL (streamsafe's pool kinds,
+    // with the same 1 MiB boundary).
+    using kind = streamsafe::pool_statistics;
+    const std::pair<const kind*, const kind*> kinds[] = {
+        {&s, &base}, {&s.small_pool, &base.small_pool}, {&s.large_pool, &base.large_pool}};
+    constexpr std::size_t type_of[] = {aggregate, small_pool_type, large_pool_type};
+    for (std::size_t k = 0; k < 3; ++k) {
+      const auto [v, b] = kinds[k];
+      auto put = [&](c10::CachingAllocator::StatArray& a, streamsafe::stat kind::*field) {
+        auto& d = a[type_of[k]];
+        d.current = (v->*field).current;
+        d.peak = (v->*field).peak;
+        d.allocated = (v->*field).allocated - (b->*field).allocated;
+        d.freed = (v->*field).freed - (b->*field).freed;
+      };
+      put(out.allocation, &kind::allocation);
+      put(out.segment, &kind::segment);
+      put(out.active, &kind::active);
+      put(out.allocated_bytes, &kind::allocated_bytes);
+      put(out.reserved_bytes, &kind::reserved_bytes);
+      put(out.active_bytes, &kind::active_bytes);
+      put(out.inactive_split_bytes, &kind::inactive_split_bytes);
+      put(out.requested_bytes, &kind::requested_bytes);
+    }
     out.num_alloc_retries = static_cast<int64_t>(s.num_alloc_retries - base.num_alloc_retries);
     out.num_ooms = static_cast<int64_t>(s.num_ooms - base.num_ooms);
     out.num_sync_all_streams = static_cast<int64_t>(s.num_sync_all_streams -

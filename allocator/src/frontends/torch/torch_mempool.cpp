@@ -209,14 +209,21 @@ streamsafe::statistics torch_allocator::device_stats(c10::DeviceIndex device) {
   for (const auto& inst : instances()) {
     if (inst->device != device) continue;
     const streamsafe::statistics x = inst->alloc->stats(device);
-    for (auto [to, from] :
-         {std::pair{&s.allocation, &x.allocation}, std::pair{&s.segment, &x.segment},
-          std::pair{&s.active, &x.active}, std::pair{&s.allocated_bytes, &x.allocated_bytes},
-          std::pair{&s.reserved_bytes, &x.reserved_bytes},
-          std::pair{&s.active_bytes, &x.active_bytes},
-          std::pair{&s.inactive_split_bytes, &x.inactive_split_bytes},
-          std::pair{&s.requested_bytes, &x.requested_bytes}})
-      add_stat(*to, *from);
+    // Every pool, then each kind (small_pool, large_pool).
+    for (auto [sk, xk] :
+         {std::pair<streamsafe::pool_statistics*, const streamsafe::pool_statistics*>{&s, &x},
+          {&s.small_pool, &x.small_pool},
+          {&s.large_pool, &x.large_pool}}) {
+      for (auto [to, from] :
+           {std::pair{&sk->allocation, &xk->allocation}, std::pair{&sk->segment, &xk->segment},
+            std::pair{&sk->active, &xk->active},
+            std::pair{&sk->allocated_bytes, &xk->allocated_bytes},
+            std::pair{&sk->reserved_bytes, &xk->reserved_bytes},
+            std::pair{&sk->active_bytes, &xk->active_bytes},
+            std::pair{&sk->inactive_split_bytes, &xk->inactive_split_bytes},
+            std::pair{&sk->requested_bytes, &xk->requested_bytes}})
+        add_stat(*to, *from);
+    }
     s.num_alloc_retries += x.num_alloc_retries;
     s.num_ooms += x.num_ooms;
     s.num_device_alloc += x.num_device_alloc;
