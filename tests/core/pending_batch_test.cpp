@@ -82,7 +82,7 @@ TEST_CASE("Cross-stream frees are retired in batches: one event query proves man
     env.dev.advance(50);  // both streams finish their work before the next round
   }
   const auto queries = env.dev.counters().event_queries - queries_before;
-  CHECK(env.alloc.stats().events_recorded == k_rounds * k_blocks);
+  CHECK(env.alloc.stats().events_recorded == static_cast<std::uint64_t>(k_rounds) * k_blocks);
   // Querying each block's event (PyTorch's process_events) makes one query a block; the newest
   // event on b proves the whole round's: one query a round.
   CHECK(queries <= k_rounds);
