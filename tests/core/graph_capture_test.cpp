@@ -430,3 +430,27 @@ TEST_CASE("simulated device: calls forbidden during a capture fault and invalida
   CHECK(dev.counters().graph_launches == 2);
   CHECK(dev.fault_count() == 0);
 }
+
+TEST_CASE(
+    "K11: a stream the allocator never saw, capturing while another capture is announced, is "
+    "served from a private pool: its block is not reused while its graph may replay",
+    "[core][graph][cases][K11]") {
+  const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
+  INFO("backend " << name_of(backend));
+  capture_env env(backend);
+  env.begin();                             // the announced capture on s
+  const auto t = env.dev.create_stream();  // unknown to the allocator until it allocates
+  env.dev.begin_capture(t);
+  void* p = env.alloc.allocate(64 * KiB, t);  // inside t's capture
+  env.dev.launch(t, 10, {writes(p, 64 * KiB)}, "captured write");
+  env.alloc.deallocate(p);
+  const std::uint64_t graph = env.dev.end_capture(t);
+  env.end();
+  env.alloc.reclaim();  // sees t's capture ended
+  const auto replay = env.dev.create_stream();
+  env.dev.launch_graph(graph, replay);  // the graph writes p again, on another stream
+  void* q = env.alloc.allocate(64 * KiB, t);
+  env.dev.launch(t, 10, {writes(q, 64 * KiB)}, "next owner");
+  CHECK(q != p);
+  env.finish();
+}
