@@ -435,9 +435,8 @@ TEST_CASE(
     "K11: a stream the allocator never saw, capturing while another capture is announced, is "
     "served from a private pool: its block is not reused while its graph may replay",
     "[core][graph][cases][K11]") {
-  const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
-  INFO("backend " << name_of(backend));
-  capture_env env(backend);
+  capture_env env(GENERATE(backend_kind::cuda_malloc, backend_kind::expandable));
+  INFO("backend " << name_of(env.alloc.config().backend));
   env.begin();                             // the announced capture on s
   const auto t = env.dev.create_stream();  // unknown to the allocator until it allocates
   env.dev.begin_capture(t);
