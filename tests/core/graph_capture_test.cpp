@@ -12,6 +12,7 @@
 #include <chrono>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 using namespace streamsafe;
@@ -42,7 +43,7 @@ struct capture_env : sim_env {
   stream_handle s, other;
   explicit capture_env(backend_kind backend) : capture_env(make_options(backend)) {}
   explicit capture_env(options o, sim::device_config c = sim_config())
-      : sim_env(o, c), s(dev.create_stream()), other(dev.create_stream()) {
+      : sim_env(o, std::move(c)), s(dev.create_stream()), other(dev.create_stream()) {
     alloc.allocate(4 * KiB, other);
   }
   void begin() {
