@@ -10,9 +10,9 @@
 // Time: host wall-clock per iteration (real_time). Counters: ns_per_pair, Mpairs_per_s,
 // streamsafe's events_per_pair and
 // stream_waits_per_pair; same_block_reused (fraction of iterations that got the previous block
-// back: about 0 for streamsafe, which serves the next block from its pool and retires the blocks
-// waiting for stream B in batches, one event query per batch). The target: record_stream + free
-// at most 1 us.
+// back: about 1 for streamsafe since the allocation whose free block would be split asks whether
+// the pending block is done, one event query, as PyTorch's allocator; the batches of pending
+// blocks still need one query each). The target: record_stream + free at most 1 us.
 #ifndef STREAMSAFE_BENCH_SIM
 #include "allocators.hpp"
 

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 using namespace streamsafe;
@@ -42,7 +43,7 @@ struct capture_env : sim_env {
   stream_handle s, other;
   explicit capture_env(backend_kind backend) : capture_env(make_options(backend)) {}
   explicit capture_env(options o, sim::device_config c = sim_config())
-      : sim_env(o, c), s(dev.create_stream()), other(dev.create_stream()) {
+      : sim_env(o, std::move(c)), s(dev.create_stream()), other(dev.create_stream()) {
     alloc.allocate(4 * KiB, other);
   }
   void begin() {
@@ -429,4 +430,27 @@ TEST_CASE("simulated device: calls forbidden during a capture fault and invalida
   CHECK(dev.value_at(addr(seg)) == std::optional<std::uint8_t>(9));
   CHECK(dev.counters().graph_launches == 2);
   CHECK(dev.fault_count() == 0);
+}
+
+TEST_CASE(
+    "K11: a stream the allocator never saw, capturing while another capture is announced, is "
+    "served from a private pool: its block is not reused while its graph may replay",
+    "[core][graph][cases][K11]") {
+  capture_env env(GENERATE(backend_kind::cuda_malloc, backend_kind::expandable));
+  INFO("backend " << name_of(env.alloc.config().backend));
+  env.begin();                             // the announced capture on s
+  const auto t = env.dev.create_stream();  // unknown to the allocator until it allocates
+  env.dev.begin_capture(t);
+  void* p = env.alloc.allocate(64 * KiB, t);  // inside t's capture
+  env.dev.launch(t, 10, {writes(p, 64 * KiB)}, "captured write");
+  env.alloc.deallocate(p);
+  const std::uint64_t graph = env.dev.end_capture(t);
+  env.end();
+  env.alloc.reclaim();  // sees t's capture ended
+  const auto replay = env.dev.create_stream();
+  env.dev.launch_graph(graph, replay);  // the graph writes p again, on another stream
+  void* q = env.alloc.allocate(64 * KiB, t);
+  env.dev.launch(t, 10, {writes(q, 64 * KiB)}, "next owner");
+  CHECK(q != p);
+  env.finish();
 }

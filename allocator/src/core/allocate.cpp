@@ -1,13 +1,16 @@
 // streamsafe core: the allocation order.
 //
 // For a rounded request on stream s (pool = s's small or large pool):
-//   1. (the fast path, s's stream lock alone) a good fit among the pool's free blocks
-//      (segregated lists, free_lists.hpp), after an exact-size block from the quick cache; with
-//      the cuda_malloc backend a whole free segment far larger than a large request is skipped
-//      (segment_fit.hpp) for the best block that may be split; then, once the pending blocks
-//      whose events have completed are retired (process_events_locked), a block pending other
-//      streams' uses, behind a stream wait on its events, unless the growth policy's hint says
-//      the pool can grow without raising the peak (the slow path decides);
+//   1. (the fast path, s's stream lock alone) an exact-size block from the quick cache, else a
+//      good fit among the pool's free blocks (segregated lists, free_lists.hpp; with the
+//      cuda_malloc backend a whole free segment far larger than a large request is skipped,
+//      segment_fit.hpp, for the best block that may be split). When that fit would be split
+//      while a pending block might fit better, or when nothing fits, the pending blocks whose
+//      events have completed are retired first (process_events_locked; as in PyTorch, a block
+//      freed with record_stream uses comes back as soon as they are done) and the fit is taken
+//      again; if still nothing fits, a block pending other streams' uses, behind a stream wait
+//      on its events, unless the growth policy's hint says the pool can grow without raising
+//      the peak (the slow path decides);
 //   2. (allocate_slow: mu_, then s's lock) the host frees since the last reuse fence
 //      (reuse_fence:all_streams: one wait of s per other known stream, free.cpp), the pool's
 //      free blocks again, then the growth policy: growth_policy.cpp, expand_pool_locked, which
@@ -130,6 +133,14 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
       m.process_events_locked(st);
     pool* p = tag == 0 ? &pool_of(st, small) : tagged_pool(st, small, tag);
     block* b = p ? m.take_cached_fit_locked(*p, rounded) : nullptr;
+    if (b && b->size != rounded && st.pending.may_hold_size(rounded, b->size) &&
+        !callback_scope::active()) {
+      // A split, while a pending block might fit better: the blocks whose uses have completed
+      // come back first, so that a block freed with record_stream uses is reused as soon as
+      // they are done (as PyTorch's allocator does); an exact fit (the quick cache) asks nothing.
+      m.process_events_locked(st);
+      b = m.best_fit(*p, rounded);
+    }
     if (p && !b && !st.pending.empty() && !callback_scope::active()) {
       m.process_events_locked(st);
       b = m.best_fit(*p, rounded);

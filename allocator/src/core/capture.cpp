@@ -8,6 +8,7 @@
 //  * capture_.captures lists the captures underway: announced (notify_capture_begin) or
 //    detected on a slow path (backend_.stream_is_capturing of each known stream);
 //    captures_underway_ mirrors its size so that the fast paths test it without the device lock.
+//    A stream first seen by an allocation during another capture is asked there too.
 //  * While any capture is underway: no fence, no release, no event query, no stream wait (the
 //    pending lists, the deferred queue and empty_cache wait; an empty_cache asked for runs in
 //    defer mode when the last capture ends); allocations are served only from memory that is
@@ -275,7 +276,15 @@ void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, 
                                                               std::size_t rounded, bool small,
                                                               stream_handle stream) {
   stream_state* target = nullptr;
-  if (const detail::capture_record* c = capture_.find(stream)) {
+  const detail::capture_record* c = capture_.find(stream);
+  if (!c && stream_capturing(stream)) {
+    // A stream the detection did not see (unknown to the allocator until now) that captures: a
+    // capture of its own, detected here, as detect_captures_locked does for known streams (its
+    // memory must not serve anyone else while its graph may replay).
+    begin_capture_locked(stream, true);
+    c = capture_.find(stream);
+  }
+  if (c) {
     target = graph_state_locked(c->pool);
   } else {
     target = &get_or_create_stream_locked(stream);

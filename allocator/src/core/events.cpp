@@ -95,6 +95,7 @@ void caching_allocator::impl::process_events_locked(stream_state& st) {
   // recorded for it from another thread lies under stream 0, where it was recorded.
   constexpr int k_streams = 8;
   stream_handle asked[k_streams];
+  event_handle newest[k_streams];  // the event queried for each stream
   bool done[k_streams];
   int n = 0;
   auto slot = [&](stream_handle s) {
@@ -112,6 +113,7 @@ void caching_allocator::impl::process_events_locked(stream_state& st) {
       if (n == k_streams) break;
       if (e.stream == detail::k_tombstone_stream || slot(e.stream) >= 0) continue;
       asked[n] = e.stream;
+      newest[n] = e.event;
       done[n++] = backend_.query_event(e.event);
     }
   }
@@ -123,7 +125,8 @@ void caching_allocator::impl::process_events_locked(stream_state& st) {
     for (const auto& e : b->events) {
       const int i = e.stream == detail::k_tombstone_stream ? -1 : slot(e.stream);
       if (i >= 0 && done[i]) continue;
-      if (!backend_.query_event(e.event)) return;
+      if ((i >= 0 && newest[i] == e.event) || !backend_.query_event(e.event))
+        return;  // (the newest event, already found busy, is not asked again)
     }
     retire_pending_locked(st, b);
   }
