@@ -63,8 +63,9 @@ struct segment_snapshot {
   stream_handle stream = 0;      // the pool's stream
   snapshot_pool pool = snapshot_pool::large;
   bool expandable = false;
-  std::string tag;                     // the tag of its memory ("" untagged; core/sleep.hpp)
-  std::size_t paused_bytes = 0;        // given back by pause: mapped again at resume
+  std::string tag;               // the tag of its memory ("" untagged; core/sleep.hpp)
+  std::size_t paused_bytes = 0;  // given back by pause: mapped again at resume
+  std::uint64_t graph = 0;  // the CUDA graph whose private pool holds it (its capture id), or 0
   std::vector<block_snapshot> blocks;  // in address order, tiling [address, address+size_bytes)
 
   std::size_t bytes_in(snapshot_block_state state) const noexcept;
