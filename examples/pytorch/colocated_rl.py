@@ -79,6 +79,7 @@ PRESETS = {
 SS_CONF = "backend:expandable,empty_cache:defer"
 UNSAFE_CONF = SS_CONF + ",release_fence:allocation_stream"
 TRAIN_TAGS = (("train_weights", "offload"), ("train_optim", "offload"), ("train_grads", "discard"))
+ENG_TAGS = ("eng_kv", "eng_graph")  # discarded by the engine's sleep (eng_weights: --engine-weights)
 
 
 class PeerAbort(RuntimeError):
@@ -169,6 +170,9 @@ class Engine:
         self.graph = None
         self.graph_note = ""
         self.kv = self.reserve = None
+        # One warm-up stream for every capture: a new stream per capture would leave a cuBLAS
+        # workspace behind for each (PyTorch keeps one per handle and stream).
+        self.warm_stream = torch.cuda.Stream(device=dev)
         torch.manual_seed(c["seed"] + 17)  # the engine's init is overwritten by the first hand-over
         m = build_gpt2(c)
         m.requires_grad_(False)  # inference only: no autograd graph in the decode step or its capture
@@ -218,14 +222,18 @@ class Engine:
         self.logits.copy_((tr.ln_f(x) @ tr.wte.weight.t()).float())
 
     def capture(self):
-        """The decode step in a CUDA graph (eager with a printed note if the capture fails)."""
+        """The decode step in a CUDA graph (eager with a printed note if the capture fails). Under
+        streamsafe the warm-up and the capture run under the tag eng_graph: the graph's private
+        pool (its intermediates and the capture stream's cuBLAS workspace) is then the tag's
+        memory, which the engine's sleep discards and its wake maps again at the same addresses
+        (every buffer in it is written by the graph before it is read)."""
         self.graph = None
         if not self.use_graph:
             self.graph_note = "eager (--no-graph)"
             return
         try:
-            with torch.no_grad():
-                s = torch.cuda.Stream()
+            with torch.no_grad(), self.tag("eng_graph"):
+                s = self.warm_stream
                 s.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(s):
                     for _ in range(2):
@@ -391,11 +399,17 @@ def setup_process(row, role, c):
     sst = None
     if row in ("streamsafe", "control", "unsafe"):
         import streamsafe.torch as sst
-        sst.install(UNSAFE_CONF if row == "unsafe" else SS_CONF)
+        conf = UNSAFE_CONF if row == "unsafe" else SS_CONF
+        sst.install(conf + ("," + c["ss_conf"] if c.get("ss_conf") else ""))
         if sst.installed() != "extension":
             raise RuntimeError("streamsafe.torch.install() did not install the extension")
     if not torch.cuda.is_available():
         raise RuntimeError("no CUDA GPU")
+    with contextlib.suppress(Exception):  # CUDA IPC of expandable memory passes descriptors
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -467,6 +481,53 @@ def wait_paused(sst, tags, stream, limit_s=90.0, also=None):
         if time.perf_counter() - t0 > limit_s:
             raise RuntimeError(f"pause of {tags} not finished after {limit_s} s: {sts}")
         time.sleep(0.0002)
+
+
+def clear_workspaces():
+    """Frees PyTorch's cuBLAS (and cuBLASLt) workspaces, one per handle and stream, which it
+    otherwise keeps for the life of the process: before a sleep they would stay resident. The
+    next matmul allocates its workspace again (under streamsafe: in the tag open then)."""
+    fn = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if fn is not None:
+        fn()
+
+
+def ss_breakdown(sst):
+    """What the process still holds on the device (streamsafe's segments), MiB by holder."""
+    b = sst.memory_breakdown()
+    mib = lambda v: round(v / MiB, 1)  # noqa: E731
+    out = {f"tag {t}": mib(v["mapped"]) for t, v in sorted(b["tags"].items()) if v["mapped"]}
+    for t, v in sorted(b["graph_pools"].items()):
+        if v["mapped"]:
+            out[f"graph pool {t or '(untagged)'}"] = mib(v["mapped"])
+    out["untagged live"] = mib(b["untagged"]["allocated"])
+    out["untagged cached"] = mib(b["untagged"]["mapped"] - b["untagged"]["allocated"])
+    out["reserved"] = mib(b["reserved"])
+    out["queued for release"] = mib(b["pending_release_bytes"])
+    out["ipc exports / imports open / closing"] = f"{b['ipc_exports']} / {b['ipc_imports']} / {b['ipc_closing']}"
+    return out
+
+
+def field_breakdown():
+    """The same from PyTorch's allocator (torch.cuda.memory_snapshot), MiB by holder."""
+    graph = live = cached = 0
+    for seg in torch.cuda.memory_snapshot():
+        pool = tuple(seg.get("segment_pool_id") or (0, 0))
+        if pool != (0, 0):
+            graph += seg["total_size"]
+        else:
+            live += seg["allocated_size"]
+            cached += seg["total_size"] - seg["allocated_size"]
+    mib = lambda v: round(v / MiB, 1)  # noqa: E731
+    return {"graph pools": mib(graph), "untagged live": mib(live), "untagged cached": mib(cached),
+            "reserved": mib(torch.cuda.memory_reserved())}
+
+
+def breakdown(sst):
+    try:
+        return ss_breakdown(sst) if sst is not None else field_breakdown()
+    except Exception as e:  # noqa: BLE001 - a diagnostic: reported, never fatal
+        return {"error": describe(e)}
 
 
 def resume_all(sst, tags):
@@ -576,8 +637,8 @@ def trainer_main(c, row, to_trainer, to_engine, results):
                 to_engine.put(dict(kind="weights", items=None))
             call = ms(t0)
             t1 = time.perf_counter()
-            t_recv(("copied",), "copied")
-            return call, ms(t1)
+            copied = t_recv(("copied",), "copied")
+            return call, ms(t1), copied.get("grew", 0)
 
         def sleep(rec, no_sleep=False):
             """Returns once the trainer's memory is back with the driver (rec gets the times)."""
@@ -588,8 +649,10 @@ def trainer_main(c, row, to_trainer, to_engine, results):
                 if row != "unsafe":
                     compute.wait_event(copy_done)  # the fence then covers the engine's copy
                 t0 = time.perf_counter()
+                clear_workspaces()  # tagged after the first step: the pause takes them
                 for t, mode in TRAIN_TAGS:
                     sst.pause(t, mode=mode, wait=False)
+                torch.cuda.empty_cache()  # untagged cache, fenced and queued (defer mode)
                 rec["pause_ms"] = ms(t0)
                 rec["back_ms"] = wait_paused(sst, [t for t, _ in TRAIN_TAGS], trainer.opt_stream,
                                              also=note_released)
@@ -599,12 +662,15 @@ def trainer_main(c, row, to_trainer, to_engine, results):
                 t0 = time.perf_counter()
                 torch.cuda.synchronize()
                 trainer.move_state("cpu")
+                clear_workspaces()
                 torch.cuda.ipc_collect()
                 torch.cuda.empty_cache()
                 rec["pause_ms"] = ms(t0)
                 rec["back_ms"] = 0.0
             rec["free_after"] = free_bytes()
             rec["reserved_after"] = torch.cuda.memory_reserved()
+            if rec["step"] < c["warmup"]:  # not in the measured steps: a snapshot takes time
+                out["left"] = dict(step=rec["step"], **breakdown(sst))
 
         def wake(rec):
             t0 = time.perf_counter()
@@ -616,7 +682,7 @@ def trainer_main(c, row, to_trainer, to_engine, results):
 
         # initial weights to the engine, then sleep
         rec0 = dict(step=-1)
-        hand_over()
+        _, _, rec0["engine_grew"] = hand_over()
         rec0["free_before"] = free_bytes()
         sleep(rec0)
         to_engine.put(dict(kind="asleep", rec=rec0))
@@ -636,7 +702,9 @@ def trainer_main(c, row, to_trainer, to_engine, results):
             rec["peak_reserved"] = torch.cuda.max_memory_reserved()
             torch.cuda.reset_peak_memory_stats()
             torch.cuda.empty_cache()
-            rec["handover_call_ms"], rec["handover_wait_ms"] = hand_over()
+            # engine_grew: what the engine mapped for the weights meanwhile (its wake of
+            # eng_weights), which the trainer's reclaimed share does not count against it
+            rec["handover_call_ms"], rec["handover_wait_ms"], rec["engine_grew"] = hand_over()
             sleep(rec, no_sleep=no_sleep)
             rec["phase_ms"] = ms(t_phase)
             if s == 0 and c["budget_bytes"] and not c["no_ballast"]:
@@ -718,11 +786,17 @@ def engine_main(c, row, to_trainer, to_engine, results):
         def release_imports():
             if held["items"] is not None and copy_done.query():
                 held["items"] = None
+                if ss:
+                    # The imports' mappings close once their release events completed (the copy
+                    # is done): now, rather than at the next allocator call that polls, so that
+                    # the trainer's paused weights are not kept alive by this process.
+                    sst.reclaim()
                 to_trainer.put(dict(kind="released", reserved=torch.cuda.memory_reserved()))
 
         def take_weights(rec):
             msg = recv(to_engine, ("weights",), role, "weights", c["msg_timeout"])
             t0 = time.perf_counter()
+            reserved0 = torch.cuda.memory_reserved()
             if discard_w:
                 if ss:
                     resume_all(sst, ["eng_weights"])
@@ -747,13 +821,14 @@ def engine_main(c, row, to_trainer, to_engine, results):
                     held["items"] = []
             copy_done.record(cur)
             rec["handover_ms"] = ms(t0)
+            grew = torch.cuda.memory_reserved() - reserved0
             if field:
                 torch.cuda.synchronize()  # the field's way before the trainer may offload
                 held["items"] = None
-                to_trainer.put(dict(kind="copied"))
+                to_trainer.put(dict(kind="copied", grew=grew))
                 to_trainer.put(dict(kind="released", reserved=torch.cuda.memory_reserved()))
             else:
-                to_trainer.put(dict(kind="copied"))
+                to_trainer.put(dict(kind="copied", grew=grew))
 
         def sleep(rec, no_sleep=False):
             rec["reserved_before"] = torch.cuda.memory_reserved()
@@ -762,9 +837,12 @@ def engine_main(c, row, to_trainer, to_engine, results):
                 return
             t0 = time.perf_counter()
             if ss:
-                sst.pause("eng_kv", mode="discard", wait=False)
+                clear_workspaces()  # tagged eng_kv after the first step, eng_graph for the graph's
+                for t in ENG_TAGS:  # the decode graph's replays may still be queued: fenced
+                    sst.pause(t, mode="discard", wait=False)
                 if discard_w:
                     sst.pause("eng_weights", mode="discard", wait=False)
+                torch.cuda.empty_cache()  # untagged cache, fenced and queued (defer mode)
             elif field:
                 torch.cuda.synchronize()
                 eng.drop_cache()
@@ -772,22 +850,25 @@ def engine_main(c, row, to_trainer, to_engine, results):
                     for p in eng.params.values():
                         p.shape_full = p.shape
                         p.data = torch.empty(0, dtype=eng.dtype, device=dev)
+                clear_workspaces()
                 torch.cuda.empty_cache()
             rec["pause_ms"] = ms(t0)
 
         def wait_back(rec):
             if ss:
-                tags = ["eng_kv"] + (["eng_weights"] if discard_w else [])
+                tags = list(ENG_TAGS) + (["eng_weights"] if discard_w else [])
                 rec["back_ms"] = wait_paused(sst, tags, cur)
             else:
                 rec["back_ms"] = 0.0
             rec["free_after"] = free_bytes()
             rec["reserved_after"] = torch.cuda.memory_reserved()
+            if rec["step"] < c["warmup"]:  # not in the measured steps: a snapshot takes time
+                out["left"] = dict(step=rec["step"], **breakdown(sst))
 
         def wake(rec):
             t0 = time.perf_counter()
             if ss:
-                resume_all(sst, ["eng_kv"])
+                resume_all(sst, list(ENG_TAGS))
             elif field:
                 eng.alloc_cache()
                 eng.capture()  # new addresses: the graph is captured again
@@ -982,7 +1063,10 @@ def summarize(row, res, codes, c, ref):
             free_train_gib=m(lambda st: st["trainer"]["free_before"] / GiB),
             e_footprint_gib=m(lambda st: fp_e(st) / GiB), t_footprint_gib=m(lambda st: fp_t(st) / GiB),
             e_reclaimed=m(lambda st: (st["free_after"] - st["free_before"]) / fp_e(st) if "free_after" in st else None),
-            t_reclaimed=m(lambda st: (st["trainer"]["free_after"] - st["trainer"]["free_before"]) / fp_t(st)
+            # The engine maps its weights again during the trainer's sleep (the hand-over): that
+            # growth is the engine's, added back to the trainer's gain.
+            t_reclaimed=m(lambda st: (st["trainer"]["free_after"] - st["trainer"]["free_before"]
+                                      + st["trainer"].get("engine_grew", 0)) / fp_t(st)
                           if "free_after" in st["trainer"] else None),
         )
         s["switch_ms"] = sum(s[k] for k in ("e_pause_ms", "e_back_ms", "e_resume_ms", "t_pause_ms", "t_back_ms",
@@ -993,6 +1077,7 @@ def summarize(row, res, codes, c, ref):
         s["tokens_equal"] = eng["tokens_hash"] == ref["tokens_hash"][:n] and n == len(ref["tokens_hash"])
         s["weights_equal"] = tr.get("weights_hash") == ref["weights_hash"]
         s["engine_weights_equal"] = eng.get("weights_hash") == ref.get("engine_weights_hash")
+    s["left"] = {role: by[role].get("left") for role in ("trainer", "engine") if by.get(role, {}).get("left")}
     s["oom"] = any(r.get("oom") for r in res)
     s["ok"] = not errors and bool(eng.get("ok")) and bool(tr.get("ok"))
     s["raw"] = res
@@ -1059,6 +1144,11 @@ def report(c, ref, rows):
         if s["row"] in ("streamsafe", "field") and s.get("step_ms"):
             print(f"  {s['row']}: awake footprints trainer {fmt(s['t_footprint_gib'])} GiB, engine "
                   f"{fmt(s['e_footprint_gib'])} GiB; hand-over {fmt(s['handover_ms'])} ms")
+        for role, left in (s.get("left") or {}).items():
+            left = dict(left)
+            step = left.pop("step", "?")
+            print(f"  {s['row']}: {role} still holds after its pause (step {step}, MiB): "
+                  + ", ".join(f"{k} {v}" for k, v in left.items()))
 
 
 def main():
@@ -1084,6 +1174,9 @@ def main():
     ap.add_argument("--no-cap", action="store_true", help="no set_per_process_memory_fraction")
     ap.add_argument("--no-graph", action="store_true", help="decode eagerly")
     ap.add_argument("--tail-sleep-cycles", type=int, help="torch.cuda._sleep per parameter in the SignSGD tail")
+    ap.add_argument("--ss-conf", default="",
+                    help="options added to streamsafe's configuration, e.g. expandable_chunk_mb:128 "
+                         "(fewer, larger driver mappings for pause and resume to give back and map)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--msg-timeout", type=float, default=90.0)
     ap.add_argument("--row-timeout", type=float)
@@ -1092,7 +1185,8 @@ def main():
 
     preset = "sanitize" if args.sanitize else ("quick" if args.quick else "full")
     c = dict(PRESETS[preset])
-    c.update(preset=preset, seed=args.seed, opt=args.opt, lr=args.lr, engine_weights=args.engine_weights,
+    c.update(preset=preset, seed=args.seed, ss_conf=args.ss_conf, opt=args.opt, lr=args.lr,
+             engine_weights=args.engine_weights,
              handover=args.handover, target=args.target, no_ballast=args.no_ballast or args.sanitize,
              no_cap=args.no_cap or args.sanitize, no_graph=args.no_graph, msg_timeout=args.msg_timeout,
              budget_bytes=0, reserve_bytes=0, cap_bytes=0)

@@ -3,6 +3,8 @@
 # extension (the gpu preset, target streamsafe_torch_ext only), then runs, each under its own time
 # limit, the steps named in STREAMSAFE_COLOCATED_STEPS (default "quick full"):
 #   quick     colocated_rl.py --quick: every row on a small model          -> colocated_quick.log
+#   chunks    the quick streamsafe row with expandable_chunk_mb:128 (pause and resume cost per
+#             driver mapping: fewer, larger ones)                        -> colocated_chunks.log
 #   full      colocated_rl.py: every row, the numbers of the docs          -> colocated_full.log
 #   tests     pytest tests/python/test_colocated.py                        -> colocated_tests.log
 #   unsafe    colocated_rl.py --quick --rows reference,unsafe --unsafe-release -> colocated_unsafe.log
@@ -50,6 +52,9 @@ ex=examples/pytorch/colocated_rl.py
 for s in $steps; do
   case $s in
     quick) run "quick" 120 "$OUT/colocated_quick.log" python3 $ex --quick --json "$OUT/colocated_quick.json" ;;
+    chunks) run "quick, 128 MiB chunks" 120 "$OUT/colocated_chunks.log" python3 $ex --quick \
+              --rows reference,streamsafe --ss-conf expandable_chunk_mb:128 \
+              --json "$OUT/colocated_chunks.json" ;;
     full) run "full" 420 "$OUT/colocated_full.log" python3 $ex --json "$OUT/colocated_full.json" ;;
     tests) run "pytest test_colocated" 420 "$OUT/colocated_tests.log" \
              python3 -m pytest -q -rA tests/python/test_colocated.py ;;

@@ -9,6 +9,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <stdexcept>
@@ -18,6 +22,18 @@
 using namespace streamsafe;
 using namespace streamsafe::test;
 using namespace std::chrono_literals;
+
+namespace {
+
+// The control of a fence that misses a stream: the unmap ran under the work queued behind
+// `hold`, and the device saw it. Lets the device run dry.
+void check_unmapped_under_held_work(sim_env& env, std::uint64_t hold) {
+  CHECK(count_faults(env.dev, sim::fault_kind::release_under_pending_work) > 0);
+  env.dev.open(hold);
+  env.dev.run_until_idle();
+}
+
+}  // namespace
 
 TEST_CASE("Tags: memory allocated under a tag_scope comes from the tag's own segments",
           "[core][sleep]") {
@@ -77,9 +93,7 @@ TEST_CASE("pause(discard) gives a tag's chunks back only after a side stream's p
   const pause_status st = env.alloc.pause("train", pause_mode::discard);
   if (unsafe) {
     // The fence covers only the allocation stream: the unmap runs under the pending read.
-    CHECK(count_faults(env.dev, sim::fault_kind::release_under_pending_work) > 0);
-    env.dev.open(hold);
-    env.dev.run_until_idle();
+    check_unmapped_under_held_work(env, hold);
     return;
   }
   CHECK(st.phase == tag_phase::pausing);
@@ -433,4 +447,166 @@ TEST_CASE("empty_cache_untagged releases untagged cached memory and leaves every
   CHECK(env.alloc.empty_cache("pool") >= 64 * MiB);
   CHECK(env.alloc.stats().reserved_bytes.current == 0);
   env.alloc.check_invariants();
+}
+
+TEST_CASE(
+    "A graph captured under a tag: its private pool is the tag's; pause(discard) gives it "
+    "back behind queued replays on any stream and resume keeps the graph valid",
+    "[core][sleep][graph]") {
+  // The decode step of a generation engine: captured once under the engine's tag, replayed on
+  // the engine's stream; the engine sleeps with replays still queued and wakes to replay the
+  // same graph at the same addresses. The graph writes its scratch before it reads it, so
+  // discard loses nothing the graph needs.
+  const fence_scope scope = GENERATE(fence_scope::all_streams, fence_scope::used_streams,
+                                     fence_scope::allocation_stream);
+  const bool unsafe = scope == fence_scope::allocation_stream;
+  CAPTURE(static_cast<int>(scope));
+  sim_env env(sleep_options(scope, empty_cache_mode::defer));
+  const auto s = env.dev.create_stream();    // where the engine replays
+  const auto cap = env.dev.create_stream();  // where it captured
+  void* untagged = env.alloc.allocate(8 * MiB, s);
+  std::uint64_t graph = 0;
+  void* scratch = nullptr;
+  {
+    tag_scope tag("eng_graph");
+    env.alloc.notify_capture_begin(cap);
+    env.dev.begin_capture(cap);
+    scratch = env.alloc.allocate(32 * MiB, cap);  // a workspace, the step's intermediates
+    env.dev.launch(cap, 10, {writes(scratch, 32 * MiB, 0x5A), reads(scratch, 32 * MiB)},
+                   "decode step");
+    graph = env.dev.end_capture(cap);
+    env.alloc.notify_capture_end(cap);
+  }
+  CHECK(env.alloc.tag_status("eng_graph").reserved_bytes >= 32 * MiB);
+  const auto hold = env.dev.hold(s);
+  env.dev.launch_graph(graph, s);  // still queued at the pause
+  const pause_status st = env.alloc.pause("eng_graph", pause_mode::discard);
+  if (unsafe) {
+    // The fence covers only the capturing stream: the unmap runs under the queued replay.
+    check_unmapped_under_held_work(env, hold);
+    return;
+  }
+  CHECK(st.phase == tag_phase::pausing);
+  CHECK(env.dev.is_mapped(addr(scratch), 32 * MiB));
+  env.dev.open(hold);
+  env.dev.run_until_idle();
+  CHECK(env.alloc.tag_status("eng_graph").phase == tag_phase::paused);
+  CHECK_FALSE(env.dev.is_mapped(addr(scratch), 1));
+  CHECK(env.dev.is_mapped(addr(untagged), 8 * MiB));
+  CHECK(env.dev.fault_count() == 0);
+  env.alloc.check_invariants();
+
+  env.alloc.resume("eng_graph");
+  CHECK(env.dev.is_mapped(addr(scratch), 32 * MiB));
+  env.dev.launch_graph(graph, s);  // the same graph, the same addresses
+  env.dev.run_until_idle();
+  CHECK(env.dev.fault_count() == 0);
+  INFO(fault_text(env.dev));
+  CHECK(env.dev.value_at(addr(scratch)) == std::optional<std::uint8_t>(0x5A));
+  env.alloc.deallocate(scratch);
+  env.alloc.deallocate(untagged);
+  env.alloc.check_invariants();
+}
+
+namespace {
+
+// Exports as the CUDA expandable backend does: with a descriptor of the physical memory (here a
+// memfd standing for it), which keeps that memory alive while it is open.
+class fd_exporting_device : public forwarding_device {
+ public:
+  using forwarding_device::forwarding_device;
+  ipc_memory export_memory(std::uintptr_t segment_base, std::size_t segment_bytes,
+                           std::uintptr_t addr, std::size_t size_bytes) override {
+    ipc_memory m = dev_.export_memory(segment_base, segment_bytes, addr, size_bytes);
+    last_fd = ::memfd_create("streamsafe-test-export", MFD_CLOEXEC);
+    REQUIRE(last_fd >= 0);
+    m.fds.push_back(last_fd);
+    return m;
+  }
+  int last_fd = -1;
+};
+
+// The inode a descriptor names, 0 if it is not open.
+ino_t inode_of(int fd) {
+  struct ::stat st {};
+  return ::fstat(fd, &st) == 0 ? st.st_ino : 0;
+}
+
+}  // namespace
+
+TEST_CASE("pause gives exported memory back: the exports' descriptors no longer hold it",
+          "[core][sleep][ipc]") {
+  // A trainer hands its weights to an engine by CUDA IPC each step, then sleeps. The export's
+  // descriptors of the weights' physical memory would keep that memory alive after the pause
+  // (the driver frees it only once every descriptor is closed): one copy of the weights leaked
+  // per step. The pause retires them; the number stays taken, so a late import of the old handle
+  // fails instead of reaching other memory.
+  sim::simulated_device dev(sim_config());
+  fd_exporting_device be(dev);
+  caching_allocator alloc(be, sleep_options());
+  const auto s = dev.create_stream();
+  void* w = nullptr;
+  {
+    tag_scope scope("train");
+    w = alloc.allocate(48 * MiB, s);
+  }
+  (void)alloc.export_block(w);
+  const int fd = be.last_fd;
+  REQUIRE(fd >= 0);
+  const ino_t memory = inode_of(fd);
+  alloc.pause("train", pause_mode::offload);
+  CHECK(alloc.tag_status("train").phase == tag_phase::paused);
+  CHECK(inode_of(fd) != 0);                // the number stays taken
+  CHECK(inode_of(fd) != memory);           // but no longer names the memory
+  CHECK(alloc.ipc_status().exports == 1);  // the export itself ends by the protocol
+  alloc.resume("train");
+  CHECK(alloc.revoke_exports(w) == 1);
+  alloc.deallocate(w);
+  alloc.check_invariants();
+}
+
+namespace {
+
+class copy_counting_device : public forwarding_device {
+ public:
+  using forwarding_device::forwarding_device;
+  void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override {
+    ++copies;
+    dev_.copy_async(dst, src, bytes, stream);
+  }
+  int copies = 0;
+};
+
+}  // namespace
+
+TEST_CASE("offload copies adjacent live blocks as one range, out and back", "[core][sleep]") {
+  // An optimizer's state: many tensors side by side in the tag's segment. One copy per
+  // contiguous range of live blocks, not one per block: fewer driver calls at pause and resume.
+  sim::simulated_device dev(sim_config());
+  copy_counting_device be(dev);
+  caching_allocator alloc(be, sleep_options());
+  const auto s = dev.create_stream();
+  std::vector<void*> state;
+  {
+    tag_scope scope("optim");
+    for (int i = 0; i < 8; ++i) state.push_back(alloc.allocate(4 * MiB, s));
+  }
+  for (std::size_t i = 0; i < state.size(); ++i) {
+    REQUIRE(addr(state[i]) == addr(state[0]) + i * 4 * MiB);  // side by side
+    dev.launch(s, 1, {writes(state[i], 4 * MiB, static_cast<std::uint8_t>(i + 1))}, "init");
+  }
+  dev.run_until_idle();
+  alloc.pause("optim", pause_mode::offload);
+  CHECK(be.copies == 1);
+  CHECK(alloc.tag_status("optim").offloaded_host_bytes == 32 * MiB);
+  alloc.resume("optim");
+  CHECK(be.copies == 2);
+  dev.run_until_idle();
+  for (std::size_t i = 0; i < state.size(); ++i) {
+    CHECK(dev.value_at(addr(state[i]) + 4 * MiB - 1) ==
+          std::optional<std::uint8_t>(static_cast<std::uint8_t>(i + 1)));
+  }
+  CHECK(dev.fault_count() == 0);
+  for (void* p : state) alloc.deallocate(p);
+  alloc.check_invariants();
 }

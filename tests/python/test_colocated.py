@@ -89,6 +89,39 @@ def test_discarded_cache_is_rewritten_and_the_graph_stays_valid(ss):
     del g, kv
 
 
+def test_graph_captured_under_a_tag_sleeps_with_it(ss):
+    """The engine's decode graph captured under a tag: its private pool (intermediates, the
+    capture stream's cuBLAS workspace) is the tag's memory. pause(discard) with replays still
+    queued gives it back (memory_breakdown shows nothing of the graph's pool mapped), and resume
+    maps it at the same addresses: the same graph replays correctly without a new capture."""
+    w = torch.randn(1024, 1024, device="cuda")
+    x = torch.randn(64, 1024, device="cuda")
+    out = torch.zeros(64, 1024, device="cuda")
+    s = torch.cuda.Stream()
+    with ss.tag("cg_graph"):
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            out.copy_(torch.relu(x @ w) @ w)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out.copy_(torch.relu(x @ w) @ w)  # the intermediate lives in the graph's pool
+    torch.cuda.synchronize()
+    held = ss.memory_breakdown()["graph_pools"].get("cg_graph", {}).get("mapped", 0)
+    assert held > 0, ss.memory_breakdown()
+    for _ in range(20):  # queued, not waited for
+        g.replay()
+    ss.pause("cg_graph", mode="discard", wait=False)
+    _settle(ss, "cg_graph")
+    assert ss.memory_breakdown()["graph_pools"].get("cg_graph", {}).get("mapped", 0) == 0
+    ss.resume("cg_graph")
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(out, torch.relu(x @ w) @ w)
+    del g
+
+
 _EVENT_PRODUCER = """
 import sys, torch, streamsafe.torch as s
 s.install('backend:expandable')

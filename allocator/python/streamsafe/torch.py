@@ -31,7 +31,7 @@ import torch
 
 __all__ = [
     "install", "install_pluggable", "installed", "config", "stats", "pending_release_bytes",
-    "reclaim", "empty_cache", "BUILT_FOR",
+    "reclaim", "empty_cache", "memory_breakdown", "BUILT_FOR",
 ]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -82,6 +82,7 @@ def _load_ext():
         lib.streamsafe_torch_ext_installed.restype = ctypes.c_int
         lib.streamsafe_torch_ext_config.argtypes = (ctypes.c_char_p, ctypes.c_size_t)
         lib.streamsafe_torch_ext_stats_json.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
+        lib.streamsafe_torch_ext_segments_json.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
         lib.streamsafe_torch_ext_pending_release_bytes.restype = ctypes.c_size_t
         lib.streamsafe_torch_ext_reclaim.restype = ctypes.c_size_t
         lib.streamsafe_torch_ext_empty_cache.restype = ctypes.c_size_t
@@ -197,6 +198,51 @@ def stats(device=None):
     if n < 0:
         raise RuntimeError(f"streamsafe: stats({device}) failed: {buf.value.decode()}")
     return json.loads(buf.value.decode())
+
+
+def memory_breakdown(device=None):
+    """What holds device memory now (the compiled extension): a dict of mapped bytes by holder,
+    each also split into live blocks and free cache:
+      "tags":        {tag: {"mapped", "allocated", "paused"}} of ordinary pools (paused: given
+                     back by pause, mapped again at resume)
+      "graph_pools": {tag or "": {...}} of CUDA graphs' private pools, by the tag they were
+                     captured under ("" for none)
+      "untagged":    {"mapped", "allocated"}: everything else (inputs, RNG state, cuBLAS
+                     workspaces, cached free memory)
+    plus "reserved" (the sum of "mapped"), "pending_release_bytes" (queued behind fences, still
+    mapped) and the IPC counts "ipc_exports", "ipc_held_frees", "ipc_imports", "ipc_closing"."""
+    if _mode != "extension":
+        raise RuntimeError("streamsafe: memory_breakdown needs the compiled extension (install())")
+    if device is None:
+        device = torch.cuda.current_device()
+    elif isinstance(device, torch.device):
+        device = device.index if device.index is not None else torch.cuda.current_device()
+    size = 1 << 16
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = _ext.streamsafe_torch_ext_segments_json(int(device), buf, len(buf))
+        if n < 0:
+            raise RuntimeError(f"streamsafe: memory_breakdown({device}) failed: {buf.value.decode()}")
+        if n < size:
+            break
+        size = n + 1
+    raw = json.loads(buf.value.decode())
+    out = {"tags": {}, "graph_pools": {}, "untagged": {"mapped": 0, "allocated": 0}, "reserved": 0}
+    for seg in raw["segments"]:
+        if seg["graph"]:
+            slot = out["graph_pools"].setdefault(seg["tag"], {"mapped": 0, "allocated": 0, "paused": 0})
+        elif seg["tag"]:
+            slot = out["tags"].setdefault(seg["tag"], {"mapped": 0, "allocated": 0, "paused": 0})
+        else:
+            slot = out["untagged"]
+        slot["mapped"] += seg["mapped"]
+        slot["allocated"] += seg["allocated"]
+        if "paused" in slot:
+            slot["paused"] += seg["paused"]
+        out["reserved"] += seg["mapped"]
+    for k in ("pending_release_bytes", "ipc_exports", "ipc_held_frees", "ipc_imports", "ipc_closing"):
+        out[k] = raw.get(k, 0)
+    return out
 
 
 def pending_release_bytes():

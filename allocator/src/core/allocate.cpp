@@ -75,7 +75,7 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   }
   device_lock dlk(mu_);
   detect_captures_locked(dlk);
-  if (capturing()) return allocate_during_capture_locked(dlk, size, rounded, small, st.handle);
+  if (capturing()) return allocate_during_capture_locked(dlk, size, rounded, small, st.handle, tag);
   fence_unfenced_locked();  // frees made without a backend call (free.cpp)
   if (releases_.empty_cache_requested || wants_collection_locked(rounded)) {
     // garbage_collection_threshold / max_cached_bytes, or an empty_cache asked for in a stream
@@ -93,7 +93,7 @@ void* caching_allocator::impl::allocate_slow(stream_state& st, std::size_t size,
   if (!b) b = expand_pool_locked(dlk, slk, st, p, rounded);  // growth_policy.cpp
   if (!b && capturing()) {  // a capture began while the policy waited with the locks dropped
     slk.unlock();
-    return allocate_during_capture_locked(dlk, size, rounded, small, st.handle);
+    return allocate_during_capture_locked(dlk, size, rounded, small, st.handle, tag);
   }
   if (!b) throw_out_of_memory_locked(dlk, &slk, size, rounded, p.stream, &st, "");
   return finish_allocation(st, b, rounded, size);
@@ -122,7 +122,8 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
     device_lock dlk(m.mu_);
     m.detect_captures_locked(dlk);
     if (m.capturing())
-      return m.allocate_during_capture_locked(dlk, size_bytes, rounded, small, m.key_of(stream));
+      return m.allocate_during_capture_locked(dlk, size_bytes, rounded, small, m.key_of(stream),
+                                              tag);
   }
   impl::stream_state& st = m.state_for(stream);
   {

@@ -180,7 +180,8 @@ struct caching_allocator::impl : detail::allocator_state {
   bool free_during_capture_locked(stream_state& owner, block* b, const stream_handle* stream)
       STREAMSAFE_REQUIRES(mu_, owner.mu);
   void* allocate_during_capture_locked(device_lock& dlk, std::size_t size, std::size_t rounded,
-                                       bool small, stream_handle stream) STREAMSAFE_REQUIRES(mu_);
+                                       bool small, stream_handle stream, tag_id tag)
+      STREAMSAFE_REQUIRES(mu_);
   std::string capture_note_locked() const STREAMSAFE_REQUIRES(mu_);
   // ---- pool_checkpoint.cpp -------------------------------------------------------------------
   stream_state& checkpoint_pool_locked(std::uint64_t graph, const char* what)
@@ -202,6 +203,7 @@ struct caching_allocator::impl : detail::allocator_state {
       STREAMSAFE_REQUIRES(mu_);
   void destroy_ipc_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
   void check_ipc_locked() const STREAMSAFE_REQUIRES(mu_);
+  void retire_exports_in_locked(std::uintptr_t addr, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
   // ---- release.cpp: giving memory back behind fences (mu_, and a segment's owner lock) ------
   std::vector<stream_handle> fence_streams_locked(const segment* seg) const
       STREAMSAFE_REQUIRES(mu_);

@@ -19,7 +19,10 @@
 //  * A graph's private pool is a stream_state keyed graph_key(id), whose handle is the
 //    capturing stream. Blocks allocated in it return to it when freed, also after the capture,
 //    and nobody else allocates from it; its segments are released (behind the usual fence, on
-//    every stream) only after notify_graph_released(id).
+//    every stream) only after notify_graph_released(id). Allocations under a tag (tag_scope)
+//    come from the pool's tagged pools: pause(tag) gives them back behind a fence on every
+//    stream (the graph may replay anywhere) and resume maps them at the same addresses, so the
+//    graph replays again without a new capture.
 //  * Frees during a capture that would need events (uses on other streams), and frees of
 //    memory from before the capture that the capture may touch (its stream or a recorded use is
 //    capturing), are held (block::free_held, capture_.held_frees): the first kind completes when no
@@ -274,7 +277,7 @@ bool caching_allocator::impl::free_during_capture_locked(stream_state& owner, bl
 
 void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, std::size_t size,
                                                               std::size_t rounded, bool small,
-                                                              stream_handle stream) {
+                                                              stream_handle stream, tag_id tag) {
   stream_state* target = nullptr;
   const detail::capture_record* c = capture_.find(stream);
   if (!c && stream_capturing(stream)) {
@@ -290,7 +293,10 @@ void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, 
     target = &get_or_create_stream_locked(stream);
   }
   detail::unique_lock<stream_lock> slk(target->mu);
-  pool& p = pool_of(*target, small);
+  // Under a tag, the graph's private pool keeps the tag's memory apart (tagged pools of its
+  // own), so that pause(tag) gives it back and resume maps it at the same addresses: the graph
+  // stays valid. Throws tag_paused while the tag sleeps.
+  pool& p = pool_for_locked(*target, small, tag, size);
   block* b = take_cached_fit_locked(p, rounded);
   // Growth is the one backend call allowed (capture-safe in the CUDA backends).
   if (!b)
@@ -331,8 +337,7 @@ void caching_allocator::impl::release_released_pools_locked(device_lock& lk, str
     if (st->graph == 0 || !st->graph_released) continue;
     detail::lock_guard<stream_lock> slk(st->mu);
     if (!st->pending.empty()) process_events_locked(*st);
-    flush_quick_locked(st->small_pool);
-    flush_quick_locked(st->large_pool);
+    for_each_pool(*st, [&](pool& p) { flush_quick_locked(p); });  // tagged pools too
   }
   release_batch batch = collect_releasable_locked(true);
   if (!batch.blocks.empty()) {

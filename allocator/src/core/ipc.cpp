@@ -101,6 +101,19 @@ void caching_allocator::impl::poll_ipc_locked() {
   if (error) std::rethrow_exception(error);
 }
 
+// pause gave [addr, addr + bytes) back to the driver (sleep.cpp). The exports of blocks in it
+// named that physical memory, and their descriptors would keep it alive (the driver frees it
+// once every descriptor is closed): a pause after each hand-over would leak a copy per step.
+// Their descriptors are retired; the exports themselves end by the protocol (a consumer that
+// imported keeps its own mapping until its release; a late import of the handle fails).
+void caching_allocator::impl::retire_exports_in_locked(std::uintptr_t addr, std::size_t bytes) {
+  for (auto& [id, rec] : ipc_.exports) {
+    if (rec.retired || rec.b->addr >= addr + bytes || rec.b->addr + rec.b->size <= addr) continue;
+    detail::retire_fds(rec.fds);
+    rec.retired = true;
+  }
+}
+
 // empty_cache wait mode: waits (mu_ dropped) on the consumer events of released exports of held
 // blocks, then polls.
 void caching_allocator::impl::wait_ipc_locked(device_lock& lk) {

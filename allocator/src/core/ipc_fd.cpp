@@ -16,6 +16,7 @@
 
 #include <streamsafe/core/errors.hpp>
 
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -180,6 +181,19 @@ void close_fds(const std::vector<int>& fds) noexcept {
   for (int fd : fds) {
     if (fd >= 0) ::close(fd);
   }
+}
+
+void retire_fds(std::vector<int>& fds) noexcept {
+  if (fds.empty()) return;
+  const int null = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  for (int& fd : fds) {
+    if (fd < 0) continue;
+    // dup3 closes what fd named and makes it name /dev/null in one step.
+    if (null >= 0 && ::dup3(null, fd, O_CLOEXEC) == fd) continue;
+    ::close(fd);
+    fd = -1;
+  }
+  if (null >= 0) ::close(null);
 }
 
 }  // namespace detail

@@ -22,6 +22,7 @@ struct ipc_export_record {
   event_handle event = 0;  // the interprocess event the consumer records at its release
   std::vector<int> fds;    // the producer's descriptors named by the handle (closed at the end)
   bool released = false;   // notify_import_released seen: the consumer has recorded `event`
+  bool retired = false;    // a pause gave the memory back: `fds` name /dev/null (ipc_fd.hpp)
 };
 
 struct ipc_held_free {

@@ -5,16 +5,15 @@
 // every mapped block except chunks being released already) and a fence: one event on each
 // stream that may touch it, chosen as for empty_cache (options::release_fence; the `device`
 // scope fences every known stream here, so that defer mode can poll it). Offload: the live
-// blocks are copied to pinned host memory (sleep_.host, a caching_allocator over the backend's host
-// backend) on sleep_.copy_stream, which first waits on the device for the fence events and the
-// tombstones; the copy's event then stands for the fence. A segment whose fence (or copy) has
-// completed is unmapped, the hook first, with mu_ dropped (tag_state::busy counts the calls in
-// flight; resume and a second pause wait for them). Wait mode waits on exactly those events, no
-// lock held; defer mode never waits: what is ready goes now, the rest at the release worker's
-// passes (or, without a worker, at reclaim, tag_status and a second pause of the tag).
-// Blocks keep their state and `mapped` flag while paused; segment::paused_bytes holds the
-// bytes given back, out of mapped_bytes and reserved bytes.
-// resume is in wake.cpp.
+// blocks (each run of adjacent ones as one range) are copied to pinned host memory (sleep_.host, a
+// caching_allocator over the backend's host backend) on sleep_.copy_stream, which first waits on
+// the device for the fence events and the tombstones; the copy's event then stands for the fence. A
+// segment whose fence (or copy) has completed is unmapped, the hook first, with mu_ dropped
+// (tag_state::busy counts the calls in flight; resume and a second pause wait for them). Wait mode
+// waits on exactly those events, no lock held; defer mode never waits: what is ready goes now, the
+// rest at the release worker's passes (or, without a worker, at reclaim, tag_status and a second
+// pause of the tag). Blocks keep their state and `mapped` flag while paused; segment::paused_bytes
+// holds the bytes given back, out of mapped_bytes and reserved bytes. resume is in wake.cpp.
 // Nothing here runs during a graph capture (pause and resume refuse; the worker waits).
 #include "allocator_impl.hpp"
 #include "format.hpp"
@@ -204,6 +203,7 @@ std::size_t caching_allocator::impl::unmap_paused_locked(
       for (std::size_t r = before[i]; r < ps.runs_unmapped; ++r) {
         stats_.num_device_free += forget_chunks(seg, ps.runs[r].first, ps.runs[r].second);
         ghosted += unghost_locked(ps.runs[r].first, ps.runs[r].second);
+        retire_exports_in_locked(ps.runs[r].first, ps.runs[r].second);  // ipc.cpp
       }
       detail::sub_reserved(stats_, seg->small, static_cast<std::int64_t>(bytes - ghosted));
       stats_.bytes_released += bytes - ghosted;
@@ -352,16 +352,27 @@ std::vector<caching_allocator::impl::paused_segment> caching_allocator::impl::co
         ps.runs.emplace_back(b->addr, b->size);
       }
       ps.bytes += b->size;
-      if (mode == pause_mode::offload && b->state == block_state::active && !b->free_held)
-        ps.copies.push_back({b->addr, b->size, nullptr});
+      if (mode == pause_mode::offload && b->state == block_state::active && !b->free_held) {
+        // Live blocks side by side are one copy (one host buffer, one driver call each way).
+        if (!ps.copies.empty() && ps.copies.back().addr + ps.copies.back().bytes == b->addr) {
+          ps.copies.back().bytes += b->size;
+        } else {
+          ps.copies.push_back({b->addr, b->size, nullptr});
+        }
+      }
     }
     for (const auto& run : ps.runs) {
       if (!whole_chunk_run(seg, run.first, run.second))
         throw std::logic_error(where + ": mapped run " + hex(run.first) + " of " +
                                std::to_string(run.second) + " bytes is not chunk-aligned");
     }
-    ps.fence_streams = opts_.release_fence == fence_scope::device ? every
-                                                                  : fence_streams_locked(seg);
+    // A graph's private pool (capture.cpp): the graph may replay on any stream, so every
+    // stream fences it, as at the graph's release (allocation_stream, the unsafe scope, excepted).
+    const bool graph_pool = state_of(*seg->owner).graph != 0;
+    ps.fence_streams = opts_.release_fence == fence_scope::device ||
+                               (graph_pool && opts_.release_fence != fence_scope::allocation_stream)
+                           ? every
+                           : fence_streams_locked(seg);
     // The copy stream too: a restore of an earlier resume may still write the blocks.
     if (sleep_.has_copy_stream) ps.fence_streams.push_back(sleep_.copy_stream);
     segs.push_back(std::move(ps));

@@ -130,6 +130,49 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_stats_json(int device, char* buf, siz
   }
 }
 
+// What holds device memory on one device, for a breakdown (streamsafe.torch.memory_breakdown):
+// one entry per segment, without its blocks ({"tag", "graph" (the capture id of a graph's
+// private pool, 0 for none), "stream", "mapped", "allocated" (live blocks), "paused"}), the IPC
+// counts, and the bytes queued for release. Returns the full length, -1 on error.
+STREAMSAFE_EXPORT int streamsafe_torch_ext_segments_json(int device, char* buf, size_t len) {
+  if (!g_allocator) return -1;
+  try {
+    auto& a = g_allocator->core();
+    const streamsafe::caching_allocator* d = a.find_device_allocator(device);
+    std::ostringstream os;
+    os << "{\"segments\": [";
+    if (d) {
+      const streamsafe::memory_snapshot snap = d->snapshot();
+      bool first = true;
+      for (const streamsafe::segment_snapshot& seg : snap.segments) {
+        std::string tag;
+        for (char c : seg.tag)
+          tag += (c == '"' || c == '\\') ? std::string("\\") + c : std::string(1, c);
+        os << (first ? "" : ", ") << "{\"tag\": \"" << tag << "\", \"graph\": " << seg.graph_pool
+           << ", \"stream\": " << seg.stream << ", \"mapped\": " << seg.mapped_bytes
+           << ", \"allocated\": "
+           << seg.bytes_in(streamsafe::snapshot_block_state::active) +
+                  seg.bytes_in(streamsafe::snapshot_block_state::pending_free)
+           << ", \"paused\": " << seg.paused_bytes << "}";
+        first = false;
+      }
+    }
+    os << "]";
+    if (d) {
+      const auto ipc = d->ipc_status();
+      os << ", \"ipc_exports\": " << ipc.exports << ", \"ipc_held_frees\": " << ipc.held_frees
+         << ", \"ipc_imports\": " << ipc.imports << ", \"ipc_closing\": " << ipc.closing
+         << ", \"pending_release_bytes\": " << d->pending_release_bytes();
+    }
+    os << "}";
+    return streamsafe::detail::copy_text(os.str(), buf, len);
+  } catch (const std::exception& e) {
+    return streamsafe::detail::copy_text(std::string("{\"error\": \"") + e.what() + "\"}", buf,
+                                         len),
+           -1;
+  }
+}
+
 // Bytes waiting in the deferred-release queues (every device).
 STREAMSAFE_EXPORT size_t streamsafe_torch_ext_pending_release_bytes(void) {
   if (!g_allocator) return 0;
