@@ -169,6 +169,8 @@ memory_snapshot caching_allocator::snapshot() const {
     ss.expandable = seg->expandable;
     ss.paused_bytes = seg->paused_bytes;
     if (seg->owner->tag != 0) ss.tag = tag_name(seg->owner->tag);
+    if (seg->owner->state != nullptr)
+      ss.graph = static_cast<const impl::stream_state*>(seg->owner->state)->graph;
     for (const block* b = seg->first; b; b = b->next) {
       block_snapshot bs;
       bs.address = b->addr;

@@ -160,7 +160,8 @@ void memory_snapshot::to_json(std::ostream& os) const {
        << ",\"segment_type\":\"" << to_string(seg.pool)
        << "\",\"is_expandable\":" << (seg.expandable ? "true" : "false") << ",\"tag\":\"";
     for (char c : seg.tag) os << (c == '"' || c == '\\' ? "\\" : "") << c;
-    os << "\",\"paused_size\":" << seg.paused_bytes << ",\"blocks\":[";
+    os << "\",\"paused_size\":" << seg.paused_bytes << ",\"graph_pool\":" << seg.graph
+       << ",\"blocks\":[";
     first_seg = false;
     bool first_block = true;
     for (const block_snapshot& b : seg.blocks) {

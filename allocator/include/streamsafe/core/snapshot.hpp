@@ -16,7 +16,8 @@
 // JSON (to_json): the key names of torch.cuda.memory_snapshot() where PyTorch has the same
 // notion ("address", "total_size", "allocated_size", "active_size", "requested_size",
 // "segment_type": "small"|"large", "is_expandable", block "state": "active_allocated" |
-// "active_pending_free" | "inactive"), plus streamsafe's own ("mapped_size", block states
+// "active_pending_free" | "inactive"), plus streamsafe's own ("mapped_size", "graph_pool": the id
+// of the graph whose private pool holds the segment or 0, block states
 // "unmapped" and "releasing", "waiting_on"); "stats" holds the statistics under PyTorch's flat
 // key names ("allocated_bytes.all.current", ...).
 // Thread safety: plain values; no internal synchronisation.
@@ -63,8 +64,9 @@ struct segment_snapshot {
   stream_handle stream = 0;      // the pool's stream
   snapshot_pool pool = snapshot_pool::large;
   bool expandable = false;
-  std::string tag;                     // the tag of its memory ("" untagged; core/sleep.hpp)
-  std::size_t paused_bytes = 0;        // given back by pause: mapped again at resume
+  std::string tag;               // the tag of its memory ("" untagged; core/sleep.hpp)
+  std::uint64_t graph = 0;       // in a CUDA graph's private pool: that pool's graph id, else 0
+  std::size_t paused_bytes = 0;  // given back by pause: mapped again at resume
   std::vector<block_snapshot> blocks;  // in address order, tiling [address, address+size_bytes)
 
   std::size_t bytes_in(snapshot_block_state state) const noexcept;
