@@ -88,6 +88,7 @@ cca::SnapshotInfo torch_allocator::snapshot(MempoolId_t mempool_id, bool include
       const auto& ring = traces_[static_cast<std::size_t>(d)];
       out.device_traces[static_cast<std::size_t>(d)].assign(ring.begin(), ring.end());
     }
+    out.external_annotations.assign(annotations_.begin(), annotations_.end());
   }
   auto& m = out.config_metadata;
   m.garbage_collection_threshold = options_.garbage_collection_threshold;
