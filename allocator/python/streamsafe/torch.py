@@ -124,19 +124,20 @@ def install(conf=None):
 
 
 def _route_allocator_settings(lib):
-    """torch.cuda.memory._set_allocator_settings reaches streamsafe first: a key streamsafe
-    cannot honour raises RuntimeError naming it (docs/pytorch.md, settings table); what it
-    accepts then goes on to PyTorch's own parser, as before."""
+    """torch.cuda.memory._set_allocator_settings goes to PyTorch's own parser first (its
+    ValueError for a malformed setting stays), then to streamsafe: a key streamsafe cannot
+    honour raises RuntimeError naming it (docs/pytorch.md, settings table)."""
     memory = torch.cuda.memory
     original = memory._set_allocator_settings
     if getattr(original, "_streamsafe", False):
         return
 
     def _set_allocator_settings(env):
+        result = original(env)
         err = ctypes.create_string_buffer(4096)
         if lib.streamsafe_torch_ext_settings(str(env).encode(), err, len(err)) < 0:
             raise RuntimeError(err.value.decode())
-        return original(env)
+        return result
 
     _set_allocator_settings._streamsafe = True
     _set_allocator_settings.__doc__ = original.__doc__
