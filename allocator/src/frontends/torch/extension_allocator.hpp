@@ -202,9 +202,9 @@ class torch_allocator final : public cca::CUDAAllocator {
                                                     base.num_sync_all_streams);
     out.num_device_alloc = static_cast<int64_t>(s.num_device_alloc - base.num_device_alloc);
     out.num_device_free = static_cast<int64_t>(s.num_device_free - base.num_device_free);
-    out.max_split_size = options_.max_split_size_bytes != 0
-                             ? static_cast<int64_t>(options_.max_split_size_bytes)
-                             : std::numeric_limits<int64_t>::max();
+    const std::size_t max_split = ss_->config().max_split_size_bytes;  // as last set
+    out.max_split_size = max_split != 0 ? static_cast<int64_t>(max_split)
+                                        : std::numeric_limits<int64_t>::max();
     return out;
   }
   void resetAccumulatedStats(c10::DeviceIndex device) override {
@@ -587,7 +587,9 @@ class torch_allocator final : public cca::CUDAAllocator {
 
   std::array<std::atomic<std::size_t>, max_devices> backed_bytes_;  // every instance's segments
 
-  std::mutex pools_mu_;  // guards pools_, captures_, routes_, instances_
+  std::mutex settings_mu_;  // one _set_allocator_settings at a time (torch_settings.cpp)
+  std::atomic<bool> backend_warned_{false};  // the one warning that the backend stays
+  std::mutex pools_mu_;                      // guards pools_, captures_, routes_, instances_
   std::map<MempoolId_t, pool_state> pools_;
   std::vector<capture_state> captures_;
   std::vector<pool_route> routes_;

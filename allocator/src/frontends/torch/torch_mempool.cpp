@@ -56,6 +56,7 @@ std::shared_ptr<torch_allocator::pool_instance> torch_allocator::make_instance(
   // The pool's allocator's segments are whole allocations (no address space to map into);
   // released at once on empty_cache (PyTorch calls the pool allocator's free there).
   streamsafe::options o = options_;
+  streamsafe::runtime_options::of(ss_->config()).apply_to(o);  // _set_allocator_settings
   o.backend = streamsafe::backend_kind::cuda_malloc;
   o.empty_cache = streamsafe::empty_cache_mode::wait;
   o.release_worker = streamsafe::release_worker_mode::off;
@@ -84,6 +85,9 @@ void torch_allocator::createOrIncrefPool(c10::DeviceIndex device, MempoolId_t me
   if (inst && !pool.instance) {
     pool.allocator = allocator;
     pool.instance = inst;
+    // Settings given between make_instance and here (apply_torch_settings updates ss_ before
+    // it walks instances_ under this lock).
+    inst->alloc->set_runtime_options(streamsafe::runtime_options::of(ss_->config()));
     instances_.push_back(inst);
     n_instances_.store(static_cast<int>(instances_.size()), std::memory_order_release);
   }

@@ -2,9 +2,12 @@
 // PYTORCH_ALLOC_CONF at install, torch.cuda.memory._set_allocator_settings afterwards).
 // Each key is applied where streamsafe has the option, accepted and ignored where it only
 // concerns host memory or PyTorch's own locking, and refused by name otherwise (docs/pytorch.md
-// has the table). streamsafe's options are fixed once the allocator exists: a setting given
-// after install is accepted when it asks for what streamsafe already runs with and refused by
-// name (with what to do instead) when it would change it.
+// has the table). After install, max_split_size_mb, garbage_collection_threshold and
+// roundup_power2_divisions change at once on every device's allocator and every MemPool's own
+// (caching_allocator::set_runtime_options), for the allocations that follow; as in PyTorch, a
+// call sets all three, those it does not name going back to their values at install.
+// expandable_segments that differs from the running backend is accepted with one warning: the
+// backend is a placement choice fixed when the allocator is made, and streamsafe keeps it.
 #include "extension_allocator.hpp"
 
 #include <cctype>
@@ -72,11 +75,7 @@ std::string torch_settings_to_options(const std::string& torch_conf) {
     if (key == "max_split_size_mb" || key == "garbage_collection_threshold") {
       add(key + ":" + value);
     } else if (key == "roundup_power2_divisions") {
-      TORCH_CHECK(value.empty() || value.front() != '[',
-                  "streamsafe: PyTorch allocator setting roundup_power2_divisions:", value,
-                  ": the per-size list form is not supported by streamsafe; give one number "
-                  "(a power of two, every size)");
-      add(key + ":" + value);
+      add(key + ":" + value);  // one number, or PyTorch's list "[64:8,128:2,>:1]"
     } else if (key == "expandable_segments") {
       add(std::string("backend:") + (is_true(key, value) ? "expandable" : "cuda_malloc"));
     } else if (key == "backend") {
@@ -95,21 +94,30 @@ std::string torch_settings_to_options(const std::string& torch_conf) {
 }
 
 void torch_allocator::apply_torch_settings(const std::string& torch_conf) {
-  const std::string mapped = torch_settings_to_options(torch_conf);
-  if (mapped.empty()) return;
+  const std::string mapped = torch_settings_to_options(torch_conf);  // refuses by name
+  std::lock_guard<std::mutex> settings(settings_mu_);
+  // The options at install with this call's keys over them: a key it does not name goes back
+  // to its value at install (PyTorch resets the keys a call leaves out to its defaults).
   streamsafe::options wanted = options_;
   try {
-    wanted = streamsafe::options::parse(options_.to_string() + "," + mapped);
+    wanted = streamsafe::options::parse(options_.to_string() +
+                                        (mapped.empty() ? "" : "," + mapped));
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "streamsafe: PyTorch allocator settings '", torch_conf, "': ", e.what());
   }
-  TORCH_CHECK(wanted.to_string() == options_.to_string(),
-              "streamsafe: PyTorch allocator settings '", torch_conf,
-              "' would change streamsafe's options after install (running with '",
-              options_.to_string(),
-              "'); streamsafe's options are fixed when it is installed: "
-              "give them in PYTORCH_CUDA_ALLOC_CONF or STREAMSAFE_ALLOC_CONF before "
-              "streamsafe.torch.install()");
+  if (wanted.backend != options_.backend && !backend_warned_.exchange(true)) {
+    TORCH_WARN("streamsafe: PyTorch allocator setting expandable_segments:",
+               wanted.backend == streamsafe::backend_kind::expandable ? "True" : "False",
+               " after install is accepted, but streamsafe keeps its ",
+               streamsafe::to_string(options_.backend),
+               " backend (fixed at install: give expandable_segments in PYTORCH_CUDA_ALLOC_CONF "
+               "or backend in STREAMSAFE_ALLOC_CONF before streamsafe.torch.install()); the "
+               "other settings apply. This warning is shown once.");
+  }
+  const streamsafe::runtime_options r = streamsafe::runtime_options::of(wanted);
+  ss_->set_runtime_options(r);                  // every device's allocator, and those made later
+  std::lock_guard<std::mutex> lock(pools_mu_);  // MemPools with their own allocator
+  for (const std::shared_ptr<pool_instance>& inst : instances_) inst->alloc->set_runtime_options(r);
 }
 
 }  // namespace streamsafe::torch_ext
