@@ -35,7 +35,9 @@ void caching_allocator::impl::recycle_block(stream_state& st, block* b) {
 block* caching_allocator::impl::best_fit(pool& p, std::size_t rounded) const {
   block* b = p.mapped.find(rounded);
   if (!b) return nullptr;
-  if (split_limit_refuses(p, b, rounded)) return nullptr;
+  if (runtime_.max_split_size_bytes.load(std::memory_order_relaxed) != 0 &&
+      split_limit_refuses(p, b, rounded))
+    return nullptr;
   // A whole free segment far larger than the request stays whole (segment_fit.hpp): the best
   // block that may be split instead, if any. One compare for blocks close in size.
   if (b->size - rounded > detail::k_whole_segment_slack_bytes && keeps_whole(b, rounded)) {
