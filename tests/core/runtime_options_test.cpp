@@ -37,6 +37,11 @@ TEST_CASE(
   CHECK(tail.roundup_power2_divisions.for_size(1 * MiB) == 0);  // '>' after no entry: from 2 MiB
   CHECK(tail.roundup_power2_divisions.for_size(2 * MiB) == 4);
   CHECK(tail.roundup_power2_divisions.for_size(std::size_t{1} << 40) == 4);
+  // A boundary of 2^50 MiB (past size_t in bytes) names the last interval, from 32 GiB.
+  const options huge = options::parse("roundup_power2_divisions:[1:2,1125899906842624:8]");
+  CHECK(huge.roundup_power2_divisions.for_size(std::size_t{1} << 40) == 8);
+  CHECK(huge.roundup_power2_divisions.for_size(1 * MiB) == 2);
+  CHECK(huge.roundup_power2_divisions.for_size(1 * GiB) == 0);  // named by no entry
   CHECK(options::parse("roundup_power2_divisions:[]").roundup_power2_divisions ==
         power2_divisions{});
 }

@@ -5,6 +5,7 @@
 
 #include "segment_fit.hpp"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <map>
@@ -182,7 +183,9 @@ power2_divisions parse_division_list(const option_spec& s, std::string_view v) {
       bad_list(s, v,
                "boundaries must increase ('" + std::string(boundary) + "' after " +
                    std::to_string(last_boundary) + ")");
-    const std::size_t index = power2_divisions::interval_of(mib * k_mib);
+    // The interval starting at `mib` MiB (mib a power of two; from 32 GiB on, the last).
+    const auto log2 = static_cast<std::size_t>(63 - __builtin_clzll(mib));
+    const std::size_t index = std::min(log2, power2_divisions::k_intervals - 1);
     for (std::size_t i = first ? 0 : index; i <= index; ++i) out.by_interval[i] = d;
     first = false;
     last_boundary = mib;
