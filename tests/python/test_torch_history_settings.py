@@ -138,13 +138,15 @@ assert "roundup_power2_divisions:0" in conf, conf
 assert torch.cuda.memory_stats()["max_split_size"] == 40 * MiB
 meta = torch.cuda.memory._snapshot().get("allocator_settings", {})
 assert meta.get("garbage_collection_threshold", 0.5) == 0.5, meta
-# max_split_size from now on: a free 64 MiB block is no longer split for 14 MiB.
+# max_split_size from now on: the free blocks, all of 64 MiB or more, are no longer split for
+# 14 MiB; it takes a segment of its own.
 del t0, t1, t2, t3, t4
 big = torch.empty(64 * MiB, dtype=torch.int8, device="cuda")
-addr = big.data_ptr()
 del big
 small = torch.empty(14 * MiB, dtype=torch.int8, device="cuda")
-assert small.data_ptr() != addr
+seg = [g for g in torch.cuda.memory_snapshot()
+       if g["address"] <= small.data_ptr() < g["address"] + g["total_size"]]
+assert len(seg) == 1 and seg[0]["total_size"] < 40 * MiB, seg
 # A bad value: refused, nothing changed.
 try:
     torch.cuda.memory._set_allocator_settings("max_split_size_mb:64,roundup_power2_divisions:128")
