@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -452,5 +453,36 @@ TEST_CASE(
   void* q = env.alloc.allocate(64 * KiB, t);
   env.dev.launch(t, 10, {writes(q, 64 * KiB)}, "next owner");
   CHECK(q != p);
+  env.finish();
+}
+
+TEST_CASE("snapshot(): a segment of a graph's private pool names the graph, others 0",
+          "[core][graph][snapshot]") {
+  const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
+  INFO("backend " << name_of(backend));
+  capture_env env(backend);
+  env.begin();
+  void* in_graph = env.alloc.allocate(4 * MiB, env.s);
+  const auto ended = env.end();
+  std::size_t graph_bytes = 0, other_bytes = 0;
+  for (const segment_snapshot& seg : env.alloc.snapshot().segments) {
+    const bool holds = !seg.blocks.empty() &&
+                       seg.address <= reinterpret_cast<std::uintptr_t>(in_graph) &&
+                       reinterpret_cast<std::uintptr_t>(in_graph) < seg.address + seg.size_bytes;
+    if (holds) {
+      CHECK(seg.graph_pool == ended.id);
+      graph_bytes += seg.mapped_bytes;
+    } else {
+      CHECK(seg.graph_pool == 0);
+      other_bytes += seg.mapped_bytes;
+    }
+  }
+  CHECK(graph_bytes >= 4 * MiB);
+  CHECK(other_bytes > 0);  // the 4 KiB block on `other`
+  std::ostringstream json;
+  env.alloc.snapshot().to_json(json);
+  CHECK_THAT(json.str(), Catch::Contains("\"graph_pool\":" + std::to_string(ended.id)));
+  env.alloc.deallocate(in_graph);
+  env.alloc.notify_graph_released(ended.id);
   env.finish();
 }

@@ -73,6 +73,27 @@ TEST_CASE("The front end creates one caching allocator per device, on first use"
   CHECK_THROWS_AS(env.alloc.stats(-1), std::out_of_range);
 }
 
+TEST_CASE("Runtime options reach every device's allocator, those created later too",
+          "[frontend][config]") {
+  two_devices env;
+  void* p = env.alloc.allocate(MiB, 0, nullptr);  // device 0's allocator exists, device 1's not
+  streamsafe::runtime_options r;
+  r.roundup_power2_divisions = 4;
+  r.max_split_size_bytes = 40 * MiB;
+  env.alloc.set_runtime_options(r);
+  CHECK(env.alloc.config().max_split_size_bytes == 40 * MiB);
+  void* a = env.alloc.allocate(5 * MiB + 1, 0, nullptr);  // 4 steps from 4 MiB: 6 MiB
+  CHECK(env.alloc.stats(0).allocated_bytes.current == static_cast<std::int64_t>(7 * MiB));
+  void* b = env.alloc.allocate(5 * MiB + 1, 1, nullptr);  // device 1 made after the change
+  CHECK(env.alloc.stats(1).allocated_bytes.current == static_cast<std::int64_t>(6 * MiB));
+  CHECK(env.alloc.device_allocator(1).config().max_split_size_bytes == 40 * MiB);
+  r.garbage_collection_threshold = 2;  // not a fraction: refused, nothing changed
+  CHECK_THROWS_AS(env.alloc.set_runtime_options(r), streamsafe::config_error);
+  CHECK(env.alloc.config().garbage_collection_threshold == 0);
+  CHECK(env.alloc.device_allocator(0).config().garbage_collection_threshold == 0);
+  for (void* x : {p, a, b}) env.alloc.deallocate(x);
+}
+
 TEST_CASE("A free is routed to the owning device whatever device is current (K7)",
           "[frontend][cases][K7]") {
   two_devices env;

@@ -95,6 +95,8 @@ def _load_ext():
         lib.streamsafe_torch_ext_tag_status.argtypes = (ctypes.c_char_p, ctypes.c_int) + buf
         lib.streamsafe_torch_ext_empty_cache_tag.argtypes = (ctypes.c_char_p,) + buf
         lib.streamsafe_torch_ext_trim.argtypes = (ctypes.c_size_t,) + buf
+        lib.streamsafe_torch_ext_settings.argtypes = (ctypes.c_char_p,) + buf
+        lib.streamsafe_torch_ext_settings.restype = ctypes.c_int
         _check_version(BUILT_FOR or lib.streamsafe_torch_ext_torch_version().decode())
         _ext = lib
     return _ext
@@ -118,7 +120,29 @@ def install(conf=None):
     if rc < 0:
         raise RuntimeError(err.value.decode())
     _mode = "extension"
+    _route_allocator_settings(lib)
     return rc == 0
+
+
+def _route_allocator_settings(lib):
+    """torch.cuda.memory._set_allocator_settings goes to PyTorch's own parser first (its
+    ValueError for a malformed setting stays), then to streamsafe: a key streamsafe cannot
+    honour raises RuntimeError naming it (docs/pytorch.md, settings table)."""
+    memory = torch.cuda.memory
+    original = memory._set_allocator_settings
+    if getattr(original, "_streamsafe", False):
+        return
+
+    def _set_allocator_settings(env):
+        result = original(env)
+        err = ctypes.create_string_buffer(4096)
+        if lib.streamsafe_torch_ext_settings(str(env).encode(), err, len(err)) < 0:
+            raise RuntimeError(err.value.decode())
+        return result
+
+    _set_allocator_settings._streamsafe = True
+    _set_allocator_settings.__doc__ = original.__doc__
+    memory._set_allocator_settings = _set_allocator_settings
 
 
 def install_pluggable(conf=None):

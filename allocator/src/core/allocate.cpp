@@ -112,10 +112,7 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
     m.throw_out_of_memory_locked(dlk, nullptr, size_bytes, size_bytes, stream, nullptr,
                                  "; the request exceeds the device's memory limit");
   }
-  const std::size_t rounded = m.opts_.roundup_power2_divisions
-                                  ? detail::round_power2_divisions(size_bytes,
-                                                                   m.opts_.roundup_power2_divisions)
-                                  : detail::round_request(size_bytes);
+  const std::size_t rounded = m.runtime_.round(size_bytes);  // runtime_settings.hpp
   const bool small = detail::is_small(rounded);
   const tag_id tag = tag_scope::current();  // tags.cpp: 0 unless a tag_scope is open
   if (m.capturing()) {  // a CUDA graph capture is underway on the device (capture.cpp)

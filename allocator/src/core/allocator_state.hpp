@@ -32,6 +32,7 @@
 #include "ipc_registry.hpp"
 #include "release_queue.hpp"
 #include "release_worker.hpp"
+#include "runtime_settings.hpp"
 #include "sleep_state.hpp"
 #include "statistics_state.hpp"
 #include "stream_state.hpp"
@@ -54,11 +55,14 @@ struct allocator_identity {
 
 struct allocator_state {
   allocator_state(device_backend& backend, options opts, const allocator_identity& who)
-      : backend_(backend), opts_(opts), id_(who.id), fork_generation_(who.fork_generation),
-        creator_pid_(who.creator_pid) {}
+      : backend_(backend), opts_(opts), runtime_(runtime_options::of(opts)), id_(who.id),
+        fork_generation_(who.fork_generation), creator_pid_(who.creator_pid) {}
 
   device_backend& backend_;
+  // The options given at creation. max_split_size_bytes, garbage_collection_threshold and
+  // roundup_power2_divisions are read from runtime_ instead: they may change while it runs.
   options opts_;
+  runtime_settings runtime_;
   const std::uint64_t id_;               // distinguishes allocators in the threads' stream caches
   const std::uint64_t fork_generation_;  // fork.cpp: the process's fork count when it was made
   const std::int64_t creator_pid_;       // release_worker.cpp: no worker in another process

@@ -35,7 +35,9 @@ void caching_allocator::impl::recycle_block(stream_state& st, block* b) {
 block* caching_allocator::impl::best_fit(pool& p, std::size_t rounded) const {
   block* b = p.mapped.find(rounded);
   if (!b) return nullptr;
-  if (opts_.max_split_size_bytes != 0 && split_limit_refuses(p, b, rounded)) return nullptr;
+  if (runtime_.max_split_size_bytes.load(std::memory_order_relaxed) != 0 &&
+      split_limit_refuses(p, b, rounded))
+    return nullptr;
   // A whole free segment far larger than the request stays whole (segment_fit.hpp): the best
   // block that may be split instead, if any. One compare for blocks close in size.
   if (b->size - rounded > detail::k_whole_segment_slack_bytes && keeps_whole(b, rounded)) {
@@ -49,11 +51,11 @@ block* caching_allocator::impl::best_fit(pool& p, std::size_t rounded) const {
 // max_split_size: b may not be split for a request of `rounded` bytes.
 bool caching_allocator::impl::split_limit_refuses(const pool& p, const block* b,
                                                   std::size_t rounded) const noexcept {
-  if (p.small || opts_.max_split_size_bytes == 0 || b->seg->expandable) return false;
+  const std::size_t max_split = runtime_.max_split_size_bytes.load(std::memory_order_relaxed);
+  if (max_split == 0 || p.small || b->seg->expandable) return false;
   // Oversize blocks are never split, and serve only requests close to their size.
-  if (rounded < opts_.max_split_size_bytes && b->size >= opts_.max_split_size_bytes) return true;
-  return rounded >= opts_.max_split_size_bytes &&
-         b->size >= rounded + detail::k_large_segment_bytes;
+  if (rounded < max_split && b->size >= max_split) return true;
+  return rounded >= max_split && b->size >= rounded + detail::k_large_segment_bytes;
 }
 
 bool caching_allocator::impl::keeps_whole(const block* b, std::size_t rounded) const noexcept {
@@ -110,8 +112,8 @@ void caching_allocator::impl::split_locked(block* b, std::size_t rounded) {
   const std::size_t remaining = b->size - rounded;
   bool split = (b->seg->expandable || b->seg->small) ? remaining >= detail::k_min_block_bytes
                                                      : remaining > detail::k_small_request_bytes;
-  if (!b->seg->expandable && !b->seg->small && opts_.max_split_size_bytes != 0 &&
-      b->size >= opts_.max_split_size_bytes) {
+  const std::size_t max_split = runtime_.max_split_size_bytes.load(std::memory_order_relaxed);
+  if (!b->seg->expandable && !b->seg->small && max_split != 0 && b->size >= max_split) {
     split = false;
   }
   if (!split) return;

@@ -168,11 +168,11 @@ bool caching_allocator::impl::expandable_growth_raises_peak_locked(const pool& p
 }
 
 bool caching_allocator::impl::wants_collection_locked(std::size_t rounded) const {
-  if (opts_.garbage_collection_threshold <= 0 && opts_.max_cached_bytes == 0) return false;
+  const double gc = runtime_.garbage_collection_threshold.load(std::memory_order_relaxed);
+  if (gc <= 0 && opts_.max_cached_bytes == 0) return false;
   const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-  if (opts_.garbage_collection_threshold > 0 &&
-      static_cast<double>(reserved + detail::segment_bytes_for(rounded)) >
-          opts_.garbage_collection_threshold * static_cast<double>(limits_.limit_bytes)) {
+  if (gc > 0 && static_cast<double>(reserved + detail::segment_bytes_for(rounded)) >
+                    gc * static_cast<double>(limits_.limit_bytes)) {
     return true;
   }
   if (opts_.max_cached_bytes != 0) {

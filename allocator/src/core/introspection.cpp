@@ -127,7 +127,12 @@ std::size_t caching_allocator::largest_free_block_bytes() const {
 
 int caching_allocator::device() const noexcept { return impl_->backend_.device(); }
 
-const options& caching_allocator::config() const noexcept { return impl_->opts_; }
+options caching_allocator::config() const {
+  detail::lock_guard<detail::mutex> dlk(impl_->mu_);  // a whole set_runtime_options, not half
+  options o = impl_->opts_;
+  impl_->runtime_.load().apply_to(o);
+  return o;
+}
 
 caching_allocator::block_info caching_allocator::find_block(const void* ptr) const {
   impl& m = *impl_;

@@ -5,6 +5,7 @@
 
 #include "segment_fit.hpp"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <map>
@@ -126,6 +127,97 @@ void set_memory_fraction(options& o, const option_spec& s, std::string_view v) {
   o.memory_fraction = f;
 }
 
+constexpr std::string_view k_max_split_accepted = "a size in MiB, at least 20 (0 = no limit)";
+constexpr std::string_view k_gc_accepted = "0 (off) or a fraction in (0, 1)";
+constexpr std::size_t k_max_divisions = 64;
+
+bool divisions_ok(std::size_t d) { return d <= k_max_divisions && (d & (d - 1)) == 0; }
+
+[[noreturn]] void bad_list(const option_spec& s, std::string_view v, const std::string& why) {
+  throw config_error("streamsafe: bad STREAMSAFE_ALLOC_CONF value '" + std::string(v) +
+                     "' for key '" + std::string(s.key) + "': " + why +
+                     "; accepted: " + std::string(s.accepted));
+}
+
+// A whole number written in `text`, or false.
+bool whole_number(std::string_view text, std::size_t& out) {
+  if (text.empty() || text.size() > 18) return false;
+  out = 0;
+  for (char c : text) {
+    if (c < '0' || c > '9') return false;
+    out = out * 10 + static_cast<std::size_t>(c - '0');
+  }
+  return true;
+}
+
+// PyTorch's list form: "[64:8,128:2,>:1]" (see power2_divisions).
+power2_divisions parse_division_list(const option_spec& s, std::string_view v) {
+  if (v.size() < 2 || v.back() != ']') bad_list(s, v, "the list has no closing ']'");
+  std::string_view rest = v.substr(1, v.size() - 2);
+  power2_divisions out;
+  bool first = true, tail_given = false;
+  std::size_t last_boundary = 0, last_index = 0;
+  while (!trim(rest).empty()) {
+    const auto comma = rest.find(',');
+    const std::string_view entry = trim(rest.substr(0, comma));
+    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    const auto colon = entry.find(':');
+    if (colon == std::string_view::npos)
+      bad_list(s, v, "entry '" + std::string(entry) + "' is not boundary:divisions");
+    const std::string_view boundary = trim(entry.substr(0, colon));
+    const std::string_view count = trim(entry.substr(colon + 1));
+    std::size_t d = 0;
+    if (!whole_number(count, d) || !divisions_ok(d))
+      bad_list(s, v, "divisions '" + std::string(count) + "' is not 0 or a power of two up to 64");
+    if (tail_given) bad_list(s, v, "'>' must be the last entry");
+    if (boundary == ">") {
+      for (std::size_t i = first ? 1 : last_index + 1; i < power2_divisions::k_intervals; ++i)
+        out.by_interval[i] = d;
+      tail_given = true;
+      continue;
+    }
+    std::size_t mib = 0;
+    if (!whole_number(boundary, mib) || mib == 0 || (mib & (mib - 1)) != 0)
+      bad_list(s, v, "boundary '" + std::string(boundary) + "' is not a power of two (MiB)");
+    if (!first && mib <= last_boundary)
+      bad_list(s, v,
+               "boundaries must increase ('" + std::string(boundary) + "' after " +
+                   std::to_string(last_boundary) + ")");
+    // The interval starting at `mib` MiB (mib a power of two; from 32 GiB on, the last).
+    const auto log2 = static_cast<std::size_t>(63 - __builtin_clzll(mib));
+    const std::size_t index = std::min(log2, power2_divisions::k_intervals - 1);
+    for (std::size_t i = first ? 0 : index; i <= index; ++i) out.by_interval[i] = d;
+    first = false;
+    last_boundary = mib;
+    last_index = index;
+  }
+  return out;
+}
+
+void set_divisions(options& o, const option_spec& s, std::string_view v) {
+  if (!v.empty() && v.front() == '[') {
+    o.roundup_power2_divisions = parse_division_list(s, v);
+    return;
+  }
+  const double d = number(s, v);
+  const auto n = static_cast<std::size_t>(d);
+  if (static_cast<double>(n) != d || !divisions_ok(n)) bad_value(s, v);
+  o.roundup_power2_divisions = n;
+}
+
+// One number when every interval agrees, else the list naming every interval up to the last
+// that differs from those after it, which '>' covers.
+std::string show_divisions(const options& o) {
+  const auto& by = o.roundup_power2_divisions.by_interval;
+  std::size_t tail_from = by.size() - 1;
+  while (tail_from > 0 && by[tail_from - 1] == by.back()) --tail_from;
+  if (tail_from == 0) return show_number(by.back());
+  std::string out = "[";
+  for (std::size_t i = 0; i < tail_from; ++i)
+    out += show_number(std::size_t{1} << i) + ":" + show_number(by[i]) + ",";
+  return out + ">:" + show_number(by.back()) + "]";
+}
+
 const option_spec k_options[] = {
     {"backend", "choice", "cuda_malloc, expandable",
      "how pools grow: one cudaMalloc per segment, or mapped chunks",
@@ -163,8 +255,7 @@ const option_spec k_options[] = {
        o.release_worker = static_cast<release_worker_mode>(choice(s, v));
      },
      [](const options& o) { return std::string(to_string(o.release_worker)); }},
-    {"max_split_size_mb", "number", "a size in MiB, at least 20 (0 = no limit)",
-     "blocks larger than this are never split",
+    {"max_split_size_mb", "number", k_max_split_accepted, "blocks larger than this are never split",
      [](options& o, const option_spec& s, std::string_view v) {
        const double mb = number(s, v);
        if (mb != 0 && mb < 20) bad_value(s, v);
@@ -201,16 +292,12 @@ const option_spec k_options[] = {
      "(at most expandable_chunk_mb)",
      set_chunk_mib<&options::expandable_peak_chunk_bytes>,
      show_chunk_mib<&options::expandable_peak_chunk_bytes>},
-    {"roundup_power2_divisions", "number", "a power of two from 1 to 64 (0 = off)",
-     "round requests to this many steps per power of two",
-     [](options& o, const option_spec& s, std::string_view v) {
-       const double d = number(s, v);
-       const auto n = static_cast<std::size_t>(d);
-       if (static_cast<double>(n) != d || n > 64 || (n & (n - 1)) != 0) bad_value(s, v);
-       o.roundup_power2_divisions = n;
-     },
-     [](const options& o) { return show_number(o.roundup_power2_divisions); }},
-    {"garbage_collection_threshold", "number", "0 (off) or a fraction in (0, 1)",
+    {"roundup_power2_divisions", "number",
+     "0 (off) or a power of two up to 64, or PyTorch's list "
+     "[boundary_mib:divisions,...,>:divisions] with power-of-two boundaries in increasing order",
+     "round requests to this many steps per power of two (a list: per size interval)",
+     set_divisions, show_divisions},
+    {"garbage_collection_threshold", "number", k_gc_accepted,
      "release free cached segments before growing past this fraction of the limit",
      [](options& o, const option_spec& s, std::string_view v) {
        const double f = number(s, v);
@@ -244,6 +331,17 @@ std::string known_keys() {
   for (const option_spec& spec : k_options)
     keys += (keys.empty() ? "" : ", ") + std::string(spec.key);
   return keys;
+}
+
+// Where the item at the start of conf ends: its first ',' outside brackets (npos: at the end).
+std::size_t item_end(std::string_view conf) {
+  int depth = 0;
+  for (std::size_t i = 0; i < conf.size(); ++i) {
+    if (conf[i] == '[') ++depth;
+    else if (conf[i] == ']' && depth > 0) --depth;
+    else if (conf[i] == ',' && depth == 0) return i;
+  }
+  return std::string_view::npos;
 }
 
 // Splits "key:value" (trimmed); throws when there is no ':'.
@@ -289,11 +387,54 @@ const char* to_string(reuse_fence_scope scope) noexcept {
   return scope == reuse_fence_scope::allocation_stream ? "allocation_stream" : "all_streams";
 }
 
+std::size_t power2_divisions::interval_of(std::size_t size_bytes) noexcept {
+  constexpr int k_first_log2 = 20;  // interval 1 starts at 2 MiB, interval 15 at 32 GiB
+  if (size_bytes < (std::size_t{2} << k_first_log2)) return 0;
+  const int log2 = 63 - __builtin_clzll(static_cast<unsigned long long>(size_bytes));
+  const auto index = static_cast<std::size_t>(log2 - k_first_log2);
+  return index < k_intervals ? index : k_intervals - 1;
+}
+
+bool power2_divisions::any() const noexcept {
+  for (std::size_t d : by_interval)
+    if (d > 1) return true;
+  return false;
+}
+
+runtime_options runtime_options::of(const options& o) noexcept {
+  return {o.max_split_size_bytes, o.garbage_collection_threshold, o.roundup_power2_divisions};
+}
+
+void runtime_options::apply_to(options& o) const noexcept {
+  o.max_split_size_bytes = max_split_size_bytes;
+  o.garbage_collection_threshold = garbage_collection_threshold;
+  o.roundup_power2_divisions = roundup_power2_divisions;
+}
+
+void runtime_options::validate() const {
+  auto refuse = [](std::string_view key, const std::string& value) {
+    throw config_error("streamsafe: bad runtime option " + std::string(key) + ":" + value +
+                       "; accepted: " + std::string(find_option(key)->accepted) +
+                       " (nothing changed)");
+  };
+  if (max_split_size_bytes != 0 && max_split_size_bytes < 20 * k_mib)
+    refuse("max_split_size_mb",
+           show_number(static_cast<double>(max_split_size_bytes) / static_cast<double>(k_mib)));
+  if (!(garbage_collection_threshold >= 0 && garbage_collection_threshold < 1))
+    refuse("garbage_collection_threshold", show_number(garbage_collection_threshold));
+  for (std::size_t i = 0; i < power2_divisions::k_intervals; ++i) {
+    if (!divisions_ok(roundup_power2_divisions.by_interval[i]))
+      refuse("roundup_power2_divisions",
+             show_number(roundup_power2_divisions.by_interval[i]) + " (interval from " +
+                 show_number(i == 0 ? 0 : std::size_t{1} << i) + " MiB)");
+  }
+}
+
 options options::parse(std::string_view conf, std::vector<std::string>* warnings) {
   options o;
   std::map<std::string, std::string, std::less<>> seen;
   while (!conf.empty()) {
-    const auto comma = conf.find(',');
+    const auto comma = item_end(conf);
     const std::string_view item = trim(conf.substr(0, comma));
     conf = comma == std::string_view::npos ? std::string_view{} : conf.substr(comma + 1);
     if (item.empty()) continue;

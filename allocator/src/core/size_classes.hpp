@@ -29,10 +29,11 @@ inline constexpr std::size_t round_request(std::size_t size_bytes) noexcept {
 }
 
 // PyTorch's roundup_power2_divisions: a size between two powers of two rounds up to the next of
-// `divisions` equal steps (steps of at least 512 B), then to a multiple of 512.
+// `divisions` equal steps (steps of at least 512 B), then to a multiple of 512. 0 or 1 division:
+// no rounding beyond 512 B, as PyTorch's round_size.
 inline constexpr std::size_t round_power2_divisions(std::size_t size_bytes,
                                                     std::size_t divisions) noexcept {
-  if (divisions == 0 || size_bytes <= k_min_block_bytes) return round_request(size_bytes);
+  if (divisions <= 1 || size_bytes <= k_min_block_bytes) return round_request(size_bytes);
   std::size_t floor = std::size_t{1}
                       << (63 - __builtin_clzll(static_cast<unsigned long long>(size_bytes)));
   if (floor == size_bytes) return size_bytes;

@@ -340,7 +340,14 @@ class caching_allocator {
   const trace_recorder* trace() const noexcept;
   std::size_t largest_free_block_bytes() const;
   int device() const noexcept;
-  const options& config() const noexcept;
+  // The options in use: those given at creation, with the runtime options as last set.
+  options config() const;
+  // Changes max_split_size_bytes, garbage_collection_threshold and roundup_power2_divisions
+  // for the allocations that follow (PyTorch's _set_allocator_settings); blocks already cached
+  // stay as they are, split or whole. A bad value throws config_error and changes nothing. Any
+  // thread, any time; an allocation running at the same moment sees the old or the new value
+  // of each option.
+  void set_runtime_options(const runtime_options& r);
 
   // Checks every internal invariant (bytes conserved, block lists consistent, pools hold
   // exactly the free blocks, no block in two places); throws std::logic_error naming the

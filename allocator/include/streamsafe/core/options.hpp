@@ -6,6 +6,7 @@
 // last one wins and a warning says so.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <string>
 #include <string_view>
@@ -51,6 +52,49 @@ enum class reuse_fence_scope {
                       // batch of host frees, recorded when the allocation stream reuses the batch
 };
 
+// PyTorch's roundup_power2_divisions: how many equal steps a size between two powers of two
+// rounds up to, per size interval. Interval 0 holds every size below 2 MiB, interval i (1 to 14)
+// the sizes from 2^i MiB to below 2^(i+1) MiB, interval 15 every size from 32 GiB. 0 or 1 in an
+// interval: no rounding there beyond 512 B (as PyTorch). Written "4" (every interval) or as
+// PyTorch's list "[256:1,512:2,1024:4,>:8]": boundary in MiB (a power of two) then divisions
+// for its interval; the first entry also covers the intervals below it, ">" those after the
+// last one named, and intervals named by neither stay 0.
+struct power2_divisions {
+  static constexpr std::size_t k_intervals = 16;
+  std::array<std::size_t, k_intervals> by_interval{};
+
+  power2_divisions() = default;
+  // Every interval the same (0 = off). Implicit, so `o.roundup_power2_divisions = 4` reads as
+  // it did when the option was one number.
+  power2_divisions(std::size_t every_size) noexcept {  // NOLINT(google-explicit-constructor)
+    by_interval.fill(every_size);
+  }
+  static std::size_t interval_of(std::size_t size_bytes) noexcept;
+  std::size_t for_size(std::size_t size_bytes) const noexcept {
+    return by_interval[interval_of(size_bytes)];
+  }
+  bool any() const noexcept;  // some interval rounds (divisions above 1)
+  bool operator==(const power2_divisions& o) const noexcept { return by_interval == o.by_interval; }
+  bool operator!=(const power2_divisions& o) const noexcept { return !(*this == o); }
+};
+
+struct options;
+
+// The options PyTorch lets a program change while the allocator runs
+// (torch.cuda.memory._set_allocator_settings): caching_allocator::set_runtime_options applies
+// them to later allocations; blocks already cached stay as they are. The other options are
+// fixed when the allocator is created.
+struct runtime_options {
+  std::size_t max_split_size_bytes = 0;     // 0 or at least 20 MiB
+  double garbage_collection_threshold = 0;  // 0 (off) or a fraction in (0, 1)
+  power2_divisions roundup_power2_divisions;
+
+  static runtime_options of(const options& o) noexcept;
+  void apply_to(options& o) const noexcept;
+  // Throws config_error naming the first bad value and what is accepted.
+  void validate() const;
+};
+
 struct options {
   backend_kind backend = backend_kind::cuda_malloc;
   fence_scope release_fence = fence_scope::all_streams;
@@ -64,6 +108,7 @@ struct options {
   // device-to-host copy, a collective on a third stream) and then freed from the host.
   reuse_fence_scope reuse_fence = reuse_fence_scope::allocation_stream;
   // Blocks larger than this are never split (0 = no limit). PyTorch: max_split_size_mb.
+  // Changeable at runtime (runtime_options), as the two below marked so.
   std::size_t max_split_size_bytes = 0;
   // cuda_malloc backend: a wholly free cached segment more than this many times a large request
   // (and more than 20 MiB bigger) is not split for it; the request takes the free remainder of
@@ -92,11 +137,12 @@ struct options {
   // "Finer chunks"); the default, 20 MiB, is one size for every growth.
   std::size_t expandable_peak_chunk_bytes = std::size_t{20} << 20;
   // Round requests above 512 B up to one of this many steps per power of two (0 = off), as
-  // PyTorch's roundup_power2_divisions: fewer distinct sizes, better reuse, more rounding.
-  std::size_t roundup_power2_divisions = 0;
+  // PyTorch's roundup_power2_divisions: fewer distinct sizes, better reuse, more rounding. One
+  // number for every size, or one per size interval (power2_divisions). Changeable at runtime.
+  power2_divisions roundup_power2_divisions;
   // When taking memory from the driver would bring reserved bytes above this fraction of the
   // limit, first release the free cached segments behind a fence (0 = off). PyTorch's
-  // garbage_collection_threshold, applied whenever the allocator grows.
+  // garbage_collection_threshold, applied whenever the allocator grows. Changeable at runtime.
   double garbage_collection_threshold = 0.0;
   // When the allocator grows while more than this many cached (reserved, unallocated) bytes
   // sit in its pools, it first releases the free segments behind a fence (0 = no cap).

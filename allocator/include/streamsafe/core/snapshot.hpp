@@ -16,7 +16,8 @@
 // JSON (to_json): the key names of torch.cuda.memory_snapshot() where PyTorch has the same
 // notion ("address", "total_size", "allocated_size", "active_size", "requested_size",
 // "segment_type": "small"|"large", "is_expandable", block "state": "active_allocated" |
-// "active_pending_free" | "inactive"), plus streamsafe's own ("mapped_size", block states
+// "active_pending_free" | "inactive"), plus streamsafe's own ("mapped_size", "graph_pool": the id
+// of the graph whose private pool holds the segment or 0, block states
 // "unmapped" and "releasing", "waiting_on"); "stats" holds the statistics under PyTorch's flat
 // key names ("allocated_bytes.all.current", ...).
 // Thread safety: plain values; no internal synchronisation.

@@ -164,7 +164,12 @@ class allocator {
   int current_device() const { return platform_.current_device(); }
   // Devices whose allocator has been created.
   int devices_in_use() const noexcept;
-  const options& config() const noexcept { return options_; }
+  // The options asked for (release_worker as given, before auto is resolved), with the runtime
+  // options as last set.
+  options config() const;
+  // caching_allocator::set_runtime_options on every device's allocator, and on those created
+  // later. A bad value throws config_error and changes nothing.
+  void set_runtime_options(const runtime_options& r);
 
  private:
   struct device_state {
@@ -191,7 +196,7 @@ class allocator {
   int device_count_ = 0;
   std::unique_ptr<std::atomic<caching_allocator*>[]> devices_;  // by index; null until created
   std::atomic<int> created_{0};
-  std::mutex create_mutex_;                 // guards states_ and creation
+  mutable std::mutex create_mutex_;         // guards options_, states_ and creation
   std::unique_ptr<device_state[]> states_;  // by index; owned here
 };
 

@@ -147,6 +147,20 @@ caching_allocator& allocator::get_or_create(int device) {
 
 caching_allocator& allocator::device_allocator(int device) { return get_or_create(device); }
 
+options allocator::config() const {
+  std::lock_guard<std::mutex> lk(create_mutex_);
+  return options_;
+}
+
+void allocator::set_runtime_options(const runtime_options& r) {
+  r.validate();                                   // config_error: nothing changed
+  std::lock_guard<std::mutex> lk(create_mutex_);  // no device allocator is made meanwhile
+  r.apply_to(options_);
+  for (int d = 0; d < device_count_; ++d) {
+    if (caching_allocator* a = existing(d)) a->set_runtime_options(r);
+  }
+}
+
 int allocator::devices_in_use() const noexcept { return created_.load(std::memory_order_acquire); }
 
 void* allocator::allocate_on(caching_allocator& a, std::size_t bytes, cudaStream_t stream) {

@@ -4,7 +4,8 @@
 // wrapper that enforces set_per_process_memory_fraction and reports segment events to the
 // memory history. Member functions are defined here and in torch_history.cpp (alloc/free trace
 // entries), torch_snapshot.cpp (snapshot()), torch_pools.cpp (CUDA graph pools),
-// torch_checkpoint.cpp (graph pools' checkpoints, for cudagraph trees); the C entry
+// torch_checkpoint.cpp (graph pools' checkpoints, for cudagraph trees), torch_oom.cpp (the
+// out-of-memory error), torch_settings.cpp (PyTorch's allocator settings); the C entry
 // points that Python calls are in torch_extension.cpp.
 //
 //
@@ -116,9 +117,12 @@ inline MempoolId_t pool_of_tag(const std::string& tag) {
   }
 }
 
-inline std::string format_bytes(std::size_t bytes) {
-  return streamsafe::detail::human_bytes(static_cast<std::int64_t>(bytes));
-}
+// A byte count as PyTorch's out-of-memory message writes it (torch_oom.cpp): "512 bytes" up to
+// 1 KiB, then KiB, MiB and GiB (never a larger unit) with two decimals.
+std::string torch_format_size(std::uint64_t bytes);
+// PyTorch's allocator settings ("key:value,...") as streamsafe options ("key:value,...");
+// throws c10::Error naming a key streamsafe does not support (torch_settings.cpp).
+std::string torch_settings_to_options(const std::string& torch_conf);
 
 class torch_allocator;
 
@@ -220,9 +224,9 @@ class torch_allocator final : public cca::CUDAAllocator {
                                                     base.num_sync_all_streams);
     out.num_device_alloc = static_cast<int64_t>(s.num_device_alloc - base.num_device_alloc);
     out.num_device_free = static_cast<int64_t>(s.num_device_free - base.num_device_free);
-    out.max_split_size = options_.max_split_size_bytes != 0
-                             ? static_cast<int64_t>(options_.max_split_size_bytes)
-                             : std::numeric_limits<int64_t>::max();
+    const std::size_t max_split = ss_->config().max_split_size_bytes;  // as last set
+    out.max_split_size = max_split != 0 ? static_cast<int64_t>(max_split)
+                                        : std::numeric_limits<int64_t>::max();
     return out;
   }
   void resetAccumulatedStats(c10::DeviceIndex device) override {
@@ -349,12 +353,21 @@ class torch_allocator final : public cca::CUDAAllocator {
     max_entries_ = std::max<std::size_t>(alloc_trace_max_entries, 1);
     skip_.clear();
     for (const auto& a : skip_actions) skip_.insert(cda::parseTraceEntryAction(a));
-    if (clearHistory) {
+    if (!enabled || clearHistory) {  // PyTorch: turning the history off drops it too
       for (auto& t : traces_) t.clear();
+      annotations_.clear();
     }
     if (!enabled) live_.clear();
     history_enabled_.store(enabled);
   }
+  // torch_history.cpp: record_function annotations (snapshot()["external_annotations"]), the
+  // compile context of torch.compile's regions and torch.cuda.memory._set_memory_metadata, each
+  // stamped on the trace entries as PyTorch's allocator does.
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override;
+  void pushCompileContext(std::string& md) override;
+  void popCompileContext() override;
+  void setUserMetadata(const std::string& metadata) override;
+  std::string getUserMetadata() override;
   void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
     std::lock_guard<std::mutex> lock(observers_mu_);
     oom_observers_.push_back(std::move(observer));
@@ -393,13 +406,20 @@ class torch_allocator final : public cca::CUDAAllocator {
         !has_trackers_.load(std::memory_order_relaxed))
       return;
     try {
-      emit(cda::TraceEntry(action, static_cast<c10::DeviceIndex>(device),
-                           reinterpret_cast<std::uintptr_t>(addr), size, nullptr, {0, 0},
-                           c10::getApproximateTime()));
+      cda::TraceEntry te(action, static_cast<c10::DeviceIndex>(device),
+                         reinterpret_cast<std::uintptr_t>(addr), size, nullptr, {0, 0},
+                         c10::getApproximateTime());
+      // Memory released behind a fence may go back on the release worker's thread after the
+      // caller moved on: its events carry the metadata in force when empty_cache was asked.
+      const bool release = action == cda::TraceEntry::SEGMENT_FREE ||
+                           action == cda::TraceEntry::SEGMENT_UNMAP;
+      emit(std::move(te), release);
     } catch (...) {
     }
   }
   const std::string& conf() const { return conf_; }
+  // torch.cuda.memory._set_allocator_settings after install (torch_settings.cpp).
+  void apply_torch_settings(const std::string& torch_conf);
 
  private:
   // A MemPool with its own allocator (a CUDAPluggableAllocator): a streamsafe allocator of its
@@ -465,6 +485,7 @@ class torch_allocator final : public cca::CUDAAllocator {
   }
 
   void* malloc(std::size_t n, c10::DeviceIndex device, cudaStream_t stream) {
+    check_request_size(n);  // torch_oom.cpp
     if (!enabled_.load(std::memory_order_relaxed)) return uncached_malloc(n, device);
     void* p = nullptr;
     if (n_routes_.load(std::memory_order_acquire) != 0 ||
@@ -485,6 +506,7 @@ class torch_allocator final : public cca::CUDAAllocator {
     if (history_enabled_.load(std::memory_order_relaxed) ||
         has_trackers_.load(std::memory_order_relaxed))
       note_alloc(p, n, device, stream);
+    if (c10::memoryProfilingEnabled()) report_to_profiler(p, static_cast<std::int64_t>(n), device);
     return p;
   }
   void* core_malloc(std::size_t n, c10::DeviceIndex device, cudaStream_t stream) {
@@ -527,38 +549,11 @@ class torch_allocator final : public cca::CUDAAllocator {
   void end_exports(void* ptr);
   void release_ipc_import(void* ptr, int device) noexcept;
 
+  // torch_oom.cpp: PyTorch's OutOfMemoryError, PyTorch's message followed by streamsafe's
+  // account of the device's memory; the OOM trace entry, observers and profiler report first.
+  static void check_request_size(std::size_t n);
   [[noreturn]] void out_of_memory(std::size_t n, c10::DeviceIndex device, cudaStream_t stream,
-                                  const char* what) {
-    std::size_t free_bytes = 0, total_bytes = 0;
-    {
-      c10::cuda::CUDAGuard guard(device);
-      if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) (void)cudaGetLastError();
-    }
-    const streamsafe::statistics s = ss_->stats(device);
-    if (history_enabled_.load() || has_trackers_.load()) {
-      emit(cda::TraceEntry(cda::TraceEntry::OOM, device, free_bytes, n, stream, {0, 0},
-                           c10::getApproximateTime()));
-    }
-    std::vector<cca::OutOfMemoryObserver> observers;
-    {
-      std::lock_guard<std::mutex> lock(observers_mu_);
-      observers = oom_observers_;
-    }
-    for (auto& o : observers)
-      o(device, static_cast<size_t>(s.allocated_bytes.current), total_bytes, free_bytes);
-    c10::reportOutOfMemoryToProfiler(
-        static_cast<int64_t>(n), static_cast<size_t>(s.allocated_bytes.current),
-        static_cast<size_t>(s.reserved_bytes.current), c10::Device(c10::DeviceType::CUDA, device));
-    const std::size_t limit = limit_bytes_[static_cast<std::size_t>(device)].load();
-    TORCH_CHECK_WITH(
-        OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ", format_bytes(n),
-        ". GPU ", static_cast<int>(device), " has a total capacity of ", format_bytes(total_bytes),
-        " of which ", format_bytes(free_bytes), " is free. streamsafe has ",
-        format_bytes(static_cast<std::size_t>(s.allocated_bytes.current)), " allocated and ",
-        format_bytes(static_cast<std::size_t>(s.reserved_bytes.current)), " reserved",
-        limit ? " (per-process memory limit " + format_bytes(limit) + ")" : std::string(),
-        ". streamsafe: ", what);
-  }
+                                  const char* what);
 
  public:
   void free(void* ptr) {
@@ -567,6 +562,7 @@ class torch_allocator final : public cca::CUDAAllocator {
     if (history_enabled_.load(std::memory_order_relaxed) ||
         has_trackers_.load(std::memory_order_relaxed))
       note_free(ptr);
+    if (c10::memoryProfilingEnabled()) report_free_to_profiler(ptr);
     if (n_pool_live_.load(std::memory_order_acquire) != 0) forget_pool_live(ptr);
     try {
       if (n_exported_.load(std::memory_order_acquire) != 0) end_exports(ptr);  // torch_ipc.cpp
@@ -588,7 +584,11 @@ class torch_allocator final : public cca::CUDAAllocator {
   void note_free(void* p);
   // Trace trackers get the entry as PyTorch's allocator gives it (approximate clock); the
   // history keeps it with time_.t_ in microseconds since the epoch, as snapshot() returns it.
-  void emit(cda::TraceEntry te);
+  // Stamps the compile context and the user metadata (release_metadata_ for a release event).
+  void emit(cda::TraceEntry te, bool release_event = false);
+  // torch.profiler's memory records (profile_memory=True), as PyTorch's allocator reports them.
+  void report_to_profiler(void* p, std::int64_t signed_size, int device);
+  void report_free_to_profiler(void* p);
 
   streamsafe::options options_;
   std::string conf_;
@@ -601,7 +601,9 @@ class torch_allocator final : public cca::CUDAAllocator {
 
   std::array<std::atomic<std::size_t>, max_devices> backed_bytes_;  // every instance's segments
 
-  std::mutex pools_mu_;  // guards pools_, captures_, routes_, instances_
+  std::mutex settings_mu_;  // one _set_allocator_settings at a time (torch_settings.cpp)
+  std::atomic<bool> backend_warned_{false};  // the one warning that the backend stays
+  std::mutex pools_mu_;                      // guards pools_, captures_, routes_, instances_
   std::map<MempoolId_t, pool_state> pools_;
   std::vector<capture_state> captures_;
   std::vector<pool_route> routes_;
@@ -639,6 +641,10 @@ class torch_allocator final : public cca::CUDAAllocator {
   std::size_t max_entries_ = 1;
   std::set<cda::TraceEntry::Action> skip_;
   std::array<std::deque<cda::TraceEntry>, max_devices> traces_;
+  std::deque<decltype(cca::SnapshotInfo::external_annotations)::value_type> annotations_;
+  std::vector<std::string> compile_context_;  // torch.compile regions entered, innermost last
+  std::string user_metadata_;                 // _set_memory_metadata
+  std::string release_metadata_;  // user_metadata_ at the last emptyCache (see note_segment)
   std::unordered_map<void*, live_block> live_;
 };
 

@@ -38,8 +38,15 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_install(const char* conf, char* err, 
     static constexpr const char* k_torch_defaults = "empty_cache:defer,release_worker:auto";
     const char* env = std::getenv("STREAMSAFE_ALLOC_CONF");
     const std::string given = (conf && *conf) ? conf : (env ? env : "");
-    streamsafe::options opts = streamsafe::options::parse(std::string(k_torch_defaults) + "," +
-                                                          given);
+    // PyTorch's settings (PYTORCH_ALLOC_CONF wins over PYTORCH_CUDA_ALLOC_CONF, as in PyTorch)
+    // apply under streamsafe's own: a key given in both takes streamsafe's value.
+    const char* torch_env = std::getenv("PYTORCH_ALLOC_CONF");
+    if (!torch_env) torch_env = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
+    const std::string from_torch = torch_env
+                                       ? streamsafe::torch_ext::torch_settings_to_options(torch_env)
+                                       : std::string();
+    streamsafe::options opts = streamsafe::options::parse(
+        std::string(k_torch_defaults) + (from_torch.empty() ? "" : "," + from_torch) + "," + given);
     cca::CUDAAllocator* current = cca::allocator.load();
     if (current && current->initialized()) {
       int n = 0;
@@ -86,6 +93,18 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_install(const char* conf, char* err, 
     return streamsafe::detail::copy_text(std::string("streamsafe.torch.install: ") + e.what(), err,
                                          len),
            -1;
+  }
+}
+
+// torch.cuda.memory._set_allocator_settings(conf) after install: 0 when every key is applied
+// or accepted, -1 with the refusal (naming the key) in err.
+STREAMSAFE_EXPORT int streamsafe_torch_ext_settings(const char* conf, char* err, size_t len) {
+  if (!g_allocator) return 0;  // not installed: PyTorch's own allocator takes them
+  try {
+    g_allocator->apply_torch_settings(conf ? conf : "");
+    return 0;
+  } catch (const std::exception& e) {
+    return streamsafe::detail::copy_text(e.what(), err, len), -1;
   }
 }
 

@@ -1,7 +1,9 @@
 // streamsafe PyTorch extension: the memory history (torch.cuda.memory._record_memory_history):
-// alloc / free trace entries with the Python context PyTorch's recorder gathers, segment events
-// from limited_backend, and the trace trackers PyTorch attaches. history_mu_ and observers_mu_
-// are leaf locks, never held across a call into streamsafe.
+// alloc / free trace entries with the Python context PyTorch's recorder gathers (a free without
+// a stack of its own carries its allocation's, as in PyTorch), segment events from
+// limited_backend, record_function annotations, the compile context and user metadata on every
+// entry, the trace trackers PyTorch attaches, and torch.profiler's memory records. history_mu_ and
+// observers_mu_ are leaf locks, never held across a call into streamsafe.
 #include "extension_allocator.hpp"
 
 namespace streamsafe::torch_ext {
@@ -54,6 +56,8 @@ void torch_allocator::note_free(void* p) {
   }
   std::shared_ptr<c10::GatheredContext> ctx;
   if (recorder && when == cda::RecordContext::ALL) ctx = recorder();
+  if (!ctx) ctx = b.context;  // PyTorch: a free without its own stack shows the allocation's
+  if (when < cda::RecordContext::ALLOC) ctx = nullptr;
   const auto addr = reinterpret_cast<std::uintptr_t>(p);
   const auto dev = static_cast<c10::DeviceIndex>(b.device);
   emit(cda::TraceEntry(cda::TraceEntry::FREE_REQUESTED, dev, addr, b.requested, b.stream, {0, 0},
@@ -63,7 +67,12 @@ void torch_allocator::note_free(void* p) {
 }
 // Trace trackers get the entry as PyTorch's allocator gives it (approximate clock); the
 // history keeps it with time_.t_ in microseconds since the epoch, as snapshot() returns it.
-void torch_allocator::emit(cda::TraceEntry te) {
+void torch_allocator::emit(cda::TraceEntry te, bool release_event) {
+  {
+    std::lock_guard<std::mutex> lock(history_mu_);
+    te.compile_context_ = compile_context_.empty() ? "N/A" : compile_context_.back();
+    te.user_metadata_ = release_event ? release_metadata_ : user_metadata_;
+  }
   if (has_trackers_.load(std::memory_order_relaxed)) {
     std::vector<cda::AllocatorTraceTracker> trackers;
     {
@@ -80,6 +89,47 @@ void torch_allocator::emit(cda::TraceEntry te) {
   auto& ring = traces_[static_cast<std::size_t>(te.device_)];
   ring.push_back(std::move(te));
   while (ring.size() > max_entries_) ring.pop_front();
+}
+
+void torch_allocator::recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) {
+  if (!history_enabled_.load()) return;
+  decltype(annotations_)::value_type entry(c10::cuda::current_device(), c10::getApproximateTime());
+  for (const auto& [name, value] : md) entry.recordUserMetadata(name, value);
+  entry.time_.t_ = static_cast<time_t>(now_us());  // as the trace entries: microseconds
+  std::lock_guard<std::mutex> lock(history_mu_);
+  annotations_.push_back(std::move(entry));
+  while (annotations_.size() > max_entries_) annotations_.pop_front();
+}
+void torch_allocator::pushCompileContext(std::string& md) {
+  std::lock_guard<std::mutex> lock(history_mu_);
+  compile_context_.push_back(md);
+}
+void torch_allocator::popCompileContext() {
+  std::lock_guard<std::mutex> lock(history_mu_);
+  if (!compile_context_.empty()) compile_context_.pop_back();
+}
+void torch_allocator::setUserMetadata(const std::string& metadata) {
+  std::lock_guard<std::mutex> lock(history_mu_);
+  user_metadata_ = metadata;
+}
+std::string torch_allocator::getUserMetadata() {
+  std::lock_guard<std::mutex> lock(history_mu_);
+  return user_metadata_;
+}
+
+void torch_allocator::report_to_profiler(void* p, std::int64_t signed_size, int device) {
+  const streamsafe::statistics s = ss_->stats(device);
+  c10::reportMemoryUsageToProfiler(
+      p, signed_size, static_cast<size_t>(s.allocated_bytes.current),
+      static_cast<size_t>(s.reserved_bytes.current),
+      c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+}
+void torch_allocator::report_free_to_profiler(void* p) {
+  const int device = ss_->owner_device(p);
+  if (device < 0) return;
+  const streamsafe::caching_allocator* a = ss_->find_device_allocator(device);
+  const std::size_t size = a ? a->find_block(p).size_bytes : 0;
+  if (size != 0) report_to_profiler(p, -static_cast<std::int64_t>(size), device);
 }
 
 }  // namespace streamsafe::torch_ext

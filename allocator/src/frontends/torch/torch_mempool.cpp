@@ -56,6 +56,7 @@ std::shared_ptr<torch_allocator::pool_instance> torch_allocator::make_instance(
   // The pool's allocator's segments are whole allocations (no address space to map into);
   // released at once on empty_cache (PyTorch calls the pool allocator's free there).
   streamsafe::options o = options_;
+  streamsafe::runtime_options::of(ss_->config()).apply_to(o);  // _set_allocator_settings
   o.backend = streamsafe::backend_kind::cuda_malloc;
   o.empty_cache = streamsafe::empty_cache_mode::wait;
   o.release_worker = streamsafe::release_worker_mode::off;
@@ -84,6 +85,9 @@ void torch_allocator::createOrIncrefPool(c10::DeviceIndex device, MempoolId_t me
   if (inst && !pool.instance) {
     pool.allocator = allocator;
     pool.instance = inst;
+    // Settings given between make_instance and here (apply_torch_settings updates ss_ before
+    // it walks instances_ under this lock).
+    inst->alloc->set_runtime_options(streamsafe::runtime_options::of(ss_->config()));
     instances_.push_back(inst);
     n_instances_.store(static_cast<int>(instances_.size()), std::memory_order_release);
   }
@@ -235,6 +239,10 @@ streamsafe::statistics torch_allocator::device_stats(c10::DeviceIndex device) {
 // PyTorch: emptyCache of the default id releases the default pools and every private pool no
 // longer in use; a live MemPool keeps its cache until emptyCache is given its id (~MemPool does).
 void torch_allocator::emptyCache(MempoolId_t mempool_id) {
+  {
+    std::lock_guard<std::mutex> lock(history_mu_);  // the metadata of the releases that follow
+    release_metadata_ = user_metadata_;
+  }
   std::vector<std::shared_ptr<pool_instance>> release_instances;
   std::set<std::string> keep;  // tags of MemPools in use
   std::string tag;

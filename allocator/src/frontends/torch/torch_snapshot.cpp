@@ -110,10 +110,12 @@ cca::SnapshotInfo torch_allocator::snapshot(MempoolId_t mempool_id, bool include
       const auto& ring = traces_[static_cast<std::size_t>(d)];
       out.device_traces[static_cast<std::size_t>(d)].assign(ring.begin(), ring.end());
     }
+    out.external_annotations.assign(annotations_.begin(), annotations_.end());
   }
   auto& m = out.config_metadata;
-  m.garbage_collection_threshold = options_.garbage_collection_threshold;
-  m.max_split_size = options_.max_split_size_bytes ? options_.max_split_size_bytes : SIZE_MAX;
+  const streamsafe::options now = ss_->config();  // with _set_allocator_settings' changes
+  m.garbage_collection_threshold = now.garbage_collection_threshold;
+  m.max_split_size = now.max_split_size_bytes ? now.max_split_size_bytes : SIZE_MAX;
   m.pinned_num_register_threads = 1;
   m.expandable_segments = options_.backend == streamsafe::backend_kind::expandable;
   m.release_lock_on_malloc = false;
