@@ -111,8 +111,8 @@ struct caching_allocator::impl : detail::allocator_state {
       STREAMSAFE_REQUIRES(mu_);
   block* reclaim_segment_locked(pool& p, std::size_t rounded, bool whole_rule)
       STREAMSAFE_REQUIRES(mu_);
-  block* reclaim_by_alias_locked(pool& p, std::size_t rounded, bool* in_flight = nullptr)
-      STREAMSAFE_REQUIRES(mu_);
+  block* reclaim_by_alias_locked(pool& p, std::size_t rounded, bool within_peak = false,
+                                 bool* in_flight = nullptr) STREAMSAFE_REQUIRES(mu_);
   std::size_t unghost_locked(std::uintptr_t addr, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
   std::size_t drop_ghost_locked(block* b) STREAMSAFE_REQUIRES(mu_);
   // ---- allocate.cpp: the allocation order ----------------------------------------------------

@@ -368,14 +368,14 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
   if (!releases_.deferred.empty()) {
     b = reclaim_in_place_locked(p, rounded);
     bool in_flight = false;  // the release worker is giving memory back right now
-    if (!b && expandable) b = reclaim_by_alias_locked(p, rounded, &in_flight);
+    if (!b && expandable) b = reclaim_by_alias_locked(p, rounded, true, &in_flight);
     if (!b && !expandable) b = reclaim_segment_locked(p, rounded, true);
     if (in_flight) {  // that release ends (driver calls, never a fence wait), then once more
       drop_stream_lock(slk, st);
       wait_for_worker_locked(dlk, nullptr);
       retake_stream_lock(slk, st);
       if (capturing()) return nullptr;
-      b = reclaim_by_alias_locked(p, rounded);
+      b = reclaim_by_alias_locked(p, rounded, true);
     }
   }
   // 2. Free headroom under the peak, before a block pending another stream's work.

@@ -141,7 +141,7 @@ block* caching_allocator::impl::reclaim_segment_locked(pool& p, std::size_t roun
 // Choosing the run and mapping it are still one function.
 // NOLINTNEXTLINE(readability-function-cognitive-complexity)
 block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rounded,
-                                                        bool* in_flight) {
+                                                        bool within_peak, bool* in_flight) {
   if (capturing() || opts_.backend != backend_kind::expandable ||
       opts_.release_fence == fence_scope::device || releases_.deferred.empty())
     return nullptr;
@@ -212,12 +212,12 @@ block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rou
   const std::size_t fresh = need > taken ? need - taken : 0;  // mapped anew, under the limit
   const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
   if (reserved + fresh > limits_.limit_bytes || taken + fresh > target->size) return nullptr;
-  // Memory the release worker is giving back right now still counts: mapping anew beside it
-  // would raise the peak by it. The caller waits for that release (driver calls, never a
-  // fence) and asks again (in_flight).
-  if (in_flight && fresh != 0 && stats_.release_worker_bytes != 0 &&
-      reserved + fresh > reserved_high_water_locked()) {
-    *in_flight = true;
+  // within_peak: the bytes mapped anew must not raise peak reserved (the growth policy makes
+  // room from idle memory first). Memory the release worker is giving back right now still
+  // counts: the caller waits for that release (driver calls, never a fence) and asks again
+  // (in_flight).
+  if (within_peak && fresh != 0 && reserved + fresh > reserved_high_water_locked()) {
+    if (in_flight && stats_.release_worker_bytes != 0) *in_flight = true;
     return nullptr;
   }
   // p's stream waits on each batch's fence, once, before anything changes (a failed wait leaves
