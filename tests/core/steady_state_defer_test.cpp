@@ -234,7 +234,7 @@ TEST_CASE(
 // Expandable: memory moved between pools by map_alias during a step (idle chunks before a
 // growth past the peak) leaves the pools' ranges fragmented, and defer mode's steady state keeps
 // 2-8% more reserved than wait mode's and maps a run anew each step (fsdp) or keeps what a growth
-// past the peak mapped in the first steps (seed). Known gap: see docs/design.md.
+// past the peak mapped in the first steps (seed). A known gap, reported, not yet closed.
 TEST_CASE(
     "Expandable, empty_cache every step in defer mode with several streams: the steady state maps "
     "nothing new and peak reserved is at or below wait mode's",
