@@ -23,6 +23,7 @@ namespace streamsafe {
 struct caching_allocator::impl : detail::allocator_state {
   using stream_state = detail::stream_state;
   using release_batch = detail::release_batch;
+  using queued_run = detail::queued_run;
   using tag_state = detail::tag_state;
   using paused_segment = detail::paused_segment;
   using resume_work = detail::resume_work;
@@ -80,6 +81,7 @@ struct caching_allocator::impl : detail::allocator_state {
                                 std::size_t chunk, std::size_t fine_from = SIZE_MAX,
                                 std::size_t fine = 0) STREAMSAFE_REQUIRES(mu_);
   block* expandable_fit_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  block* cut_chunks_locked(block* b, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
   block* steal_segment_locked(pool& p, std::size_t rounded, bool whole_rule)
       STREAMSAFE_REQUIRES(mu_);
   block* adopt_dead_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
@@ -113,6 +115,16 @@ struct caching_allocator::impl : detail::allocator_state {
       STREAMSAFE_REQUIRES(mu_);
   block* reclaim_by_alias_locked(pool& p, std::size_t rounded, bool within_peak = false,
                                  bool* in_flight = nullptr) STREAMSAFE_REQUIRES(mu_);
+  block* alias_target_locked(pool& p, std::size_t rounded, std::size_t* need)
+      STREAMSAFE_REQUIRES(mu_);
+  std::size_t choose_queued_runs_locked(const pool& p, std::size_t need,
+                                        std::vector<queued_run>* chosen) STREAMSAFE_REQUIRES(mu_);
+  block* refit_alias_target_locked(pool& p, std::size_t rounded, std::size_t taken,
+                                   std::size_t* need) STREAMSAFE_REQUIRES(mu_);
+  bool map_queued_chunks_locked(pool& p, block* target, const std::vector<queued_run>& chosen,
+                                std::size_t fresh) STREAMSAFE_REQUIRES(mu_);
+  void commit_alias_locked(pool& p, block* target, const std::vector<queued_run>& chosen,
+                           std::size_t aliased, std::size_t fresh) STREAMSAFE_REQUIRES(mu_);
   std::size_t unghost_locked(std::uintptr_t addr, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
   std::size_t drop_ghost_locked(block* b) STREAMSAFE_REQUIRES(mu_);
   // ---- allocate.cpp: the allocation order ----------------------------------------------------

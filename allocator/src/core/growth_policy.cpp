@@ -221,12 +221,8 @@ std::size_t caching_allocator::impl::queue_idle_chunks_locked(const block* keep,
     // Of the last run taken, only the chunks that cover what is lacking.
     const std::size_t lacking = bytes - chosen.bytes;
     if (b->size > lacking) {
-      segment* seg = b->seg;
-      detail::lock_guard<stream_lock> slk(state_of(*seg->owner).mu);  // guards seg->chunks
-      std::uintptr_t cut = b->addr;
-      for (auto it = seg->chunks.lower_bound(b->addr); cut - b->addr < lacking; ++it)
-        cut = it->first + it->second;
-      if (cut < b->addr + b->size) rest.blocks.push_back(split_off_locked(b, cut - b->addr));
+      detail::lock_guard<stream_lock> slk(state_of(*b->seg->owner).mu);  // guards seg->chunks
+      if (block* after = cut_chunks_locked(b, lacking)) rest.blocks.push_back(after);
     }
     chosen.blocks.push_back(b);
     chosen.bytes += b->size;
