@@ -89,6 +89,27 @@ struct caching_allocator::impl : detail::allocator_state {
   block* expand_pool_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
                             stream_state& st, pool& p, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_, st.mu);
+  // The steps of expand_pool_locked (growth_policy.cpp), in its order.
+  block* reclaim_queued_first_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
+                                     stream_state& st, pool& p, std::size_t rounded, bool* stop)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  block* grow_within_peak_or_pending_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
+                                            stream_state& st, pool& p, std::size_t rounded)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  block* grow_making_room_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
+                                 stream_state& st, pool& p, std::size_t rounded)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  block* grow_from_idle_chunks_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
+                                      stream_state& st, pool& p, std::size_t rounded)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  block* grow_after_refused_segments_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
+                                            stream_state& st, pool& p, std::size_t rounded)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  block* take_from_other_pools_locked(detail::unique_lock<stream_lock>& slk, stream_state& st,
+                                      pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_, st.mu);
+  block* out_of_memory_path_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
+                                   stream_state& st, pool& p, std::size_t rounded)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
   block* grow_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);  // a growth
   bool growth_within_peak_locked(const pool& p, std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
   void note_headroom_locked() STREAMSAFE_REQUIRES(mu_);  // headroom_hint_ after reserved changed
