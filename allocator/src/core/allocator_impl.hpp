@@ -315,6 +315,7 @@ struct caching_allocator::impl : detail::allocator_state {
   static std::int64_t current_pid() noexcept;
   bool worker_usable_locked() const STREAMSAFE_REQUIRES(mu_);
   bool worker_releases_locked(empty_cache_mode mode) const STREAMSAFE_REQUIRES(mu_);
+  bool worker_release_in_flight_locked() const STREAMSAFE_REQUIRES(mu_);
   bool ensure_worker_locked() STREAMSAFE_REQUIRES(mu_);
   void hand_to_worker_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   std::size_t worker_pass_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);

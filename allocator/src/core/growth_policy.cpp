@@ -484,7 +484,7 @@ block* caching_allocator::impl::out_of_memory_path_locked(device_lock& dlk,
   release_cached(dlk, opts_.empty_cache);
   retake_stream_lock(slk, st);
   block* b = find_block_locked(st, p, rounded, true);
-  if (!b && worker && (!releases_.deferred.empty() || stats_.release_worker_bytes != 0)) {
+  if (!b && worker && (!releases_.deferred.empty() || worker_release_in_flight_locked())) {
     // Wait (no lock held) for a pass of the release worker over what was just queued and for
     // its release in flight, then retry. Never waits on a fence.
     drop_stream_lock(slk, st);

@@ -309,7 +309,7 @@ block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rou
   // Memory the release worker is giving back right now still counts: the caller waits for that
   // release (driver calls, never a fence) and asks again.
   if (within_peak && fresh != 0 && reserved + fresh > reserved_high_water_locked()) {
-    if (in_flight && stats_.release_worker_bytes != 0) *in_flight = true;
+    if (in_flight && worker_release_in_flight_locked()) *in_flight = true;
     return nullptr;
   }
   if (!map_queued_chunks_locked(p, target, chosen, fresh)) return nullptr;
