@@ -10,6 +10,7 @@
 //  * plain: a loop of varied allocations on one stream, all freed, then empty_cache().
 //  * seed: gradients on a side stream, a per-parameter loop on the compute stream, the last
 //    gradient kept alive to the next step, empty_cache(), then one large buffer.
+//  * three streams, kv cache: held out (not tuned on), below.
 // The host runs ahead of the device: the last step's tail of work (and the busy stream's work,
 // when on) is still running while the next step allocates, so the memory empty_cache() queued is
 // still waiting for its fence and must be what the next step reuses.
@@ -130,6 +131,44 @@ void seed_step(step_env& e) {
   e.alloc.deallocate(buffer);
 }
 
+// Patterns the policy was not tuned on: a pipeline over three streams, each allocation ordered
+// after the previous stream's work, four alive at a time; a growing cache on the compute stream
+// beside a temporary on another stream each token.
+void three_stream_step(step_env& e) {
+  const stream_handle ss[3] = {e.s.compute, e.s.gather, e.s.reduce};
+  std::vector<void*> live;
+  const std::size_t sizes[] = {11, 29, 53, 7, 97, 31};
+  for (int i = 0; i < 12; ++i) {
+    const std::size_t n = sizes[i % 6] * MiB;
+    const stream_handle s = ss[i % 3];
+    if (i) wait_for(e, s, ss[(i + 2) % 3]);
+    void* p = e.alloc.allocate(n, s);
+    e.dev.launch(s, 25, {writes(p, n)}, "work");
+    live.push_back(p);
+    if (live.size() > 4) {
+      e.alloc.deallocate(live.front());
+      live.erase(live.begin());
+    }
+  }
+  for (void* p : live) e.alloc.deallocate(p);
+  e.alloc.empty_cache();
+}
+
+void kv_step(step_env& e) {
+  std::vector<void*> kv;
+  for (int t = 0; t < 10; ++t) {
+    kv.push_back(e.alloc.allocate((5 + 3 * t) * MiB, e.s.compute));
+    e.dev.launch(e.s.compute, 10, {writes(kv.back(), (5 + 3 * t) * MiB)}, "kv");
+    wait_for(e, e.s.gather, e.s.compute);
+    void* tmp = e.alloc.allocate(45 * MiB, e.s.gather);
+    e.dev.launch(e.s.gather, 10, {writes(tmp, 45 * MiB)}, "attn");
+    wait_for(e, e.s.compute, e.s.gather);
+    e.alloc.deallocate(tmp);
+  }
+  for (void* p : kv) e.alloc.deallocate(p);
+  e.alloc.empty_cache();
+}
+
 struct setting {
   backend_kind backend;
   empty_cache_mode mode;
@@ -198,11 +237,13 @@ struct pattern {
 };
 
 const pattern k_patterns[] = {
-    // "plain" third: check_pattern below names it
+    // by index below: plain third, three streams fifth, kv cache sixth
     {"fsdp signsgd", [](step_env& e) { fsdp_step(e, false); }},
     {"fsdp adamw", [](step_env& e) { fsdp_step(e, true); }},
     {"plain", plain_step},
     {"seed", seed_step},
+    {"three streams", three_stream_step},
+    {"kv cache", kv_step},
 };
 
 void check_pattern(const pattern& pat, backend_kind backend, bool worker, bool busy) {
@@ -227,14 +268,16 @@ TEST_CASE(
     "[core][release][growth]") {
   const bool worker = GENERATE(true, false);
   const bool busy = GENERATE(false, true);
-  for (const pattern& pat : k_patterns) check_pattern(pat, backend_kind::cuda_malloc, worker, busy);
+  for (int i = 0; i < 5; ++i) check_pattern(k_patterns[i], backend_kind::cuda_malloc, worker, busy);
   check_pattern(k_patterns[2], backend_kind::expandable, worker, busy);  // plain
+  check_pattern(k_patterns[4], backend_kind::expandable, worker, busy);  // three streams
 }
 
 // Expandable: memory moved between pools by map_alias during a step (idle chunks before a
 // growth past the peak) leaves the pools' ranges fragmented, and defer mode's steady state keeps
 // 2-8% more reserved than wait mode's and maps a run anew each step (fsdp) or keeps what a growth
-// past the peak mapped in the first steps (seed). A known gap, reported, not yet closed.
+// past the peak mapped in the first steps (seed). A growing cache beside temporaries of another
+// stream (kv) keeps more than wait mode's peak on both backends. Known gaps, not yet closed.
 TEST_CASE(
     "Expandable, empty_cache every step in defer mode with several streams: the steady state maps "
     "nothing new and peak reserved is at or below wait mode's",
@@ -242,4 +285,5 @@ TEST_CASE(
   const bool worker = GENERATE(true, false);
   const bool busy = GENERATE(false, true);
   for (const pattern& pat : k_patterns) check_pattern(pat, backend_kind::expandable, worker, busy);
+  check_pattern(k_patterns[5], backend_kind::cuda_malloc, worker, busy);  // kv cache
 }
