@@ -23,6 +23,7 @@ namespace streamsafe {
 struct caching_allocator::impl : detail::allocator_state {
   using stream_state = detail::stream_state;
   using release_batch = detail::release_batch;
+  using queued_run = detail::queued_run;
   using tag_state = detail::tag_state;
   using paused_segment = detail::paused_segment;
   using resume_work = detail::resume_work;
@@ -80,12 +81,38 @@ struct caching_allocator::impl : detail::allocator_state {
                                 std::size_t chunk, std::size_t fine_from = SIZE_MAX,
                                 std::size_t fine = 0) STREAMSAFE_REQUIRES(mu_);
   block* expandable_fit_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  block* cut_chunks_locked(block* b, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
   block* steal_segment_locked(pool& p, std::size_t rounded, bool whole_rule)
       STREAMSAFE_REQUIRES(mu_);
   block* adopt_dead_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
   block* move_segment_locked(segment* seg, pool& p) STREAMSAFE_REQUIRES(mu_);
   block* expand_pool_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
                             stream_state& st, pool& p, std::size_t rounded)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  // The steps of expand_pool_locked (growth_policy.cpp), in its order:
+  // 1. queued memory first; *stop: a capture began while it waited
+  block* reclaim_queued_first_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
+                                     stream_state& st, pool& p, std::size_t rounded, bool* stop)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  // 2-4. headroom under the peak, a pending block, completed releases
+  block* grow_within_peak_or_pending_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
+                                            stream_state& st, pool& p, std::size_t rounded)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  // 5. a growth, idle memory making room past the peak (the next two)
+  block* grow_making_room_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
+                                 stream_state& st, pool& p, std::size_t rounded)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  block* grow_from_idle_chunks_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
+                                      stream_state& st, pool& p, std::size_t rounded)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  block* grow_after_refused_segments_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
+                                            stream_state& st, pool& p, std::size_t rounded)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  // 6. at the limit; 7. the out-of-memory path
+  block* take_from_other_pools_locked(detail::unique_lock<stream_lock>& slk, stream_state& st,
+                                      pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_, st.mu);
+  block* out_of_memory_path_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
+                                   stream_state& st, pool& p, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_, st.mu);
   block* grow_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);  // a growth
   bool growth_within_peak_locked(const pool& p, std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
@@ -111,8 +138,18 @@ struct caching_allocator::impl : detail::allocator_state {
       STREAMSAFE_REQUIRES(mu_);
   block* reclaim_segment_locked(pool& p, std::size_t rounded, bool whole_rule)
       STREAMSAFE_REQUIRES(mu_);
-  block* reclaim_by_alias_locked(pool& p, std::size_t rounded, bool* in_flight = nullptr)
+  block* reclaim_by_alias_locked(pool& p, std::size_t rounded, bool within_peak = false,
+                                 bool* in_flight = nullptr) STREAMSAFE_REQUIRES(mu_);
+  block* alias_target_locked(pool& p, std::size_t rounded, std::size_t* need)
       STREAMSAFE_REQUIRES(mu_);
+  std::size_t choose_queued_runs_locked(const pool& p, std::size_t need,
+                                        std::vector<queued_run>* chosen) STREAMSAFE_REQUIRES(mu_);
+  block* refit_alias_target_locked(pool& p, std::size_t rounded, std::size_t taken,
+                                   std::size_t* need) STREAMSAFE_REQUIRES(mu_);
+  bool map_queued_chunks_locked(pool& p, block* target, const std::vector<queued_run>& chosen,
+                                std::size_t fresh) STREAMSAFE_REQUIRES(mu_);
+  void commit_alias_locked(pool& p, block* target, const std::vector<queued_run>& chosen,
+                           std::size_t aliased, std::size_t fresh) STREAMSAFE_REQUIRES(mu_);
   std::size_t unghost_locked(std::uintptr_t addr, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
   std::size_t drop_ghost_locked(block* b) STREAMSAFE_REQUIRES(mu_);
   // ---- allocate.cpp: the allocation order ----------------------------------------------------
@@ -288,6 +325,7 @@ struct caching_allocator::impl : detail::allocator_state {
   static std::int64_t current_pid() noexcept;
   bool worker_usable_locked() const STREAMSAFE_REQUIRES(mu_);
   bool worker_releases_locked(empty_cache_mode mode) const STREAMSAFE_REQUIRES(mu_);
+  bool worker_release_in_flight_locked() const STREAMSAFE_REQUIRES(mu_);
   bool ensure_worker_locked() STREAMSAFE_REQUIRES(mu_);
   void hand_to_worker_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   std::size_t worker_pass_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);

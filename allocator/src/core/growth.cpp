@@ -249,6 +249,17 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   return partial ? nullptr : best_fit(p, rounded);
 }
 
+// b, a run of whole chunks (free or queued), keeps the chunks that cover its first `bytes`; the
+// rest is split off and returned (null: none). b's owner lock held (it guards seg->chunks).
+block* caching_allocator::impl::cut_chunks_locked(block* b, std::size_t bytes) {
+  const segment* seg = b->seg;
+  std::uintptr_t cut = b->addr;
+  for (auto it = seg->chunks.lower_bound(b->addr); cut - b->addr < bytes && it != seg->chunks.end();
+       ++it)
+    cut = it->first + it->second;
+  return cut < b->addr + b->size ? split_off_locked(b, cut - b->addr) : nullptr;
+}
+
 // whole_rule: not a segment the whole-segment rule keeps whole for the request.
 block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounded,
                                                      bool whole_rule) {

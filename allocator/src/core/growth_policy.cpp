@@ -219,12 +219,8 @@ std::size_t caching_allocator::impl::queue_idle_chunks_locked(const block* keep,
     // Of the last run taken, only the chunks that cover what is lacking.
     const std::size_t lacking = bytes - chosen.bytes;
     if (b->size > lacking) {
-      segment* seg = b->seg;
-      detail::lock_guard<stream_lock> slk(state_of(*seg->owner).mu);  // guards seg->chunks
-      std::uintptr_t cut = b->addr;
-      for (auto it = seg->chunks.lower_bound(b->addr); cut - b->addr < lacking; ++it)
-        cut = it->first + it->second;
-      if (cut < b->addr + b->size) rest.blocks.push_back(split_off_locked(b, cut - b->addr));
+      detail::lock_guard<stream_lock> slk(state_of(*b->seg->owner).mu);  // guards seg->chunks
+      if (block* after = cut_chunks_locked(b, lacking)) rest.blocks.push_back(after);
     }
     chosen.blocks.push_back(b);
     chosen.bytes += b->size;
@@ -348,103 +344,136 @@ block* caching_allocator::impl::find_block_locked(stream_state& st, pool& p, std
 
 // ---- the entry point --------------------------------------------------------------------------
 
-// Every way to serve `rounded` bytes from p once the fast path found nothing, in the order at
-// the top of this file; nullptr: out of memory (or a capture began while it waited: the caller
-// checks). mu_ and st's lock held on entry and return; slk is dropped around releases and waits.
-// The ordered steps of the policy in one entry point, on purpose.
-// NOLINTNEXTLINE(readability-function-cognitive-complexity)
-block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
-                                                   detail::unique_lock<stream_lock>& slk,
-                                                   stream_state& st, pool& p, std::size_t rounded) {
+// 1. Queued memory first: p's own in place, another pool's behind a wait on its fence. *stop:
+// a capture began while it waited for the release worker (the caller allocates for it instead).
+block* caching_allocator::impl::reclaim_queued_first_locked(device_lock& dlk,
+                                                            detail::unique_lock<stream_lock>& slk,
+                                                            stream_state& st, pool& p,
+                                                            std::size_t rounded, bool* stop) {
+  if (releases_.deferred.empty()) return nullptr;
   const bool expandable = opts_.backend == backend_kind::expandable;
-  const bool worker = worker_releases_locked(opts_.empty_cache);  // no unmap on this thread
-  auto retry = [&](bool grow) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-    return find_block_locked(st, p, rounded, grow);
-  };
-  // 1. Queued memory first: p's own in place, another pool's behind a wait on its fence.
+  block* b = reclaim_in_place_locked(p, rounded);
+  bool in_flight = false;  // the release worker is giving memory back right now
+  if (!b && expandable) b = reclaim_by_alias_locked(p, rounded, true, &in_flight);
+  if (!b && !expandable) b = reclaim_segment_locked(p, rounded, true);
+  if (in_flight) {  // that release ends (driver calls, never a fence wait), then once more
+    drop_stream_lock(slk, st);
+    wait_for_worker_locked(dlk, nullptr);
+    retake_stream_lock(slk, st);
+    if (capturing()) {
+      *stop = true;
+      return nullptr;
+    }
+    b = reclaim_by_alias_locked(p, rounded, true);
+  }
+  return b;
+}
+
+// 2-4. Free headroom under the peak, then a pending block of p behind a stream wait, then (no
+// release worker) queued releases whose fences completed go back (never waiting).
+block* caching_allocator::impl::grow_within_peak_or_pending_locked(
+    device_lock& dlk, detail::unique_lock<stream_lock>& slk, stream_state& st, pool& p,
+    std::size_t rounded) {
   block* b = nullptr;
-  if (!releases_.deferred.empty()) {
-    b = reclaim_in_place_locked(p, rounded);
-    bool in_flight = false;  // the release worker is giving memory back right now
-    if (!b && expandable) b = reclaim_by_alias_locked(p, rounded, &in_flight);
-    if (!b && !expandable) b = reclaim_segment_locked(p, rounded, true);
-    if (in_flight) {  // that release ends (driver calls, never a fence wait), then once more
-      drop_stream_lock(slk, st);
-      wait_for_worker_locked(dlk, nullptr);
-      retake_stream_lock(slk, st);
-      if (capturing()) return nullptr;
-      b = reclaim_by_alias_locked(p, rounded);
-    }
-  }
-  // 2. Free headroom under the peak, before a block pending another stream's work.
-  if (!b && growth_within_peak_locked(p, rounded)) b = grow_locked(p, rounded);
-  // 3. A pending block of p, behind a stream wait.
+  if (growth_within_peak_locked(p, rounded)) b = grow_locked(p, rounded);
   if (!b) b = take_pending_locked(st, p, rounded);
-  // 4. Queued releases whose fences completed go back before the pool grows (a refused segment
-  // queued at one growth would otherwise stay reserved through the next). Never waits.
-  if (!b && !releases_.deferred.empty() && !worker) {
+  // A refused segment queued at one growth would otherwise stay reserved through the next.
+  if (!b && !releases_.deferred.empty() && !worker_releases_locked(opts_.empty_cache)) {
     drop_stream_lock(slk, st);
     finish_deferred(dlk, false);
     retake_stream_lock(slk, st);
-    b = retry(false);
+    b = find_block_locked(st, p, rounded, false);
   }
-  // 5. A growth; past the peak, idle memory makes room first (never a host wait).
-  if (!b && !p.small && !expandable && opts_.whole_segment_split_ratio != 0)
+  return b;
+}
+
+// 5, expandable, past the peak: idle chunks queued behind a fence; those whose fence streams
+// are idle now go back to the driver (measured on the corpus: mapping them again instead keeps
+// their old addresses, and what they later give back, in the queue), the rest are reclaimed
+// behind a device-side wait.
+block* caching_allocator::impl::grow_from_idle_chunks_locked(device_lock& dlk,
+                                                             detail::unique_lock<stream_lock>& slk,
+                                                             stream_state& st, pool& p,
+                                                             std::size_t rounded) {
+  const block* keep = nullptr;
+  const std::size_t excess = expandable_growth_excess_locked(p, rounded, &keep);
+  drop_stream_lock(slk, st);
+  queue_idle_chunks_locked(keep, p.small, excess);
+  try {
+    release_completed_locked(dlk, true);
+  } catch (const std::exception& e) {
+    detail::log().warn("device {}: giving idle chunks back before growing failed: {}",
+                       backend_.device(), e.what());
+  }
+  retake_stream_lock(slk, st);
+  block* b = reclaim_by_alias_locked(p, rounded);
+  return b ? b : find_block_locked(st, p, rounded, true);
+}
+
+// 5, cuda_malloc, past the peak: the whole free segments the whole-segment rule refuses go
+// back first (opportunistic: a failed release leaves its memory in the pool).
+block* caching_allocator::impl::grow_after_refused_segments_locked(
+    device_lock& dlk, detail::unique_lock<stream_lock>& slk, stream_state& st, pool& p,
+    std::size_t rounded) {
+  drop_stream_lock(slk, st);
+  try {
+    release_refused_segments(dlk, st, rounded);
+  } catch (const std::exception& e) {
+    detail::log().warn("device {}: giving refused whole segments back before growing failed: {}",
+                       backend_.device(), e.what());
+  }
+  retake_stream_lock(slk, st);
+  return find_block_locked(st, p, rounded, true);  // the pool may have changed meanwhile
+}
+
+// 5. A growth; past the peak, idle memory makes room first (never a host wait). Then (no
+// release worker) queued releases whose fences completed go back and the search runs again.
+block* caching_allocator::impl::grow_making_room_locked(device_lock& dlk,
+                                                        detail::unique_lock<stream_lock>& slk,
+                                                        stream_state& st, pool& p,
+                                                        std::size_t rounded) {
+  const bool expandable = opts_.backend == backend_kind::expandable;
+  if (!p.small && !expandable && opts_.whole_segment_split_ratio != 0)
     prove_idle_segments_locked(st, p);  // K12: an idle fence ahead of the next growth
-  if (!b && growth_raises_peak_with_refused_locked(p, rounded)) {
-    if (expandable) {
-      const block* keep = nullptr;
-      const std::size_t excess = expandable_growth_excess_locked(p, rounded, &keep);
-      // Idle chunks queued behind a fence: those whose fence streams are idle now go back to the
-      // driver (measured on the corpus: mapping them again instead keeps their old addresses,
-      // and what they later give back, in the queue), the rest are reclaimed behind a
-      // device-side wait.
-      drop_stream_lock(slk, st);
-      queue_idle_chunks_locked(keep, p.small, excess);
-      try {
-        release_completed_locked(dlk, true);
-      } catch (const std::exception& e) {
-        detail::log().warn("device {}: giving idle chunks back before growing failed: {}",
-                           backend_.device(), e.what());
-      }
-      retake_stream_lock(slk, st);
-      b = reclaim_by_alias_locked(p, rounded);
-      if (!b) b = retry(true);
-    } else {
-      // Opportunistic: a failed release leaves its memory in the pool, and the allocation goes
-      // on.
-      drop_stream_lock(slk, st);
-      try {
-        release_refused_segments(dlk, st, rounded);
-      } catch (const std::exception& e) {
-        detail::log().warn(
-            "device {}: giving refused whole segments back before growing failed: {}",
-            backend_.device(), e.what());
-      }
-      retake_stream_lock(slk, st);
-      b = retry(true);  // the pool may have changed while its lock was dropped
-    }
-  } else if (!b) {
+  block* b = nullptr;
+  if (!growth_raises_peak_with_refused_locked(p, rounded)) {
     b = grow_locked(p, rounded);
+  } else if (expandable) {
+    b = grow_from_idle_chunks_locked(dlk, slk, st, p, rounded);
+  } else {
+    b = grow_after_refused_segments_locked(dlk, slk, st, p, rounded);
   }
-  if (!b && !releases_.deferred.empty() && !worker) {
+  if (!b && !releases_.deferred.empty() && !worker_releases_locked(opts_.empty_cache)) {
     drop_stream_lock(slk, st);
     finish_deferred(dlk, false);
     retake_stream_lock(slk, st);
-    b = retry(true);
+    b = find_block_locked(st, p, rounded, true);
   }
-  // 6. At the limit: another stream's whole free segment, or every pool's free chunks.
-  if (!b) b = steal_segment_locked(p, rounded, true);
-  if (!b && expandable) {
-    const block* keep = nullptr;
-    const std::size_t excess = expandable_growth_excess_locked(p, rounded, &keep);
-    drop_stream_lock(slk, st);
-    queue_idle_chunks_locked(keep, false, excess);
-    retake_stream_lock(slk, st);
-    b = reclaim_by_alias_locked(p, rounded);
-  }
-  if (b) return b;
-  // 7. Out of memory: release the cache of every stream and pool, and retry.
+  return b;
+}
+
+// 6. At the limit: another stream's whole free segment, or every pool's free chunks.
+block* caching_allocator::impl::take_from_other_pools_locked(detail::unique_lock<stream_lock>& slk,
+                                                             stream_state& st, pool& p,
+                                                             std::size_t rounded) {
+  if (block* b = steal_segment_locked(p, rounded, true)) return b;
+  if (opts_.backend != backend_kind::expandable) return nullptr;
+  const block* keep = nullptr;
+  const std::size_t excess = expandable_growth_excess_locked(p, rounded, &keep);
+  drop_stream_lock(slk, st);
+  queue_idle_chunks_locked(keep, false, excess);
+  retake_stream_lock(slk, st);
+  return reclaim_by_alias_locked(p, rounded);
+}
+
+// 7. Out of memory: the cache of every stream and pool is released in the empty_cache mode and
+// the search runs again; then the waits for the release worker and (defer) the queued fences;
+// then queued memory and another stream's whole free segment against the whole-segment rule.
+block* caching_allocator::impl::out_of_memory_path_locked(device_lock& dlk,
+                                                          detail::unique_lock<stream_lock>& slk,
+                                                          stream_state& st, pool& p,
+                                                          std::size_t rounded) {
+  const bool worker = worker_releases_locked(opts_.empty_cache);
   ++stats_.num_alloc_retries;
   // empty_cache:wait waits (host, no lock held) on exactly the fence events; empty_cache:defer
   // never blocks the host here: it releases what is safe now and queues the rest (case K8: a
@@ -452,21 +481,20 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
   drop_stream_lock(slk, st);
   release_cached(dlk, opts_.empty_cache);
   retake_stream_lock(slk, st);
-  b = retry(true);
-  if (!b && worker && (!releases_.deferred.empty() || stats_.release_worker_bytes != 0)) {
+  block* b = find_block_locked(st, p, rounded, true);
+  if (!b && worker && (!releases_.deferred.empty() || worker_release_in_flight_locked())) {
     // Wait (no lock held) for a pass of the release worker over what was just queued and for
     // its release in flight, then retry. Never waits on a fence.
     drop_stream_lock(slk, st);
     wait_for_worker_locked(dlk, nullptr);
     retake_stream_lock(slk, st);
     if (capturing()) return nullptr;  // the caller allocates for the capture instead
-    b = retry(true);
+    b = find_block_locked(st, p, rounded, true);
   }
   if (!b && opts_.empty_cache == empty_cache_mode::defer && !releases_.deferred.empty()) {
     // The last wait: on the host, bounded, for the queued fences; then what they free goes back.
-    bool waited = false;
     drop_stream_lock(slk, st);
-    waited = wait_queued_fences_locked(dlk);
+    const bool waited = wait_queued_fences_locked(dlk);
     if (waited && worker) {
       wait_for_worker_locked(dlk, nullptr);
     } else if (waited) {
@@ -474,18 +502,33 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
     }
     retake_stream_lock(slk, st);
     if (capturing()) return nullptr;
-    if (waited) b = retry(true);
+    if (waited) b = find_block_locked(st, p, rounded, true);
   }
   // What could not go back serves the request after all: queued memory, then another stream's
   // whole free segment, the whole-segment rule giving way.
   if (!b && !releases_.deferred.empty()) {
     b = reclaim_in_place_locked(p, rounded, false);
     if (!b)
-      b = expandable ? reclaim_by_alias_locked(p, rounded)
-                     : reclaim_segment_locked(p, rounded, false);
+      b = opts_.backend == backend_kind::expandable ? reclaim_by_alias_locked(p, rounded)
+                                                    : reclaim_segment_locked(p, rounded, false);
   }
   if (!b) b = steal_segment_locked(p, rounded, false);
   return b;
+}
+
+// Every way to serve `rounded` bytes from p once the fast path found nothing, in the order at
+// the top of this file; nullptr: out of memory (or a capture began while it waited: the caller
+// checks). mu_ and st's lock held on entry and return; slk is dropped around releases and waits.
+block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
+                                                   detail::unique_lock<stream_lock>& slk,
+                                                   stream_state& st, pool& p, std::size_t rounded) {
+  bool stop = false;
+  block* b = reclaim_queued_first_locked(dlk, slk, st, p, rounded, &stop);
+  if (stop) return nullptr;
+  if (!b) b = grow_within_peak_or_pending_locked(dlk, slk, st, p, rounded);
+  if (!b) b = grow_making_room_locked(dlk, slk, st, p, rounded);
+  if (!b) b = take_from_other_pools_locked(slk, st, p, rounded);
+  return b ? b : out_of_memory_path_locked(dlk, slk, st, p, rounded);
 }
 
 }  // namespace streamsafe

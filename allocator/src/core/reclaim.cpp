@@ -137,93 +137,82 @@ block* caching_allocator::impl::reclaim_segment_locked(pool& p, std::size_t roun
   return whole_rule ? best_fit(p, rounded) : fit_ignoring_whole_rule(p, rounded);
 }
 
-// expandable: queued chunks of any pool mapped again into p's range behind their fences.
-// Choosing the run and mapping it are still one function.
-// NOLINTNEXTLINE(readability-function-cognitive-complexity)
-block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rounded,
-                                                        bool* in_flight) {
-  if (capturing() || opts_.backend != backend_kind::expandable ||
-      opts_.release_fence == fence_scope::device || releases_.deferred.empty())
-    return nullptr;
-  // Where p grows: an unmapped block of its ranges (a fresh range if none fits), extending the
-  // free mapped block before it. The aliased bytes take no room under the limit.
-  std::size_t need = 0;
-  block* target = p.expandable ? choose_unmapped_locked(p, rounded, need, false) : nullptr;
+// ---- expandable: queued chunks of any pool mapped again into p's range --------------------
+
+// Where p grows for `rounded` bytes: an unmapped block of its ranges (a fresh range if none
+// fits), extending the free mapped block before it; *need: the bytes to map there.
+block* caching_allocator::impl::alias_target_locked(pool& p, std::size_t rounded,
+                                                    std::size_t* need) {
+  block* target = p.expandable ? choose_unmapped_locked(p, rounded, *need, false) : nullptr;
   if (!target) {
     reserve_range_locked(p, rounded);
-    target = choose_unmapped_locked(p, rounded, need, false);
+    target = choose_unmapped_locked(p, rounded, *need, false);
   }
-  if (!target || need == 0) return nullptr;
-  struct candidate {
-    std::deque<release_batch>::iterator batch;
-    block* b;
-  };
-  std::vector<candidate> all;
+  return target && *need != 0 ? target : nullptr;
+}
+
+// The queued runs that cover `need` bytes, the largest first (the fewest driver calls for the
+// bytes); of the last one only the chunks that cover the rest, the others stay queued. Returns
+// the bytes.
+std::size_t caching_allocator::impl::choose_queued_runs_locked(const pool& p, std::size_t need,
+                                                               std::vector<queued_run>* chosen) {
+  std::vector<queued_run> all;
   for (auto it = releases_.deferred.begin(); it != releases_.deferred.end(); ++it) {
     if (it->device_sync) continue;
     for (block* b : it->blocks) {
       if (b->seg->expandable && !b->aliased && !b->seg->paused) all.push_back({it, b});
     }
   }
-  if (all.empty()) return nullptr;
-  // The largest runs first: the fewest driver calls for the bytes.
   std::stable_sort(all.begin(), all.end(),
-                   [](const candidate& a, const candidate& b) { return a.b->size > b.b->size; });
-  std::vector<candidate> chosen;
+                   [](const queued_run& a, const queued_run& b) { return a.b->size > b.b->size; });
   std::size_t taken = 0;
-  for (candidate& c : all) {
+  for (queued_run& c : all) {
     if (taken >= need) break;
     const std::size_t lacking = need - taken;
-    if (c.b->size > lacking) {  // only the chunks that cover the rest; the others stay queued
-      segment* seg = c.b->seg;
-      stream_state& owner = state_of(*seg->owner);
-      // Guards seg's blocks; p's own stream lock is held already.
+    if (c.b->size > lacking) {
+      stream_state& owner = state_of(*c.b->seg->owner);
+      // Guards the run's neighbours; p's own stream lock is held already.
       std::unique_lock<stream_lock> olk(owner.mu, std::defer_lock);
       if (&owner != &state_of(p)) olk.lock();
-      std::uintptr_t cut = c.b->addr;
-      for (auto it = seg->chunks.lower_bound(c.b->addr); cut - c.b->addr < lacking; ++it)
-        cut = it->first + it->second;
-      if (cut < c.b->addr + c.b->size) {
-        block* rest = split_off_locked(c.b, cut - c.b->addr);
-        c.batch->blocks.push_back(rest);
-      }
+      if (block* rest = cut_chunks_locked(c.b, lacking)) c.batch->blocks.push_back(rest);
     }
-    chosen.push_back(c);
+    chosen->push_back(c);
     taken += c.b->size;
   }
-  if (taken > target->size) {
-    // Whole chunks overshoot the hole: the smallest unmapped block that holds them (a fresh
-    // range if none), where the request needs what lies before it recounted.
-    auto fits = [&]() -> block* {
-      auto it = p.unmapped.lower_bound(detail::block_order::key{taken, 0});
-      return it == p.unmapped.end() ? nullptr : *it;
-    };
+  return taken;
+}
+
+// Whole chunks overshoot the hole at `target`: the smallest unmapped block of p that holds
+// `taken` bytes (a fresh range if none); *need: what the request lacks there.
+block* caching_allocator::impl::refit_alias_target_locked(pool& p, std::size_t rounded,
+                                                          std::size_t taken, std::size_t* need) {
+  auto fits = [&]() -> block* {
+    auto it = p.unmapped.lower_bound(detail::block_order::key{taken, 0});
+    return it == p.unmapped.end() ? nullptr : *it;
+  };
+  block* target = fits();
+  if (!target) {
+    reserve_range_locked(p, taken);
     target = fits();
-    if (!target) {
-      reserve_range_locked(p, taken);
-      target = fits();
-    }
-    if (!target) return nullptr;
-    const block* prev = target->prev;
-    const std::size_t have = prev && prev->state == block_state::free && prev->mapped ? prev->size
-                                                                                      : 0;
-    need = have >= rounded ? 0 : detail::round_up(rounded - have, limits_.small_chunk_bytes);
   }
-  const std::size_t fresh = need > taken ? need - taken : 0;  // mapped anew, under the limit
-  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-  if (reserved + fresh > limits_.limit_bytes || taken + fresh > target->size) return nullptr;
-  // Memory the release worker is giving back right now still counts: mapping anew beside it
-  // would raise the peak by it. The caller waits for that release (driver calls, never a
-  // fence) and asks again (in_flight).
-  if (in_flight && fresh != 0 && stats_.release_worker_bytes != 0 &&
-      reserved + fresh > reserved_high_water_locked()) {
-    *in_flight = true;
-    return nullptr;
-  }
-  // p's stream waits on each batch's fence, once, before anything changes (a failed wait leaves
-  // everything as it was; a wait for nothing only orders more).
+  if (!target) return nullptr;
+  const block* prev = target->prev;
+  const std::size_t have = prev && prev->state == block_state::free && prev->mapped ? prev->size
+                                                                                    : 0;
+  *need = have >= rounded ? 0 : detail::round_up(rounded - have, limits_.small_chunk_bytes);
+  return target;
+}
+
+// p's stream waits on each chosen batch's fence, once; then the chosen chunks are mapped again
+// at target, `fresh` bytes mapped anew after them. False (nothing left mapped): the driver had
+// no memory.
+bool caching_allocator::impl::map_queued_chunks_locked(pool& p, block* target,
+                                                       const std::vector<queued_run>& chosen,
+                                                       std::size_t fresh) {
+  // Before anything changes (a failed wait leaves everything as it was; a wait for nothing only
+  // orders more).
   std::vector<const release_batch*> waited;
-  for (const candidate& c : chosen) {
+  for (const queued_run& c : chosen) {
     if (std::find(waited.begin(), waited.end(), &*c.batch) == waited.end()) {
       wait_on_fence_locked(p.stream, *c.batch);
       waited.push_back(&*c.batch);
@@ -239,11 +228,11 @@ block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rou
     }
   };
   try {
-    for (const candidate& c : chosen) {
+    for (const queued_run& c : chosen) {
       if (!backend_.map_alias(reinterpret_cast<void*>(at), reinterpret_cast<void*>(c.b->addr),
                               c.b->size)) {
         undo();
-        return nullptr;
+        return false;
       }
       const auto& src = c.b->seg->chunks;
       for (auto it = src.lower_bound(c.b->addr);
@@ -256,22 +245,27 @@ block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rou
       const std::size_t gran = p.small ? limits_.small_chunk_bytes : limits_.large_chunk_bytes;
       if (map_chunks_locked(dst, at, fresh, gran) != fresh) {
         undo();
-        return nullptr;
+        return false;
       }
     }
   } catch (...) {
     undo();
     throw;
   }
-  // Committed: the old mappings stay queued, marked aliased.
-  for (const candidate& c : chosen) {
+  return true;
+}
+
+// Mapped: the old mappings stay queued, marked aliased (ghosts of the new address), and target
+// becomes a free mapped block of p.
+void caching_allocator::impl::commit_alias_locked(pool& p, block* target,
+                                                  const std::vector<queued_run>& chosen,
+                                                  std::size_t aliased, std::size_t fresh) {
+  std::uintptr_t at = target->addr;
+  for (const queued_run& c : chosen) {
     c.batch->bytes -= c.b->size;
     releases_.deferred_bytes -= c.b->size;
     c.b->aliased = true;
     c.b->ghost_owned = 0;
-  }
-  at = target->addr;
-  for (const candidate& c : chosen) {
     c.b->alias_at = at;
     releases_.ghosts.emplace(at, std::make_pair(c.b->size, c.b));
     at += c.b->size;
@@ -280,7 +274,7 @@ block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rou
   p.unmapped.erase(target);
   if (total < target->size) p.unmapped.insert(split_off_locked(target, total));
   target->mapped = true;
-  dst->mapped_bytes += total;
+  target->seg->mapped_bytes += total;
   if (fresh != 0) {
     detail::add_reserved(stats_, dst->small, static_cast<std::int64_t>(fresh));
     trace(trace_action::segment_map, at, fresh, p.stream);
@@ -291,6 +285,35 @@ block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rou
       "their release fences ({} bytes mapped anew)",
       backend_.device(), aliased, hex(target->addr), hex(p.stream), fresh);
   free_block_locked(target);
+}
+
+// expandable: queued chunks of any pool mapped again into p's range behind their fences, what
+// they lack mapped anew within the limit (within_peak: only if that keeps reserved at or below
+// its peak; in_flight set when the release worker's release in flight is what stands in the way).
+block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rounded,
+                                                        bool within_peak, bool* in_flight) {
+  if (capturing() || opts_.backend != backend_kind::expandable ||
+      opts_.release_fence == fence_scope::device || releases_.deferred.empty())
+    return nullptr;
+  std::size_t need = 0;
+  block* target = alias_target_locked(p, rounded, &need);
+  if (!target) return nullptr;
+  std::vector<queued_run> chosen;
+  const std::size_t taken = choose_queued_runs_locked(p, need, &chosen);
+  if (chosen.empty()) return nullptr;
+  if (taken > target->size && !(target = refit_alias_target_locked(p, rounded, taken, &need)))
+    return nullptr;
+  const std::size_t fresh = need > taken ? need - taken : 0;  // mapped anew, under the limit
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+  if (reserved + fresh > limits_.limit_bytes || taken + fresh > target->size) return nullptr;
+  // Memory the release worker is giving back right now still counts: the caller waits for that
+  // release (driver calls, never a fence) and asks again.
+  if (within_peak && fresh != 0 && reserved + fresh > reserved_high_water_locked()) {
+    if (in_flight && worker_release_in_flight_locked()) *in_flight = true;
+    return nullptr;
+  }
+  if (!map_queued_chunks_locked(p, target, chosen, fresh)) return nullptr;
+  commit_alias_locked(p, target, chosen, taken, fresh);
   return best_fit(p, rounded);
 }
 

@@ -518,7 +518,7 @@ std::size_t caching_allocator::impl::release_cached(device_lock& lk, empty_cache
   if (worker_releases_locked(mode)) return released;  // the worker finishes the queue
   released += finish_deferred(lk, mode == empty_cache_mode::wait);
   // Wait mode gives everything back before returning: also what the worker has in flight.
-  if (mode == empty_cache_mode::wait && stats_.release_worker_bytes != 0)
+  if (mode == empty_cache_mode::wait && worker_release_in_flight_locked())
     wait_for_worker_locked(lk, nullptr);
   retire_dead_streams_locked();  // destroyed streams whose memory went back
   return released;
@@ -727,7 +727,7 @@ std::size_t caching_allocator::reclaim() {
     released += impl_->advance_pauses_locked(lk);  // sleep.cpp: deferred pauses, never waiting
   // The worker's release in flight (driver calls on memory whose fence completed) ends too, so
   // that what reclaim returns to has every completed release done; never a fence wait.
-  if (impl_->stats_.release_worker_bytes != 0) impl_->wait_for_worker_locked(lk, nullptr);
+  if (impl_->worker_release_in_flight_locked()) impl_->wait_for_worker_locked(lk, nullptr);
   return released;
 }
 

@@ -26,6 +26,12 @@ struct release_batch {
   std::uint64_t id = 0;  // identifies a queued batch across a wait without the lock
 };
 
+// A queued block (a run of chunks) and the batch that holds it (reclaim.cpp).
+struct queued_run {
+  std::deque<release_batch>::iterator batch;
+  block* b;
+};
+
 struct release_queue {
   std::deque<release_batch> deferred;  // fenced batches waiting for their fence, oldest first
   std::size_t deferred_bytes = 0;      // the bytes of `deferred`

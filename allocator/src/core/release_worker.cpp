@@ -75,6 +75,12 @@ bool caching_allocator::impl::worker_usable_locked() const {
   return pid == creator_pid_ && (worker_.pid == 0 || worker_.pid == pid);
 }
 
+// The worker is giving memory back right now (driver calls): what it gives back still counts
+// as reserved until they end.
+bool caching_allocator::impl::worker_release_in_flight_locked() const {
+  return stats_.release_worker_bytes != 0 || worker_.releasing;
+}
+
 bool caching_allocator::impl::worker_releases_locked(empty_cache_mode mode) const {
   return mode == empty_cache_mode::defer && worker_usable_locked();
 }
@@ -139,6 +145,7 @@ std::size_t caching_allocator::impl::worker_pass_locked(device_lock& lk) {
   } else {
     const std::size_t bytes = now.bytes;
     stats_.release_worker_bytes += bytes;
+    worker_.releasing = true;
     try {
       released = release_batch_memory(lk, now);
     } catch (...) {
@@ -146,6 +153,7 @@ std::size_t caching_allocator::impl::worker_pass_locked(device_lock& lk) {
       restore_batch_locked(now);  // only what release_batch_memory had not reached yet
       if (!error) error = std::current_exception();
     }
+    worker_.releasing = false;
     stats_.release_worker_bytes -= bytes;
     ++stats_.release_worker_releases;
     detail::log().debug("device {}: release worker gave back {} of {} bytes whose fences completed",

@@ -23,6 +23,9 @@ struct release_worker {
   bool stop = false;
   bool kick = false;    // a pass is wanted now (new work, a waiter)
   bool failed = false;  // could not start: releases stay synchronous
+  // A pass is giving memory back (driver calls, mu_ dropped). Its bytes can grow meanwhile: an
+  // unmap elsewhere can make a ghost in flight the owner of its memory (reclaim.cpp).
+  bool releasing = false;
   std::uint64_t passes_begun = 0;
   std::uint64_t passes_done = 0;
   std::unique_ptr<std::condition_variable_any> wake =
