@@ -276,7 +276,7 @@ void caching_allocator::impl::commit_alias_locked(pool& p, block* target,
   target->mapped = true;
   target->seg->mapped_bytes += total;
   if (fresh != 0) {
-    detail::add_reserved(stats_, dst->small, static_cast<std::int64_t>(fresh));
+    detail::add_reserved(stats_, p.small, static_cast<std::int64_t>(fresh));
     trace(trace_action::segment_map, at, fresh, p.stream);
   }
   stats_.release_reclaimed_bytes += aliased;

@@ -235,10 +235,16 @@ class torch_allocator final : public cca::CUDAAllocator {
     std::lock_guard<std::mutex> lock(base_mu_);
     stats_base_[static_cast<std::size_t>(device)] = s;
   }
+  // Memory that empty_cache() queued and whose fence has already completed goes back to the
+  // driver first (never waiting on a fence), so that the new peak starts from the memory held
+  // after the release, as after PyTorch's synchronous empty_cache(); memory still behind a fence
+  // stays reserved and may lower the current value below the new peak later.
   void resetPeakStats(c10::DeviceIndex device) override {
     check_device(device);
-    if (streamsafe::caching_allocator* a = ss_->find_device_allocator(device))
+    if (streamsafe::caching_allocator* a = ss_->find_device_allocator(device)) {
+      guarded("reset_peak_memory_stats", [&] { (void)a->reclaim(); });
       a->reset_peak_stats();
+    }
     for (const std::shared_ptr<pool_instance>& inst : instances())
       if (streamsafe::caching_allocator* a = inst->alloc->find_device_allocator(device))
         a->reset_peak_stats();
