@@ -273,6 +273,9 @@ struct caching_allocator::impl : detail::allocator_state {
   std::size_t release_cached(device_lock& lk, empty_cache_mode mode) STREAMSAFE_REQUIRES(mu_);
   std::size_t trim_cached(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
   void prepare_release_locked() STREAMSAFE_REQUIRES(mu_);
+  void wait_pending_uses_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
+  void mark_pending_uses_locked() STREAMSAFE_REQUIRES(mu_);
+  std::size_t release_after_pending_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
   std::size_t release_safe_now(device_lock& lk, release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   void queue_batch_locked(release_batch& batch)
       STREAMSAFE_REQUIRES(mu_);  // to the deferred queue (fence recorded)

@@ -64,6 +64,9 @@ struct alignas(64) block {
   block* pending_prev = nullptr;
   block* pending_next = nullptr;
   bool pending_linked = false;
+  // pending_free when an empty_cache:defer call could not release it: a later reclaim() gives
+  // back its memory once its events completed (release.cpp, release_after_pending_locked).
+  bool release_after = false;
   // Links of the free list holding this block (free_lists.hpp); free_class < 0 when in none.
   block* free_prev = nullptr;
   block* free_next = nullptr;

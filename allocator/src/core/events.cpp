@@ -69,6 +69,7 @@ void caching_allocator::impl::note_use_locked(segment* seg, stream_handle stream
 
 void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) {
   st.pending.erase(b);
+  b->release_after = false;
   trace(trace_action::free_completed, b->addr, b->size, b->seg->stream);
   for (auto& e : b->events) {
     if (e.stream != detail::k_tombstone_stream)

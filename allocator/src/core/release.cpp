@@ -512,7 +512,11 @@ std::size_t caching_allocator::impl::release_cached(device_lock& lk, empty_cache
   }
   // Wait mode also waits on the consumer events of freed exported blocks (ipc.cpp).
   if (mode == empty_cache_mode::wait) wait_ipc_locked(lk);
+  // Blocks pending other streams' work (record_stream, a free on another stream): wait mode
+  // waits on their events so that they go back now; defer mode leaves them to a later reclaim().
+  if (mode == empty_cache_mode::wait) wait_pending_uses_locked(lk);
   prepare_release_locked();
+  if (mode == empty_cache_mode::defer) mark_pending_uses_locked();
   release_batch batch = collect_releasable_locked();
   std::size_t released = release_collected(lk, batch, mode);
   if (worker_releases_locked(mode)) return released;  // the worker finishes the queue
@@ -534,6 +538,64 @@ void caching_allocator::impl::prepare_release_locked() {
     if (!st->pending.empty()) process_events_locked(*st);
     for_each_pool(*st, [&](pool& p) { flush_quick_locked(p); });
   }
+}
+
+// empty_cache:wait: the host waits, with no lock held, on the events of the blocks pending other
+// streams' work now; prepare_release_locked then retires them and they go back with the rest. An
+// event retired and recorded again meanwhile only makes the wait longer (pooled events are never
+// destroyed before the allocator); the tombstones among them are pinned while waited on.
+void caching_allocator::impl::wait_pending_uses_locked(device_lock& lk) {
+  if (capturing()) return;
+  fence_unfenced_locked();  // blocks freed on a slow path get their events first
+  std::vector<event_handle> waits;
+  std::size_t tombstones = 0;
+  for (auto& [s, st] : streams_.states) {
+    detail::lock_guard<stream_lock> slk(st->mu);
+    for (block* b : st->pending) {
+      for (const auto& e : b->events) {
+        waits.push_back(e.event);
+        if (e.stream == k_tombstone) ++tombstones;
+      }
+    }
+  }
+  if (waits.empty()) return;
+  tombstone_pin pin(tombstone_refs_, tombstones);
+  const auto start = std::chrono::steady_clock::now();
+  driver_call_scope in_flight(driver_calls_, lk);
+  for (event_handle e : waits) backend_.synchronize_event(e);
+  in_flight.relock();
+  stats_.fence_waits += waits.size();
+  stats_.fence_wait_ns += static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count());
+}
+
+// empty_cache:defer never waits: the blocks still pending other streams' events are marked, and
+// each later reclaim() releases the memory of those that retired meanwhile (their events
+// completed), behind the usual fence.
+void caching_allocator::impl::mark_pending_uses_locked() {
+  for (auto& [s, st] : streams_.states) {
+    detail::lock_guard<stream_lock> slk(st->mu);
+    for (block* b : st->pending) {
+      b->release_after = true;
+      releases_.release_after_pending = true;
+    }
+  }
+}
+
+// reclaim(): after its events were processed, what the marked blocks that retired left free goes
+// back as empty_cache:defer would (with the rest of the free memory); the mark ends once none of
+// them is pending any more.
+std::size_t caching_allocator::impl::release_after_pending_locked(device_lock& lk) {
+  bool still = false;
+  for (auto& [s, st] : streams_.states) {
+    detail::lock_guard<stream_lock> slk(st->mu);
+    for (block* b : st->pending) still = still || b->release_after;
+  }
+  releases_.release_after_pending = still;
+  prepare_release_locked();
+  release_batch batch = collect_releasable_locked();
+  return release_collected(lk, batch, empty_cache_mode::defer);
 }
 
 // The opportunistic release (max_cached_bytes, garbage_collection_threshold, an empty_cache
@@ -722,7 +784,9 @@ std::size_t caching_allocator::reclaim() {
     detail::lock_guard<stream_lock> slk(st->mu);
     if (!st->pending.empty()) impl_->process_events_locked(*st);
   }
-  std::size_t released = impl_->finish_deferred(lk, false);
+  std::size_t released = 0;
+  if (impl_->releases_.release_after_pending) released += impl_->release_after_pending_locked(lk);
+  released += impl_->finish_deferred(lk, false);
   if (impl_->sleep_.pauses_pending != 0 && !impl_->worker_usable_locked())
     released += impl_->advance_pauses_locked(lk);  // sleep.cpp: deferred pauses, never waiting
   // The worker's release in flight (driver calls on memory whose fence completed) ends too, so

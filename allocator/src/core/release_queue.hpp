@@ -44,6 +44,9 @@ struct release_queue {
   // callback, K16); fence_unfenced_locked (free.cpp) records their events from an ordinary call.
   std::vector<block*> unfenced;
   bool empty_cache_requested = false;  // empty_cache asked for in a stream callback
+  // empty_cache:defer left blocks pending other streams' events (block::release_after): each
+  // reclaim() releases what retired of them, until none is left (release.cpp).
+  bool release_after_pending = false;
   // The old addresses of memory a pool reclaimed by mapping it again (reclaim.cpp): new
   // address range start -> (bytes, the queued aliased block at the old address, a "ghost").
   // While a ghost is mapped, unmapping the new address gives nothing back (it becomes the

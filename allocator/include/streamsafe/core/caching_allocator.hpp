@@ -105,15 +105,21 @@ class caching_allocator {
   // Releases every cached block that is free to the driver, behind the release fence. In wait
   // mode the host waits on exactly the fence events (no lock held); in defer mode it never
   // blocks: each block whose own fence streams are idle now goes back, the rest is queued.
-  // Returns the bytes released by this call. Inside a callback_scope it makes no backend call
-  // and returns 0: the release runs (never waiting) at the next ordinary allocator call that
-  // reaches the driver (an allocation that misses the cache, reclaim, empty_cache).
+  // Blocks freed while other streams still use them (record_stream, a free on another stream)
+  // are covered too: wait mode first waits on their use events (no lock held) and releases them
+  // with the rest; defer mode leaves them pending and a later reclaim() releases their memory
+  // once those events completed. Returns the bytes released by this call. Inside a callback_scope
+  // it makes no backend call and returns 0: the release runs (never waiting) at the next ordinary
+  // allocator call that reaches the driver (an allocation that misses the cache, reclaim,
+  // empty_cache).
   std::size_t empty_cache();
   std::size_t empty_cache(empty_cache_mode mode);
   // Finishes queued (deferred) releases whose fences have completed, on the calling thread, and
-  // retires completed cross-stream uses; never waits on a fence (with the release worker on it
-  // waits for the worker's driver calls in flight, on memory whose fence has completed). Returns
-  // the bytes released by this call.
+  // retires completed cross-stream uses; while blocks that an empty_cache(defer) found pending
+  // other streams' work remain, it also releases the cached free memory then, as
+  // empty_cache(defer) (so what those blocks held goes back once they retired); never waits on a
+  // fence (with the release worker on it waits for the worker's driver calls in flight, on memory
+  // whose fence has completed). Returns the bytes released by this call.
   std::size_t reclaim();
   // Bytes waiting in the deferred-release queue, plus those the release worker is giving back
   // to the driver right now (statistics: release_queued_bytes, release_worker_bytes).
