@@ -15,6 +15,11 @@
 //    earlier in the same capture, whose old uses precede the new ones in capture order, and
 //    new segments or chunks, the one backend call allowed), for other streams their own free
 //    blocks and new segments; otherwise out_of_memory.
+//  * A side stream that joined a capture (it waited on an event recorded in it; the backend's
+//    capture_id names the same capture) is that capture's too (join_capture_locked): its
+//    allocations come from the graph's private pool, new memory only (a block the capturing
+//    stream freed in the capture may still be used by work the side stream is not ordered
+//    after), with the side stream as a use; its record ends with the capture.
 //  * A graph's private pool is a stream_state keyed graph_key(id), whose handle is the
 //    capturing stream. Blocks allocated in it return to it when freed, also after the capture,
 //    and nobody else allocates from it; its segments are released (behind the usual fence, on
@@ -27,6 +32,7 @@
 // Every function here runs with the device lock (mu_) held.
 #include "allocator_impl.hpp"
 #include "logging.hpp"
+#include "per_thread_stream.hpp"
 
 #include <algorithm>
 #include <string>
@@ -81,7 +87,8 @@ std::uint64_t caching_allocator::impl::begin_capture_locked(stream_handle stream
   }
   ++graph_state_locked(pool_graph)->pool_graphs;
   capture_.graphs[graph] = detail::graph_record{pool_graph, false};
-  capture_.captures.push_back({stream, graph, pool_graph, detected});
+  capture_.captures.push_back(
+      {stream, graph, pool_graph, detected, false, backend_.capture_id(stream)});
   captures_underway_.store(static_cast<int>(capture_.captures.size()), std::memory_order_release);
   // A fast path that read "no capture" may be inside an event query: wait for it (it holds
   // its stream's lock); every later one sees the capture.
@@ -106,7 +113,15 @@ std::uint64_t caching_allocator::impl::end_capture_locked(device_lock& lk, strea
         "already seen ending)");
   }
   const std::uint64_t graph = it->graph;
+  const bool joined = it->joined;
   capture_.captures.erase(it);
+  if (!joined) {  // the capture ends for the side streams that joined it too
+    capture_.captures.erase(std::remove_if(capture_.captures.begin(), capture_.captures.end(),
+                                           [&](const detail::capture_record& c) {
+                                             return c.joined && c.graph == graph;
+                                           }),
+                            capture_.captures.end());
+  }
   captures_underway_.store(static_cast<int>(capture_.captures.size()), std::memory_order_release);
   detail::log().debug(
       "device {}: CUDA graph capture {} on stream {:#x} ended; its private pool is kept until "
@@ -127,6 +142,7 @@ void caching_allocator::impl::detect_captures_locked(device_lock& lk) {
     if (!now && c && c->detected) ended.push_back(st->handle);
   }
   for (stream_handle s : began) {
+    if (join_capture_locked(s)) continue;  // a side stream of a capture underway
     const std::uint64_t graph = begin_capture_locked(s, true);
     detail::log().info(
         "device {}: stream {:#x} is capturing a CUDA graph that was not announced: its memory is "
@@ -135,6 +151,29 @@ void caching_allocator::impl::detect_captures_locked(device_lock& lk) {
         backend_.device(), s, graph, graph);
   }
   for (stream_handle s : ended) end_capture_locked(lk, s);
+}
+
+// The capture underway on `stream`: its own, or, for a stream that joined a capture underway
+// (it waited on an event recorded in the capture: backend_.capture_id names the same capture),
+// a record of it joined to that capture's graph and pool. Null when the stream is not capturing.
+const detail::capture_record* caching_allocator::impl::join_capture_locked(stream_handle stream) {
+  if (const detail::capture_record* c = capture_.find(stream)) return c;
+  if (capture_.captures.empty() || stream == 0 || detail::is_per_thread_key(stream)) return nullptr;
+  const std::uint64_t id = backend_.capture_id(stream);
+  if (id == 0) return nullptr;
+  for (detail::capture_record& c : capture_.captures) {
+    if (c.capture_id == 0 && !c.joined) c.capture_id = backend_.capture_id(c.stream);  // announced
+    if (c.capture_id != id || c.joined) continue;
+    const detail::capture_record side{stream, c.graph, c.pool, true, true, id};
+    get_or_create_stream_locked(stream);  // known, for fences after the capture
+    capture_.captures.push_back(side);
+    captures_underway_.store(static_cast<int>(capture_.captures.size()), std::memory_order_release);
+    detail::log().debug("device {}: stream {:#x} joined the CUDA graph capture {} on stream {:#x}",
+                        backend_.device(), stream, side.graph,
+                        graph_state_locked(side.pool)->handle);
+    return &capture_.captures.back();
+  }
+  return nullptr;
 }
 
 // The last capture ended: the requests put off meanwhile run.
@@ -209,22 +248,16 @@ void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
     return;
   }
   // The graph may have replayed on any stream: its memory is fenced on every stream we know.
-  std::vector<stream_handle> every;
-  for (auto& [key, st] : streams_.states) {
-    if (st->graph == 0 && st->alive.load(std::memory_order_acquire)) every.push_back(st->handle);
-  }
+  const std::vector<stream_handle> every = every_stream_locked();
   rec->second.released = true;
   stream_state* g = graph_state_locked(rec->second.pool);
   std::size_t live = 0, live_bytes = 0;
   {
     detail::lock_guard<stream_lock> glk(g->mu);
-    // A pool shared between graphs goes back when the last of them is released.
-    g->graph_released = --g->pool_graphs == 0;
-    if (g->graph_released) {
-      for (auto& [base, seg] : streams_.segments) {
-        if (&state_of(*seg->owner) != g) continue;
-        for (stream_handle s : every) note_use_locked(seg, s);
-      }
+    // A pool shared between graphs (or used by an open route) goes back when the last of them
+    // is released.
+    if (--g->pool_graphs == 0) {
+      retire_pool_locked(*g, every);
       g->active.for_each([&](const block* b) {
         if (b->state != block_state::active || b->free_held)
           return;  // a held free completes on its own
@@ -248,6 +281,25 @@ void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
       g->graph_released ? "its private pool is returned by empty_cache and before the next capture"
                         : "its pool stays with the other graphs that share it");
   if (error) std::rethrow_exception(error);
+}
+
+// The ordinary streams the allocator knows and that are alive.
+std::vector<stream_handle> caching_allocator::impl::every_stream_locked() {
+  std::vector<stream_handle> every;
+  for (auto& [key, st] : streams_.states) {
+    if (st->graph == 0 && st->alive.load(std::memory_order_acquire)) every.push_back(st->handle);
+  }
+  return every;
+}
+
+// The last user of pool g let go: its memory becomes releasable, fenced on `every` stream.
+void caching_allocator::impl::retire_pool_locked(stream_state& g,
+                                                 const std::vector<stream_handle>& every) {
+  g.graph_released = true;
+  for (auto& [base, seg] : streams_.segments) {
+    if (&state_of(*seg->owner) != &g) continue;
+    for (stream_handle s : every) note_use_locked(seg, s);
+  }
 }
 
 // A free while a capture is underway; true when it was handled (held or done).
@@ -275,21 +327,36 @@ void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, 
                                                               std::size_t rounded, bool small,
                                                               stream_handle stream) {
   stream_state* target = nullptr;
-  if (const detail::capture_record* c = capture_.find(stream)) {
+  stream_handle origin = 0;  // for a side stream joined into the capture: the capturing stream
+  if (const detail::capture_record* c = join_capture_locked(stream)) {
     target = graph_state_locked(c->pool);
+    for (const auto& o : capture_.captures)
+      if (c->joined && o.graph == c->graph && !o.joined) origin = o.stream;
   } else {
     target = &get_or_create_stream_locked(stream);
   }
+  const auto grow = [&](pool& p) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+    // Growth is the one backend call allowed (capture-safe in the CUDA backends).
+    return opts_.backend == backend_kind::expandable ? expandable_fit_locked(p, rounded)
+                                                     : new_segment_locked(p, rounded);
+  };
   detail::unique_lock<stream_lock> slk(target->mu);
   pool& p = pool_of(*target, small);
-  block* b = take_cached_fit_locked(p, rounded);
-  // Growth is the one backend call allowed (capture-safe in the CUDA backends).
-  if (!b)
-    b = opts_.backend == backend_kind::expandable ? expandable_fit_locked(p, rounded)
-                                                  : new_segment_locked(p, rounded);
+  // A side stream gets new memory first: a block the capturing stream freed in the capture may
+  // still be used by its work that the side stream is not ordered after. Failing that, a cached
+  // block, behind a wait of the side stream on the capturing stream inside the capture (an
+  // event recorded and waited on in the same capture: an edge of the graph).
+  block* b = origin != 0 ? grow(p) : take_cached_fit_locked(p, rounded);
+  if (!b && origin != 0) {
+    order_after_locked(stream, origin);
+    b = take_cached_fit_locked(p, rounded);
+  }
+  if (!b) b = grow(p);
   if (!b)
     throw_out_of_memory_locked(dlk, &slk, size, rounded, stream, target, capture_note_locked());
-  return finish_allocation(*target, b, rounded, size);
+  void* ptr = finish_allocation(*target, b, rounded, size);
+  if (origin != 0) add_use_locked(b, stream);  // its free waits for the side stream's work
+  return ptr;
 }
 
 // For out-of-memory messages.

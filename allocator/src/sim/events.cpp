@@ -140,6 +140,12 @@ void simulated_device::stream_wait_event(stream_handle stream, event_handle even
   d.throw_if_injected(call::stream_wait_event);
   const event_state& ev = d.live_event(event, "stream_wait_event");
   stream_state& state = d.live_stream(stream, "stream_wait_event");
+  if (ev.capture != 0 && state.capture == 0 && d.graphs_.at(ev.capture).capturing) {
+    // A stream outside any capture waiting on an event of a capture underway joins that capture
+    // (CUDA's cross-stream capture): its launches go into the graph until the capture ends.
+    state.capture = ev.capture;
+    ++d.capturing_streams_;
+  }
   if (ev.capture != 0 && ev.capture != state.capture) {
     d.capture_violation(
         "stream_wait_event",

@@ -213,9 +213,17 @@ std::uint64_t simulated_device::end_capture(stream_handle stream) {
   if (state.capture == 0)
     d.fail("end_capture", "stream " + std::to_string(stream) + " is not capturing");
   const std::uint64_t id = state.capture;
-  state.capture = 0;
-  --d.capturing_streams_;
   graph_state& g = d.graphs_.at(id);
+  if (g.stream != stream) {
+    d.fail("end_capture", "stream " + std::to_string(stream) + " joined the capture of graph " +
+                              std::to_string(id) + " begun on stream " + std::to_string(g.stream) +
+                              ", which ends it (cudaErrorStreamCaptureUnmatched)");
+  }
+  for (auto& [uid, st] : d.streams_) {  // the capturing stream and every stream that joined
+    if (st.capture != id) continue;
+    st.capture = 0;
+    --d.capturing_streams_;
+  }
   g.capturing = false;
   if (g.invalidated) {
     const std::string why = g.invalidated_by;
@@ -268,6 +276,14 @@ bool simulated_device::stream_is_capturing(stream_handle stream) noexcept {
   ++d.counters_.capture_queries;
   auto it = d.handles_.find(stream);
   return it != d.handles_.end() && d.streams_.at(it->second).capture != 0;
+}
+
+std::uint64_t simulated_device::capture_id(stream_handle stream) noexcept {
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  impl& d = *impl_;
+  ++d.counters_.capture_queries;
+  auto it = d.handles_.find(stream);
+  return it == d.handles_.end() ? 0 : d.streams_.at(it->second).capture;
 }
 
 // ---- clock ------------------------------------------------------------------------------

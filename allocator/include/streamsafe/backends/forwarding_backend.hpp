@@ -62,6 +62,9 @@ class forwarding_backend : public device_backend {
   bool stream_is_capturing(stream_handle stream) noexcept override {
     return inner_.stream_is_capturing(stream);
   }
+  std::uint64_t capture_id(stream_handle stream) noexcept override {
+    return inner_.capture_id(stream);
+  }
   bool stream_is_per_thread(stream_handle stream) const noexcept override {
     return inner_.stream_is_per_thread(stream);
   }

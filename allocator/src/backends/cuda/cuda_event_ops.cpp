@@ -185,6 +185,22 @@ void cuda_event_ops::synchronize_device() {
   STREAMSAFE_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+std::uint64_t cuda_event_ops::capture_id(stream_handle stream) noexcept {
+  if (stream == 0) return 0;
+  try {
+    device_guard guard(device_);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    if (cudaStreamGetCaptureInfo(to_stream(stream), &status, &id) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return status == cudaStreamCaptureStatusNone ? 0 : static_cast<std::uint64_t>(id);
+  } catch (...) {
+    return 0;
+  }
+}
+
 bool cuda_event_ops::stream_is_capturing(stream_handle stream) noexcept {
   if (stream == 0) return false;  // the legacy stream never captures (and may not be asked)
   try {
