@@ -2,7 +2,8 @@
 // a capture by waiting on one of its events allocates from the capture's private pool (its
 // checkpoint and snapshot segments hold the block), gets new memory rather than a block the
 // capturing stream freed in the capture (or that block behind a wait inside the capture), and stops
-// counting as capturing when the capture ends.
+// counting as capturing when the capture ends; a block freed with a side stream's use serves the
+// capturing stream again once the side stream joined back (not before).
 #include "support/sim_faults.hpp"
 #include "support/sim_fixture.hpp"
 
@@ -10,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 using namespace streamsafe;
 using namespace streamsafe::test;
@@ -115,5 +117,50 @@ TEST_CASE("simulated device: a stream waiting on an event of a capture underway 
   env.dev.end_capture(env.s);
   CHECK_FALSE(env.dev.capturing(env.side));
   CHECK(env.dev.capture_id(env.side) == 0);
+  env.finish();
+}
+
+TEST_CASE("K11: a block freed with a side stream's use serves the capture again once it joined",
+          "[core][graph][capture][side][safety]") {
+  EACH_BACKEND(backend);
+  side_env env(backend);
+  const std::uint64_t graph = env.begin();
+  void* sink = env.alloc.allocate(512, env.s);
+  void* data1 = env.alloc.allocate(512, env.s);
+  env.dev.launch(env.s, 10, {writes(data1, 512)});
+  env.wait_stream(env.side, env.s);  // fork
+  void* buf = env.alloc.allocate(512, env.side);
+  env.dev.launch(env.side, 10, {reads(data1, 512), writes(buf, 512)});
+  env.alloc.record_stream(data1, env.side);
+  env.alloc.deallocate(data1);
+  void* data2 = env.alloc.allocate(512, env.s);  // the side stream may still read data1
+  CHECK(data2 != data1);
+  env.wait_stream(env.s, env.side);  // join
+  env.dev.launch(env.s, 10, {writes(sink, 512)});
+  void* data3 = env.alloc.allocate(512, env.s);
+  CHECK(data3 == data1);  // reused inside the capture, after the join
+  env.dev.end_capture(env.s);
+  env.alloc.notify_capture_end(env.s);
+  CHECK(env.alloc.held_free_count() == 0);
+  for (void* p : {sink, data2, data3, buf}) env.alloc.deallocate(p);
+  CHECK(env.alloc.checkpoint_graph_pool(graph).allocated_blocks() == 0);
+  env.finish();
+}
+
+TEST_CASE("simulated device: captured events carry the order of a capture's streams",
+          "[sim][graph][capture][side]") {
+  side_env env(backend_kind::cuda_malloc);
+  env.dev.begin_capture(env.s);
+  env.wait_stream(env.side, env.s);
+  env.dev.launch(env.side, 10, {});
+  const std::vector<std::uintptr_t> at = env.dev.capture_position(env.side);
+  CHECK_FALSE(env.dev.capture_follows(env.s, at));
+  env.wait_stream(env.s, env.side);
+  CHECK(env.dev.capture_follows(env.s, at));
+  env.dev.launch(env.side, 10, {});  // later work of the side stream: not followed
+  CHECK_FALSE(env.dev.capture_follows(env.s, env.dev.capture_position(env.side)));
+  env.wait_stream(env.s, env.side);
+  env.dev.end_capture(env.s);
+  CHECK(env.dev.capture_position(env.s).empty());
   env.finish();
 }

@@ -125,3 +125,31 @@ def test_a_side_stream_joined_into_a_capture_allocates_in_the_capture_pool(ss):
     torch.cuda.synchronize()
     assert torch.equal(w, (x + 1) * 2)
     del z, w, g
+
+
+def test_a_block_freed_with_a_side_stream_use_is_reused_in_the_capture_only_after_the_join(ss):
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s1):
+        g.capture_begin()
+        sink = torch.empty(64, device="cuda")
+        a = torch.ones(64, device="cuda")
+        a_ptr = a.data_ptr()
+        s2.wait_stream(s1)
+        with torch.cuda.stream(s2):
+            b = a * 3
+            a.record_stream(s2)
+        del a
+        before_join = torch.empty(64, device="cuda")
+        s1.wait_stream(s2)
+        sink.fill_(1.0)
+        after_join = torch.empty(64, device="cuda")
+        g.capture_end()
+    torch.cuda.synchronize()
+    assert before_join.data_ptr() != a_ptr
+    assert after_join.data_ptr() == a_ptr
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(b, torch.full_like(b, 3.0))
+    del b, sink, before_join, after_join, g

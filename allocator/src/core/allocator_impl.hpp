@@ -172,6 +172,9 @@ struct caching_allocator::impl : detail::allocator_state {
       STREAMSAFE_REQUIRES(mu_);
   std::uint64_t end_capture_locked(device_lock& lk, stream_handle stream) STREAMSAFE_REQUIRES(mu_);
   const detail::capture_record* join_capture_locked(stream_handle stream) STREAMSAFE_REQUIRES(mu_);
+  void note_capture_positions_locked(detail::held_free& h, const detail::capture_record& c)
+      STREAMSAFE_REQUIRES(mu_);
+  void reclaim_joined_frees_locked(const detail::capture_record& c) STREAMSAFE_REQUIRES(mu_);
   void detect_captures_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
   void after_captures_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
   void release_graph_locked(std::uint64_t graph) STREAMSAFE_REQUIRES(mu_);

@@ -28,7 +28,11 @@
 //    memory from before the capture that the capture may touch (its stream or a recorded use is
 //    capturing), are held (block::free_held, capture_.held_frees): the first kind completes when no
 //    capture is underway, the second when its graph is released, behind events on every stream
-//    (the graph may have replayed anywhere).
+//    (the graph may have replayed anywhere). A held free of the first kind in the capture's own
+//    pool whose other uses are all streams of that capture records where each stood
+//    (backend_.capture_position); once the capturing stream follows all of them inside the
+//    capture (the side streams joined back by an event wait: backend_.capture_follows), the
+//    block is free for it again, as a free on its own stream (reclaim_joined_frees_locked).
 // Every function here runs with the device lock (mu_) held.
 #include "allocator_impl.hpp"
 #include "logging.hpp"
@@ -318,9 +322,61 @@ bool caching_allocator::impl::free_during_capture_locked(stream_state& owner, bl
   if (c && graph_state_locked(c->pool) != &owner) graph = c->graph;
   if (graph == 0 && same_stream_only) return false;  // an ordinary same-stream free: no event
   b->free_held = true;
-  capture_.held_frees.push_back({b, stream != nullptr, stream ? *stream : 0, graph});
+  detail::held_free h{b, stream != nullptr, stream ? *stream : 0, graph, 0, {}};
+  if (c && graph == 0) note_capture_positions_locked(h, *c);
+  capture_.held_frees.push_back(std::move(h));
   ++capture_.deferrals;
   return true;
+}
+
+// A held free in capture c's own pool: when every other use of the block (its recorded uses, the
+// stream of a stream-ordered free) is a stream of the same capture, their capture positions now.
+void caching_allocator::impl::note_capture_positions_locked(detail::held_free& h,
+                                                            const detail::capture_record& c) {
+  std::vector<stream_handle> others = h.b->uses;
+  if (h.has_stream && h.stream != h.b->seg->stream) others.push_back(h.stream);
+  std::vector<std::vector<std::uintptr_t>> positions;
+  for (stream_handle u : others) {
+    const detail::capture_record* cu = capture_.find(u);
+    if (!cu || cu->graph != c.graph || detail::is_per_thread_key(u))
+      return;  // a use outside the capture (or a per-thread stream's): at the capture's end
+    try {
+      positions.push_back(backend_.capture_position(u));
+    } catch (const std::exception&) {
+      return;  // not known: the free completes when the capture ends
+    }
+  }
+  h.join_graph = c.graph;
+  h.positions = std::move(positions);
+}
+
+// The capturing stream of c allocates: held frees of its own pool whose other uses it now
+// follows inside the capture (the side streams joined back, by an event wait) become free for
+// it, as frees on its own stream: stream order inside the graph puts their uses first.
+void caching_allocator::impl::reclaim_joined_frees_locked(const detail::capture_record& c) {
+  if (capture_.held_frees.empty() || detail::is_per_thread_key(c.stream)) return;
+  for (auto it = capture_.held_frees.begin(); it != capture_.held_frees.end();) {
+    detail::held_free& h = *it;
+    bool follows = h.join_graph == c.graph && h.graph == 0;
+    for (std::size_t i = 0; follows && i < h.positions.size(); ++i) {
+      try {
+        follows = backend_.capture_follows(c.stream, h.positions[i]);
+      } catch (const std::exception&) {
+        follows = false;
+      }
+    }
+    if (!follows) {
+      ++it;
+      continue;
+    }
+    block* b = h.b;
+    stream_state& owner = state_of(*b->seg->owner);
+    detail::lock_guard<stream_lock> slk(owner.mu);
+    b->free_held = false;
+    b->uses.clear();
+    free_same_stream_locked(owner, b);
+    it = capture_.held_frees.erase(it);
+  }
 }
 
 void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, std::size_t size,
@@ -332,6 +388,7 @@ void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, 
     target = graph_state_locked(c->pool);
     for (const auto& o : capture_.captures)
       if (c->joined && o.graph == c->graph && !o.joined) origin = o.stream;
+    if (!c->joined) reclaim_joined_frees_locked(*c);
   } else {
     target = &get_or_create_stream_locked(stream);
   }

@@ -40,6 +40,11 @@ struct held_free {
   bool has_stream = false;
   stream_handle stream = 0;
   std::uint64_t graph = 0;  // 0: completes when no capture is underway; else at its release
+  // A free in the capture's own pool whose other uses are all streams of that capture: where
+  // each of them stood in the capture (backend_.capture_position). Once the capturing stream
+  // follows every one, the block serves it again inside the capture. Empty: not known.
+  std::uint64_t join_graph = 0;
+  std::vector<std::vector<std::uintptr_t>> positions;
 };
 
 // A route of allocations into a graph's private pool outside a capture.

@@ -67,7 +67,7 @@ void simulated_device::record_event(event_handle event, stream_handle stream) {
   if (state.capture != 0) {  // a captured event: a node of the graph, nothing runs now
     ev.recorded = false;
     ev.marker = 0;
-    ev.captured.clear();
+    ev.captured = state.capture_order;  // the captured work it follows
     ev.capture = state.capture;
     ++d.counters_.events_recorded;
     return;
@@ -160,8 +160,11 @@ void simulated_device::stream_wait_event(stream_handle stream, event_handle even
                             ", recorded outside the capture (needs cudaEventWaitExternal)");
   }
   ++d.counters_.stream_waits;
-  if (ev.capture != 0) return;  // inside its own capture: ordering within the graph
-  if (!ev.recorded) return;     // waiting on a never-recorded event is a no-op, as in CUDA
+  if (ev.capture != 0) {  // inside its own capture: ordering within the graph
+    merge_into(state.capture_order, ev.captured);
+    return;
+  }
+  if (!ev.recorded) return;  // waiting on a never-recorded event is a no-op, as in CUDA
   const std::uint64_t uid = d.handles_.at(stream);
   work_item item;
   item.kind = item_kind::wait;

@@ -170,7 +170,10 @@ class caching_allocator {
   //    is not in this capture's own pool (the stream's ordinary pool, or another graph's private
   //    pool), completes when the graph is released (the graph may replay over it); otherwise a
   //    free that needs events (recorded uses, or a stream-ordered free on another stream)
-  //    completes when no capture is underway. Either counts as allocated until then
+  //    completes when no capture is underway, or, for a block of the capture's own pool whose
+  //    other uses are side streams of the capture, as soon as the capturing stream follows their
+  //    work inside the capture (they joined back: backend capture_follows), when it serves that
+  //    stream again. Either counts as allocated until then
   //    (held_free_count()). One rule for every pool.
   // Blocks allocated during the capture belong to the graph's private pool for good: freed, also
   // after the capture, they return to it and serve no one else, so replays never race with other

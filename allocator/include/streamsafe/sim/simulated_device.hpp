@@ -227,6 +227,10 @@ class simulated_device final : public device_backend {
   void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override;
   bool stream_is_capturing(stream_handle stream) noexcept override;
   std::uint64_t capture_id(stream_handle stream) noexcept override;  // the graph's id
+  // {stream uid, its captured launches so far}; follows: the stream's captured events carried
+  // at least that many of that stream's launches to it.
+  std::vector<std::uintptr_t> capture_position(stream_handle stream) override;
+  bool capture_follows(stream_handle stream, const std::vector<std::uintptr_t>& position) override;
   // A kernel that reads [src, src+bytes) and writes [dst, dst+bytes), checked like launch();
   // when it completes, dst holds what src held. Runs 1 us plus 1 us per MiB.
   void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override;
