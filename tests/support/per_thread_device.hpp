@@ -50,6 +50,15 @@ class per_thread_device final : public forwarding_device {
   bool stream_is_capturing(stream_handle s) noexcept override {
     return dev_.stream_is_capturing(resolve(s));
   }
+  std::uint64_t capture_id(stream_handle s) noexcept override {
+    return dev_.capture_id(resolve(s));
+  }
+  std::vector<std::uintptr_t> capture_position(stream_handle s) override {
+    return dev_.capture_position(resolve(s));
+  }
+  bool capture_follows(stream_handle s, const std::vector<std::uintptr_t>& p) override {
+    return dev_.capture_follows(resolve(s), p);
+  }
   bool stream_is_per_thread(stream_handle s) const noexcept override { return s == k_per_thread; }
 
  private:

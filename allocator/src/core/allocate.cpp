@@ -115,6 +115,9 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
   const std::size_t rounded = m.runtime_.round(size_bytes);  // runtime_settings.hpp
   const bool small = detail::is_small(rounded);
   const tag_id tag = tag_scope::current();  // tags.cpp: 0 unless a tag_scope is open
+  if (m.routes_open_.load(std::memory_order_acquire) != 0) {  // graph_pool_route.cpp
+    if (void* p = m.allocate_routed(size_bytes, rounded, small, stream, tag)) return p;
+  }
   if (m.capturing()) {  // a CUDA graph capture is underway on the device (capture.cpp)
     device_lock dlk(m.mu_);
     m.detect_captures_locked(dlk);

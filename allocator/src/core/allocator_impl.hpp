@@ -208,6 +208,10 @@ struct caching_allocator::impl : detail::allocator_state {
   void release_released_pools_locked(device_lock& lk, stream_handle stream)
       STREAMSAFE_REQUIRES(mu_);
   std::uint64_t end_capture_locked(device_lock& lk, stream_handle stream) STREAMSAFE_REQUIRES(mu_);
+  const detail::capture_record* join_capture_locked(stream_handle stream) STREAMSAFE_REQUIRES(mu_);
+  void note_capture_positions_locked(detail::held_free& h, const detail::capture_record& c)
+      STREAMSAFE_REQUIRES(mu_);
+  void reclaim_joined_frees_locked(const detail::capture_record& c) STREAMSAFE_REQUIRES(mu_);
   void detect_captures_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
   void after_captures_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
   void release_graph_locked(std::uint64_t graph) STREAMSAFE_REQUIRES(mu_);
@@ -220,6 +224,17 @@ struct caching_allocator::impl : detail::allocator_state {
                                        bool small, stream_handle stream, tag_id tag)
       STREAMSAFE_REQUIRES(mu_);
   std::string capture_note_locked() const STREAMSAFE_REQUIRES(mu_);
+  std::vector<stream_handle> every_stream_locked() STREAMSAFE_REQUIRES(mu_);
+  void retire_pool_locked(stream_state& g, const std::vector<stream_handle>& every)
+      STREAMSAFE_REQUIRES(mu_, g.mu);
+  // ---- graph_pool_route.cpp ------------------------------------------------------------------
+  // nullptr: no route takes the allocation (and no capture serves it): the ordinary path.
+  void* allocate_routed(std::size_t size, std::size_t rounded, bool small, stream_handle stream,
+                        tag_id tag);
+  const detail::pool_route* route_of_locked(stream_handle stream) const STREAMSAFE_REQUIRES(mu_);
+  void* allocate_in_route_locked(device_lock& dlk, std::size_t size, std::size_t rounded,
+                                 bool small, stream_handle key, std::uint64_t pool_graph)
+      STREAMSAFE_REQUIRES(mu_);
   // ---- pool_checkpoint.cpp -------------------------------------------------------------------
   stream_state& checkpoint_pool_locked(std::uint64_t graph, const char* what)
       STREAMSAFE_REQUIRES(mu_);

@@ -79,6 +79,7 @@ struct allocator_state {
   release_worker worker_ STREAMSAFE_GUARDED_BY(mu_);
   capture_state capture_ STREAMSAFE_GUARDED_BY(mu_);
   std::atomic<int> captures_underway_{0};  // capture_.captures.size(), read without mu_
+  std::atomic<int> routes_open_{0};        // capture_.routes.size(), read without mu_
   sleep_state sleep_ STREAMSAFE_GUARDED_BY(mu_);
   ipc_registry ipc_ STREAMSAFE_GUARDED_BY(mu_);
   driver_calls driver_calls_ STREAMSAFE_GUARDED_BY(mu_);

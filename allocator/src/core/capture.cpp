@@ -16,6 +16,11 @@
 //    earlier in the same capture, whose old uses precede the new ones in capture order, and
 //    new segments or chunks, the one backend call allowed), for other streams their own free
 //    blocks and new segments; otherwise out_of_memory.
+//  * A side stream that joined a capture (it waited on an event recorded in it; the backend's
+//    capture_id names the same capture) is that capture's too (join_capture_locked): its
+//    allocations come from the graph's private pool, new memory only (a block the capturing
+//    stream freed in the capture may still be used by work the side stream is not ordered
+//    after), with the side stream as a use; its record ends with the capture.
 //  * A graph's private pool is a stream_state keyed graph_key(id), whose handle is the
 //    capturing stream. Blocks allocated in it return to it when freed, also after the capture,
 //    and nobody else allocates from it; its segments are released (behind the usual fence, on
@@ -27,10 +32,15 @@
 //    memory from before the capture that the capture may touch (its stream or a recorded use is
 //    capturing), are held (block::free_held, capture_.held_frees): the first kind completes when no
 //    capture is underway, the second when its graph is released, behind events on every stream
-//    (the graph may have replayed anywhere).
+//    (the graph may have replayed anywhere). A held free of the first kind in the capture's own
+//    pool whose other uses are all streams of that capture records where each stood
+//    (backend_.capture_position); once the capturing stream follows all of them inside the
+//    capture (the side streams joined back by an event wait: backend_.capture_follows), the
+//    block is free for it again, as a free on its own stream (reclaim_joined_frees_locked).
 // Every function here runs with the device lock (mu_) held.
 #include "allocator_impl.hpp"
 #include "logging.hpp"
+#include "per_thread_stream.hpp"
 
 #include <algorithm>
 #include <string>
@@ -85,7 +95,8 @@ std::uint64_t caching_allocator::impl::begin_capture_locked(stream_handle stream
   }
   ++graph_state_locked(pool_graph)->pool_graphs;
   capture_.graphs[graph] = detail::graph_record{pool_graph, false};
-  capture_.captures.push_back({stream, graph, pool_graph, detected});
+  capture_.captures.push_back(
+      {stream, graph, pool_graph, detected, false, backend_.capture_id(stream)});
   captures_underway_.store(static_cast<int>(capture_.captures.size()), std::memory_order_release);
   // A fast path that read "no capture" may be inside an event query: wait for it (it holds
   // its stream's lock); every later one sees the capture.
@@ -110,7 +121,15 @@ std::uint64_t caching_allocator::impl::end_capture_locked(device_lock& lk, strea
         "already seen ending)");
   }
   const std::uint64_t graph = it->graph;
+  const bool joined = it->joined;
   capture_.captures.erase(it);
+  if (!joined) {  // the capture ends for the side streams that joined it too
+    capture_.captures.erase(std::remove_if(capture_.captures.begin(), capture_.captures.end(),
+                                           [&](const detail::capture_record& c) {
+                                             return c.joined && c.graph == graph;
+                                           }),
+                            capture_.captures.end());
+  }
   captures_underway_.store(static_cast<int>(capture_.captures.size()), std::memory_order_release);
   detail::log().debug(
       "device {}: CUDA graph capture {} on stream {:#x} ended; its private pool is kept until "
@@ -131,6 +150,7 @@ void caching_allocator::impl::detect_captures_locked(device_lock& lk) {
     if (!now && c && c->detected) ended.push_back(st->handle);
   }
   for (stream_handle s : began) {
+    if (join_capture_locked(s)) continue;  // a side stream of a capture underway
     const std::uint64_t graph = begin_capture_locked(s, true);
     detail::log().info(
         "device {}: stream {:#x} is capturing a CUDA graph that was not announced: its memory is "
@@ -139,6 +159,29 @@ void caching_allocator::impl::detect_captures_locked(device_lock& lk) {
         backend_.device(), s, graph, graph);
   }
   for (stream_handle s : ended) end_capture_locked(lk, s);
+}
+
+// The capture underway on `stream`: its own, or, for a stream that joined a capture underway
+// (it waited on an event recorded in the capture: backend_.capture_id names the same capture),
+// a record of it joined to that capture's graph and pool. Null when the stream is not capturing.
+const detail::capture_record* caching_allocator::impl::join_capture_locked(stream_handle stream) {
+  if (const detail::capture_record* c = capture_.find(stream)) return c;
+  if (capture_.captures.empty() || stream == 0 || detail::is_per_thread_key(stream)) return nullptr;
+  const std::uint64_t id = backend_.capture_id(stream);
+  if (id == 0) return nullptr;
+  for (detail::capture_record& c : capture_.captures) {
+    if (c.capture_id == 0 && !c.joined) c.capture_id = backend_.capture_id(c.stream);  // announced
+    if (c.capture_id != id || c.joined) continue;
+    const detail::capture_record side{stream, c.graph, c.pool, true, true, id};
+    get_or_create_stream_locked(stream);  // known, for fences after the capture
+    capture_.captures.push_back(side);
+    captures_underway_.store(static_cast<int>(capture_.captures.size()), std::memory_order_release);
+    detail::log().debug("device {}: stream {:#x} joined the CUDA graph capture {} on stream {:#x}",
+                        backend_.device(), stream, side.graph,
+                        graph_state_locked(side.pool)->handle);
+    return &capture_.captures.back();
+  }
+  return nullptr;
 }
 
 // The last capture ended: the requests put off meanwhile run.
@@ -213,22 +256,16 @@ void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
     return;
   }
   // The graph may have replayed on any stream: its memory is fenced on every stream we know.
-  std::vector<stream_handle> every;
-  for (auto& [key, st] : streams_.states) {
-    if (st->graph == 0 && st->alive.load(std::memory_order_acquire)) every.push_back(st->handle);
-  }
+  const std::vector<stream_handle> every = every_stream_locked();
   rec->second.released = true;
   stream_state* g = graph_state_locked(rec->second.pool);
   std::size_t live = 0, live_bytes = 0;
   {
     detail::lock_guard<stream_lock> glk(g->mu);
-    // A pool shared between graphs goes back when the last of them is released.
-    g->graph_released = --g->pool_graphs == 0;
-    if (g->graph_released) {
-      for (auto& [base, seg] : streams_.segments) {
-        if (&state_of(*seg->owner) != g) continue;
-        for (stream_handle s : every) note_use_locked(seg, s);
-      }
+    // A pool shared between graphs (or used by an open route) goes back when the last of them
+    // is released.
+    if (--g->pool_graphs == 0) {
+      retire_pool_locked(*g, every);
       g->active.for_each([&](const block* b) {
         if (b->state != block_state::active || b->free_held)
           return;  // a held free completes on its own
@@ -254,6 +291,25 @@ void caching_allocator::impl::release_graph_locked(std::uint64_t graph) {
   if (error) std::rethrow_exception(error);
 }
 
+// The ordinary streams the allocator knows and that are alive.
+std::vector<stream_handle> caching_allocator::impl::every_stream_locked() {
+  std::vector<stream_handle> every;
+  for (auto& [key, st] : streams_.states) {
+    if (st->graph == 0 && st->alive.load(std::memory_order_acquire)) every.push_back(st->handle);
+  }
+  return every;
+}
+
+// The last user of pool g let go: its memory becomes releasable, fenced on `every` stream.
+void caching_allocator::impl::retire_pool_locked(stream_state& g,
+                                                 const std::vector<stream_handle>& every) {
+  g.graph_released = true;
+  for (auto& [base, seg] : streams_.segments) {
+    if (&state_of(*seg->owner) != &g) continue;
+    for (stream_handle s : every) note_use_locked(seg, s);
+  }
+}
+
 // A free while a capture is underway; true when it was handled (held or done).
 bool caching_allocator::impl::free_during_capture_locked(stream_state& owner, block* b,
                                                          const stream_handle* stream) {
@@ -270,16 +326,69 @@ bool caching_allocator::impl::free_during_capture_locked(stream_state& owner, bl
   if (c && graph_state_locked(c->pool) != &owner) graph = c->graph;
   if (graph == 0 && same_stream_only) return false;  // an ordinary same-stream free: no event
   b->free_held = true;
-  capture_.held_frees.push_back({b, stream != nullptr, stream ? *stream : 0, graph});
+  detail::held_free h{b, stream != nullptr, stream ? *stream : 0, graph, 0, {}};
+  if (c && graph == 0) note_capture_positions_locked(h, *c);
+  capture_.held_frees.push_back(std::move(h));
   ++capture_.deferrals;
   return true;
+}
+
+// A held free in capture c's own pool: when every other use of the block (its recorded uses, the
+// stream of a stream-ordered free) is a stream of the same capture, their capture positions now.
+void caching_allocator::impl::note_capture_positions_locked(detail::held_free& h,
+                                                            const detail::capture_record& c) {
+  std::vector<stream_handle> others = h.b->uses;
+  if (h.has_stream && h.stream != h.b->seg->stream) others.push_back(h.stream);
+  std::vector<std::vector<std::uintptr_t>> positions;
+  for (stream_handle u : others) {
+    const detail::capture_record* cu = capture_.find(u);
+    if (!cu || cu->graph != c.graph || detail::is_per_thread_key(u))
+      return;  // a use outside the capture (or a per-thread stream's): at the capture's end
+    try {
+      positions.push_back(backend_.capture_position(u));
+    } catch (const std::exception&) {
+      return;  // not known: the free completes when the capture ends
+    }
+  }
+  h.join_graph = c.graph;
+  h.positions = std::move(positions);
+}
+
+// The capturing stream of c allocates: held frees of its own pool whose other uses it now
+// follows inside the capture (the side streams joined back, by an event wait) become free for
+// it, as frees on its own stream: stream order inside the graph puts their uses first.
+void caching_allocator::impl::reclaim_joined_frees_locked(const detail::capture_record& c) {
+  if (capture_.held_frees.empty() || detail::is_per_thread_key(c.stream)) return;
+  for (auto it = capture_.held_frees.begin(); it != capture_.held_frees.end();) {
+    detail::held_free& h = *it;
+    bool follows = h.join_graph == c.graph && h.graph == 0;
+    for (std::size_t i = 0; follows && i < h.positions.size(); ++i) {
+      try {
+        follows = backend_.capture_follows(c.stream, h.positions[i]);
+      } catch (const std::exception&) {
+        follows = false;
+      }
+    }
+    if (!follows) {
+      ++it;
+      continue;
+    }
+    block* b = h.b;
+    stream_state& owner = state_of(*b->seg->owner);
+    detail::lock_guard<stream_lock> slk(owner.mu);
+    b->free_held = false;
+    b->uses.clear();
+    free_same_stream_locked(owner, b);
+    it = capture_.held_frees.erase(it);
+  }
 }
 
 void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, std::size_t size,
                                                               std::size_t rounded, bool small,
                                                               stream_handle stream, tag_id tag) {
   stream_state* target = nullptr;
-  const detail::capture_record* c = capture_.find(stream);
+  stream_handle origin = 0;  // for a side stream joined into the capture: the capturing stream
+  const detail::capture_record* c = join_capture_locked(stream);
   if (!c && stream_capturing(stream)) {
     // A stream the detection did not see (unknown to the allocator until now) that captures: a
     // capture of its own, detected here, as detect_captures_locked does for known streams (its
@@ -289,22 +398,37 @@ void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, 
   }
   if (c) {
     target = graph_state_locked(c->pool);
+    for (const auto& o : capture_.captures)
+      if (c->joined && o.graph == c->graph && !o.joined) origin = o.stream;
+    if (!c->joined) reclaim_joined_frees_locked(*c);
   } else {
     target = &get_or_create_stream_locked(stream);
   }
+  const auto grow = [&](pool& p) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+    // Growth is the one backend call allowed (capture-safe in the CUDA backends).
+    return opts_.backend == backend_kind::expandable ? expandable_fit_locked(p, rounded)
+                                                     : new_segment_locked(p, rounded);
+  };
   detail::unique_lock<stream_lock> slk(target->mu);
   // Under a tag, the graph's private pool keeps the tag's memory apart (tagged pools of its
   // own), so that pause(tag) gives it back and resume maps it at the same addresses: the graph
   // stays valid. Throws tag_paused while the tag sleeps.
   pool& p = pool_for_locked(*target, small, tag, size);
-  block* b = take_cached_fit_locked(p, rounded);
-  // Growth is the one backend call allowed (capture-safe in the CUDA backends).
-  if (!b)
-    b = opts_.backend == backend_kind::expandable ? expandable_fit_locked(p, rounded)
-                                                  : new_segment_locked(p, rounded);
+  // A side stream gets new memory first: a block the capturing stream freed in the capture may
+  // still be used by its work that the side stream is not ordered after. Failing that, a cached
+  // block, behind a wait of the side stream on the capturing stream inside the capture (an
+  // event recorded and waited on in the same capture: an edge of the graph).
+  block* b = origin != 0 ? grow(p) : take_cached_fit_locked(p, rounded);
+  if (!b && origin != 0) {
+    order_after_locked(stream, origin);
+    b = take_cached_fit_locked(p, rounded);
+  }
+  if (!b) b = grow(p);
   if (!b)
     throw_out_of_memory_locked(dlk, &slk, size, rounded, stream, target, capture_note_locked());
-  return finish_allocation(*target, b, rounded, size);
+  void* ptr = finish_allocation(*target, b, rounded, size);
+  if (origin != 0) add_use_locked(b, stream);  // its free waits for the side stream's work
+  return ptr;
 }
 
 // For out-of-memory messages.

@@ -145,6 +145,9 @@ struct stream_state {
   std::uint64_t next_seq = 1;
   vector_clock clock;
   std::uint64_t capture = 0;  // id of the graph being captured on this stream (0: none)
+  // Order inside a capture: the nodes this stream has captured (capture_order[own uid]) and
+  // those of other streams it follows through captured events; cleared when a capture ends.
+  vector_clock capture_order;
 };
 
 // A captured kernel: replayed by launch_graph.

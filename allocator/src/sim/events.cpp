@@ -67,7 +67,7 @@ void simulated_device::record_event(event_handle event, stream_handle stream) {
   if (state.capture != 0) {  // a captured event: a node of the graph, nothing runs now
     ev.recorded = false;
     ev.marker = 0;
-    ev.captured.clear();
+    ev.captured = state.capture_order;  // the captured work it follows
     ev.capture = state.capture;
     ++d.counters_.events_recorded;
     return;
@@ -140,6 +140,12 @@ void simulated_device::stream_wait_event(stream_handle stream, event_handle even
   d.throw_if_injected(call::stream_wait_event);
   const event_state& ev = d.live_event(event, "stream_wait_event");
   stream_state& state = d.live_stream(stream, "stream_wait_event");
+  if (ev.capture != 0 && state.capture == 0 && d.graphs_.at(ev.capture).capturing) {
+    // A stream outside any capture waiting on an event of a capture underway joins that capture
+    // (CUDA's cross-stream capture): its launches go into the graph until the capture ends.
+    state.capture = ev.capture;
+    ++d.capturing_streams_;
+  }
   if (ev.capture != 0 && ev.capture != state.capture) {
     d.capture_violation(
         "stream_wait_event",
@@ -154,8 +160,11 @@ void simulated_device::stream_wait_event(stream_handle stream, event_handle even
                             ", recorded outside the capture (needs cudaEventWaitExternal)");
   }
   ++d.counters_.stream_waits;
-  if (ev.capture != 0) return;  // inside its own capture: ordering within the graph
-  if (!ev.recorded) return;     // waiting on a never-recorded event is a no-op, as in CUDA
+  if (ev.capture != 0) {  // inside its own capture: ordering within the graph
+    merge_into(state.capture_order, ev.captured);
+    return;
+  }
+  if (!ev.recorded) return;  // waiting on a never-recorded event is a no-op, as in CUDA
   const std::uint64_t uid = d.handles_.at(stream);
   work_item item;
   item.kind = item_kind::wait;

@@ -80,6 +80,7 @@ std::uint64_t simulated_device::launch(stream_handle stream, std::uint64_t durat
   if (state.capture != 0) {
     d.graphs_.at(state.capture)
         .nodes.push_back(graph_node{duration_us, std::move(ranges), std::move(label)});
+    ++state.capture_order[d.handles_.at(stream)];
     return 0;
   }
   return d.launch_locked(stream, duration_us, std::move(ranges), std::move(label));
@@ -213,9 +214,18 @@ std::uint64_t simulated_device::end_capture(stream_handle stream) {
   if (state.capture == 0)
     d.fail("end_capture", "stream " + std::to_string(stream) + " is not capturing");
   const std::uint64_t id = state.capture;
-  state.capture = 0;
-  --d.capturing_streams_;
   graph_state& g = d.graphs_.at(id);
+  if (g.stream != stream) {
+    d.fail("end_capture", "stream " + std::to_string(stream) + " joined the capture of graph " +
+                              std::to_string(id) + " begun on stream " + std::to_string(g.stream) +
+                              ", which ends it (cudaErrorStreamCaptureUnmatched)");
+  }
+  for (auto& [uid, st] : d.streams_) {  // the capturing stream and every stream that joined
+    if (st.capture != id) continue;
+    st.capture = 0;
+    st.capture_order.clear();
+    --d.capturing_streams_;
+  }
   g.capturing = false;
   if (g.invalidated) {
     const std::string why = g.invalidated_by;
@@ -268,6 +278,35 @@ bool simulated_device::stream_is_capturing(stream_handle stream) noexcept {
   ++d.counters_.capture_queries;
   auto it = d.handles_.find(stream);
   return it != d.handles_.end() && d.streams_.at(it->second).capture != 0;
+}
+
+std::uint64_t simulated_device::capture_id(stream_handle stream) noexcept {
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  impl& d = *impl_;
+  ++d.counters_.capture_queries;
+  auto it = d.handles_.find(stream);
+  return it == d.handles_.end() ? 0 : d.streams_.at(it->second).capture;
+}
+
+std::vector<std::uintptr_t> simulated_device::capture_position(stream_handle stream) {
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  impl& d = *impl_;
+  const stream_state& state = d.live_stream(stream, "capture_position");
+  if (state.capture == 0) return {};
+  const std::uint64_t uid = d.handles_.at(stream);
+  return {static_cast<std::uintptr_t>(uid),
+          static_cast<std::uintptr_t>(clock_of(state.capture_order, uid))};
+}
+
+bool simulated_device::capture_follows(stream_handle stream,
+                                       const std::vector<std::uintptr_t>& position) {
+  std::lock_guard<std::mutex> lock(impl_->mutex_);
+  impl& d = *impl_;
+  const stream_state& state = d.live_stream(stream, "capture_follows");
+  if (state.capture == 0) return false;
+  for (std::size_t i = 0; i + 1 < position.size(); i += 2)
+    if (clock_of(state.capture_order, position[i]) < position[i + 1]) return false;
+  return true;
 }
 
 // ---- clock ------------------------------------------------------------------------------

@@ -37,6 +37,11 @@ class cuda_event_ops : public device_backend {
   void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) final;
   // cudaStreamIsCapturing (active or invalidated); false for stream 0 and on any error.
   bool stream_is_capturing(stream_handle stream) noexcept final;
+  std::uint64_t capture_id(stream_handle stream) noexcept final;  // cudaStreamGetCaptureInfo
+  // The stream's capture dependencies (graph nodes); follows: a backward walk of the graph from
+  // the stream's dependencies reaches every node of the position.
+  std::vector<std::uintptr_t> capture_position(stream_handle stream) final;
+  bool capture_follows(stream_handle stream, const std::vector<std::uintptr_t>& position) final;
   // cudaStreamPerThread (handle 2): a different stream in every thread.
   bool stream_is_per_thread(stream_handle stream) const noexcept final { return stream == 2; }
   stream_handle create_stream() final;

@@ -113,6 +113,21 @@ class device_backend {
   // True while `stream` is capturing a CUDA graph. Never throws (an error answers false); the
   // legacy default stream (0) is never capturing.
   virtual bool stream_is_capturing(stream_handle /*stream*/) noexcept { return false; }
+  // The id of the capture `stream` takes part in (cudaStreamGetCaptureInfo's id), 0 when it is
+  // not capturing or the backend cannot tell. A stream joined into another stream's capture by
+  // waiting on one of its events has that capture's id. Never throws; capture-safe.
+  virtual std::uint64_t capture_id(stream_handle /*stream*/) noexcept { return 0; }
+  // Order inside one capture. capture_position(s): where capturing stream s stands now (opaque:
+  // the graph nodes its next captured work would depend on; empty when s is not capturing).
+  // capture_follows(t, p): true when capturing stream t's next captured work is ordered after
+  // every node of p (t waited, through captured events, on what s had captured when p was
+  // taken). Both capture-safe; throw backend_error on a driver error. Default: nothing is known
+  // to follow.
+  virtual std::vector<std::uintptr_t> capture_position(stream_handle /*stream*/) { return {}; }
+  virtual bool capture_follows(stream_handle /*stream*/,
+                               const std::vector<std::uintptr_t>& /*position*/) {
+    return false;
+  }
   // True when the handle names a different stream in each host thread (cudaStreamPerThread).
   // The allocator relies on two events recorded on one stream completing in the order they were
   // recorded; for such a handle it queries every event instead.

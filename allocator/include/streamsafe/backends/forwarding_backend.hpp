@@ -62,6 +62,15 @@ class forwarding_backend : public device_backend {
   bool stream_is_capturing(stream_handle stream) noexcept override {
     return inner_.stream_is_capturing(stream);
   }
+  std::uint64_t capture_id(stream_handle stream) noexcept override {
+    return inner_.capture_id(stream);
+  }
+  std::vector<std::uintptr_t> capture_position(stream_handle stream) override {
+    return inner_.capture_position(stream);
+  }
+  bool capture_follows(stream_handle stream, const std::vector<std::uintptr_t>& position) override {
+    return inner_.capture_follows(stream, position);
+  }
   bool stream_is_per_thread(stream_handle stream) const noexcept override {
     return inner_.stream_is_per_thread(stream);
   }

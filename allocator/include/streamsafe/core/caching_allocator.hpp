@@ -42,6 +42,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string_view>
 #include <vector>
@@ -165,13 +166,20 @@ class caching_allocator {
   //    capture (stream order inside the graph puts their old uses first) or new device memory
   //    (the only backend call allowed; the CUDA backends make it capture-safe). Cached memory
   //    from before the capture is not used: its old uses do not provably precede the graph's
-  //    replays. Other streams are served from their own free blocks or new memory. Otherwise
+  //    replays. A side stream that joined the capture (it waited on an event recorded in it;
+  //    the backend's capture_id tells) is the capture's too: served from the graph's private
+  //    pool, new memory first, else a cached block behind a wait on the capturing stream inside
+  //    the capture; the block records it as a use. Other streams are served from their own free
+  //    blocks or new memory. Otherwise
   //    out_of_memory, the normal error, and the capture stays valid;
   //  * a free whose block's stream, recorded uses or free stream is capturing, of a block that
   //    is not in this capture's own pool (the stream's ordinary pool, or another graph's private
   //    pool), completes when the graph is released (the graph may replay over it); otherwise a
   //    free that needs events (recorded uses, or a stream-ordered free on another stream)
-  //    completes when no capture is underway. Either counts as allocated until then
+  //    completes when no capture is underway, or, for a block of the capture's own pool whose
+  //    other uses are side streams of the capture, as soon as the capturing stream follows their
+  //    work inside the capture (they joined back: backend capture_follows), when it serves that
+  //    stream again. Either counts as allocated until then
   //    (held_free_count()). One rule for every pool.
   // Blocks allocated during the capture belong to the graph's private pool for good: freed, also
   // after the capture, they return to it and serve no one else, so replays never race with other
@@ -210,6 +218,31 @@ class caching_allocator {
   // During another capture it takes effect when that capture ends. Throws std::invalid_argument
   // for an unknown or already released id, or a graph still being captured.
   void notify_graph_released(std::uint64_t graph);
+  // ---- allocation into a graph's private pool outside a capture ----------------------------
+  // begin_allocate_to_graph_pool(graph, filter) opens a route, as PyTorch's beginAllocateToPool
+  // outside a capture (torch.compile's cudagraph trees run eager code between captures into the
+  // graph's pool). Until end_allocate_to_graph_pool(route), allocate(n, s) on any thread is served
+  // from the private pool of `graph` (the pool its capture allocated into, shared pools too) when
+  // filter(s) is true (the innermost open route whose filter takes s wins; a capture on s is
+  // served by its own graph's pool first). `s` is the handle the caller passed (a thread filter
+  // may ignore it and test the calling thread instead). The filter runs under the allocator's
+  // lock: it must be cheap and must not call the allocator. A routed block belongs to the pool
+  // like a block allocated in the capture: it is in the pool's checkpoint, its statistics and
+  // snapshot segments (graph_pool), is freed back into the pool, and restore_graph_pool frees it.
+  // Stream order: a cached block of the pool serves s only behind a device-side wait of s on
+  // the pool's stream (the capturing stream: one event); s becomes a use of the block, so its
+  // free waits for s's work. While a capture is underway a routed allocation is served from new
+  // memory only (no event may be recorded then). The caller promises what a shared pool asks: the
+  // routed work and the graph's replays do not run concurrently (cudagraph trees order them).
+  // An open route counts as a user of the pool: the pool is released (notify_graph_released)
+  // only once its graphs are released and its routes ended. Returns the route's id (> 0).
+  // Throws std::invalid_argument for an unknown graph or one whose pool is released, or an empty
+  // filter. Thread-safe.
+  using stream_filter = std::function<bool(stream_handle)>;
+  std::uint64_t begin_allocate_to_graph_pool(std::uint64_t graph, stream_filter filter);
+  // Ends the route; blocks allocated through it stay the pool's. Throws std::invalid_argument for
+  // an unknown or already ended route.
+  void end_allocate_to_graph_pool(std::uint64_t route);
   // True while a capture is underway on the device (announced or detected). Lock-free.
   bool capture_underway() const noexcept;
   // Frees made during a capture that have not completed yet.

@@ -24,7 +24,9 @@
 //                               device_config::peers) differs from the other mapped chunks of
 //                               its reserved range (K13; access_devices() answers per chunk).
 // Graph capture: begin_capture(s) .. end_capture(s) record the kernels launched on s into a
-// graph instead of running them (event records on s become captured events); launch_graph
+// graph instead of running them (event records on s become captured events); a stream that
+// waits on a captured event of a capture underway joins it (its launches go into the graph too,
+// until end_capture(s), which only s may call); launch_graph
 // enqueues the recorded kernels on a stream, checked like launches. allocate_segment and map
 // stay legal during a capture (a CUDA backend makes them in relaxed capture mode).
 // It implements device_backend, so the real caching allocator runs on it unchanged, and it can
@@ -224,6 +226,11 @@ class simulated_device final : public device_backend {
   void synchronize_device() override;  // advances until idle (throws like run_until_idle)
   void memory_info(std::size_t& free_bytes, std::size_t& total_bytes) override;
   bool stream_is_capturing(stream_handle stream) noexcept override;
+  std::uint64_t capture_id(stream_handle stream) noexcept override;  // the graph's id
+  // {stream uid, its captured launches so far}; follows: the stream's captured events carried
+  // at least that many of that stream's launches to it.
+  std::vector<std::uintptr_t> capture_position(stream_handle stream) override;
+  bool capture_follows(stream_handle stream, const std::vector<std::uintptr_t>& position) override;
   // A kernel that reads [src, src+bytes) and writes [dst, dst+bytes), checked like launch();
   // when it completes, dst holds what src held. Runs 1 us plus 1 us per MiB.
   void copy_async(void* dst, const void* src, std::size_t bytes, stream_handle stream) override;

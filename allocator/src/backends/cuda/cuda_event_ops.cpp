@@ -11,6 +11,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -183,6 +184,82 @@ bool cuda_event_ops::query_stream(stream_handle stream) {
 void cuda_event_ops::synchronize_device() {
   device_guard guard(device_);
   STREAMSAFE_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+std::uint64_t cuda_event_ops::capture_id(stream_handle stream) noexcept {
+  if (stream == 0) return 0;
+  try {
+    device_guard guard(device_);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    if (cudaStreamGetCaptureInfo(to_stream(stream), &status, &id) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return status == cudaStreamCaptureStatusNone ? 0 : static_cast<std::uint64_t>(id);
+  } catch (...) {
+    return 0;
+  }
+}
+
+namespace {
+
+// The capture dependencies of a capturing stream (empty when it is not capturing).
+std::vector<cudaGraphNode_t> capture_dependencies(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaGraphNode_t* deps = nullptr;
+  std::size_t n = 0;
+#if CUDART_VERSION >= 13000
+  STREAMSAFE_CUDA_CHECK(
+      cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &deps, nullptr, &n));
+#else
+  STREAMSAFE_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, nullptr, nullptr, &deps, &n));
+#endif
+  if (status != cudaStreamCaptureStatusActive || !deps) return {};
+  return {deps, deps + n};
+}
+
+std::vector<cudaGraphNode_t> node_dependencies(cudaGraphNode_t node) {
+  std::size_t n = 0;
+#if CUDART_VERSION >= 13000
+  STREAMSAFE_CUDA_CHECK(cudaGraphNodeGetDependencies(node, nullptr, nullptr, &n));
+  std::vector<cudaGraphNode_t> deps(n);
+  if (n) STREAMSAFE_CUDA_CHECK(cudaGraphNodeGetDependencies(node, deps.data(), nullptr, &n));
+#else
+  STREAMSAFE_CUDA_CHECK(cudaGraphNodeGetDependencies(node, nullptr, &n));
+  std::vector<cudaGraphNode_t> deps(n);
+  if (n) STREAMSAFE_CUDA_CHECK(cudaGraphNodeGetDependencies(node, deps.data(), &n));
+#endif
+  deps.resize(n);
+  return deps;
+}
+
+}  // namespace
+
+std::vector<std::uintptr_t> cuda_event_ops::capture_position(stream_handle stream) {
+  if (stream == 0) return {};
+  device_guard guard(device_);
+  std::vector<std::uintptr_t> out;
+  for (cudaGraphNode_t n : capture_dependencies(to_stream(stream)))
+    out.push_back(reinterpret_cast<std::uintptr_t>(n));
+  return out;
+}
+
+bool cuda_event_ops::capture_follows(stream_handle stream,
+                                     const std::vector<std::uintptr_t>& position) {
+  if (stream == 0) return false;
+  device_guard guard(device_);
+  std::set<std::uintptr_t> wanted(position.begin(), position.end());
+  std::set<cudaGraphNode_t> seen;
+  std::vector<cudaGraphNode_t> todo = capture_dependencies(to_stream(stream));
+  while (!todo.empty() && !wanted.empty()) {  // backward from the stream's frontier
+    cudaGraphNode_t n = todo.back();
+    todo.pop_back();
+    if (!seen.insert(n).second) continue;
+    wanted.erase(reinterpret_cast<std::uintptr_t>(n));
+    for (cudaGraphNode_t d : node_dependencies(n)) todo.push_back(d);
+  }
+  return wanted.empty();
 }
 
 bool cuda_event_ops::stream_is_capturing(stream_handle stream) noexcept {

@@ -454,6 +454,7 @@ class torch_allocator final : public cca::CUDAAllocator {
     std::function<bool(cudaStream_t)> filter;
     streamsafe::tag_id tag = 0;
     std::shared_ptr<pool_instance> instance;
+    std::uint64_t graph_route = 0;  // a route into a CUDA graph's private pool (core's id)
   };
   struct pool_route_choice {
     streamsafe::tag_id tag = 0;
@@ -535,7 +536,7 @@ class torch_allocator final : public cca::CUDAAllocator {
     return p;
   }
 
-  std::uint64_t graph_of_pool(c10::DeviceIndex device, MempoolId_t mempool_id);  // checkpoint
+  std::uint64_t graph_of_pool(c10::DeviceIndex device, MempoolId_t mempool_id);  // checkpoint.cpp
   // torch_mempool.cpp
   pool_route_choice pick_route(int device, cudaStream_t stream);
   void note_pool_live(void* p, MempoolId_t pool, int device);

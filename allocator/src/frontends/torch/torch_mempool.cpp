@@ -2,15 +2,18 @@
 //
 // use_mem_pool(pool) (and cudagraph trees' beginAllocateCurrentThreadToPool / CurrentStreamToPool)
 // opens a route: PyTorch's filter picks the allocations (the calling thread's, or one stream's);
-// the innermost route that matches wins. A MemPool without an allocator of its own is a streamsafe
-// tag ("torch.mempool.<a>.<b>"): its memory comes from segments of its own (core/sleep.hpp), so
-// that MemPool.snapshot(), empty_cache of the pool and its statistics see only it. A MemPool with
-// its own allocator (a CUDAPluggableAllocator) gets a streamsafe allocator of its own whose
-// segments come from that allocator (pluggable_backend), as PyTorch's pool asks its allocator for
-// segments; the per-process memory cap counts them with the device's other memory.
-// Safety is streamsafe's everywhere: a pool's memory is released behind the same fences.
-// pools_mu_ is held across streamsafe calls that never call back into this object (owner_device,
-// stats), never across an allocation, a free or a release.
+// the innermost route that matches wins. A pool a CUDA graph was captured into is streamsafe's
+// private pool of that graph (the core's begin_allocate_to_graph_pool, opened in torch_pools.cpp):
+// cudagraph trees' allocations between captures share its segments and its checkpoint. Any other
+// MemPool without an allocator of its own is a streamsafe tag ("torch.mempool.<a>.<b>"): its memory
+// comes from segments of its own (core/sleep.hpp), so that MemPool.snapshot(), empty_cache of the
+// pool and its statistics see only it. A MemPool with its own allocator (a CUDAPluggableAllocator)
+// gets a streamsafe allocator of its own whose segments come from that allocator
+// (pluggable_backend), as PyTorch's pool asks its allocator for segments; the per-process memory
+// cap counts them with the device's other memory. Safety is streamsafe's everywhere: a pool's
+// memory is released behind the same fences. pools_mu_ is held across streamsafe calls that never
+// call back into this object (owner_device, stats), never across an allocation, a free or a
+// release.
 #include "extension_allocator.hpp"
 
 namespace streamsafe::torch_ext {

@@ -1,7 +1,8 @@
 // streamsafe PyTorch extension: CUDA graph pools (torch.cuda.graph, pool=, MemPool):
 // beginAllocateToPool / endAllocateToPool / releasePool onto streamsafe's capture calls
 // (notify_capture_begin with a shared pool, notify_capture_end, notify_graph_released), and the
-// routes of use_mem_pool outside a capture (torch_mempool.cpp serves them).
+// routes outside a capture: into a graph's pool (cudagraph trees' beginAllocateCurrentThreadToPool)
+// the core's begin_allocate_to_graph_pool; use_mem_pool's (torch_mempool.cpp serves them).
 // pools_mu_ guards pools_, captures_ and routes_; never held across an allocation or a capture
 // call into streamsafe.
 #include "extension_allocator.hpp"
@@ -20,7 +21,19 @@ void torch_allocator::beginAllocateToPool(c10::DeviceIndex device, MempoolId_t m
   // caller (use_mem_pool, cudagraph trees' beginAllocateCurrentThreadToPool / StreamToPool)
   // gives a filter that takes the current stream: a route outside a capture.
   if (!capturing && filter && filter(stream)) {
-    const streamsafe::tag_id tag = streamsafe::tag_of(pool_tag(mempool_id));
+    // A pool a CUDA graph was captured into (cudagraph trees' warm-up and eager runs between
+    // captures): the allocations go to streamsafe's private pool of its graphs, so that its
+    // checkpoint, segments and statistics hold them. Any other pool: a tag (torch_mempool.cpp).
+    std::uint64_t graph_route = 0;
+    if (const std::uint64_t graph = graph_of_pool(device, mempool_id); graph != 0) {
+      guarded("allocation into a CUDA graph pool", [&] {
+        graph_route = ss_->device_allocator(device).begin_allocate_to_graph_pool(
+            graph, [f = filter](streamsafe::stream_handle s) {
+              return f(reinterpret_cast<cudaStream_t>(s));  // 0: the default stream
+            });
+      });
+    }
+    const streamsafe::tag_id tag = graph_route != 0 ? 0 : streamsafe::tag_of(pool_tag(mempool_id));
     std::lock_guard<std::mutex> lock(pools_mu_);
     pool_state& pool = pools_[mempool_id];
     pool.device = device;
@@ -30,7 +43,8 @@ void torch_allocator::beginAllocateToPool(c10::DeviceIndex device, MempoolId_t m
     r.device = device;
     r.filter = std::move(filter);
     r.tag = tag;
-    r.instance = pool.instance;
+    r.instance = graph_route != 0 ? nullptr : pool.instance;
+    r.graph_route = graph_route;
     routes_.push_back(std::move(r));
     n_routes_.store(static_cast<int>(routes_.size()), std::memory_order_release);
     return;
@@ -62,7 +76,7 @@ void torch_allocator::endAllocateToPool(c10::DeviceIndex device, MempoolId_t mem
   const cudaStream_t current = c10::cuda::getCurrentCUDAStream(device).stream();
   capture_state cap{};
   {
-    std::lock_guard<std::mutex> lock(pools_mu_);
+    std::unique_lock<std::mutex> lock(pools_mu_);
     const auto capture_of = [&](bool on_current_stream) {
       return std::find_if(captures_.rbegin(), captures_.rend(), [&](const capture_state& c) {
         return c.pool == mempool_id && c.device == device &&
@@ -82,8 +96,14 @@ void torch_allocator::endAllocateToPool(c10::DeviceIndex device, MempoolId_t mem
         });
       }
       if (route != routes_.rend()) {
+        const std::uint64_t graph_route = route->graph_route;
         routes_.erase(std::next(route).base());
         n_routes_.store(static_cast<int>(routes_.size()), std::memory_order_release);
+        lock.unlock();
+        if (graph_route != 0) {
+          guarded("end of an allocation into a CUDA graph pool",
+                  [&] { ss_->device_allocator(device).end_allocate_to_graph_pool(graph_route); });
+        }
         return;  // PyTorch's releasePool follows and drops the route's use of the pool
       }
       it = capture_of(false);

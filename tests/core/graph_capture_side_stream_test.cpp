@@ -1,0 +1,166 @@
+// Side streams in a CUDA graph capture (case K11), on the simulated device: a stream that joined
+// a capture by waiting on one of its events allocates from the capture's private pool (its
+// checkpoint and snapshot segments hold the block), gets new memory rather than a block the
+// capturing stream freed in the capture (or that block behind a wait inside the capture), and stops
+// counting as capturing when the capture ends; a block freed with a side stream's use serves the
+// capturing stream again once the side stream joined back (not before).
+#include "support/sim_faults.hpp"
+#include "support/sim_fixture.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+using namespace streamsafe;
+using namespace streamsafe::test;
+
+namespace {
+
+struct side_env : sim_env {
+  stream_handle s, side;
+  explicit side_env(backend_kind backend)
+      : sim_env(make_options(backend)), s(dev.create_stream()), side(dev.create_stream()) {}
+  std::uint64_t begin() {
+    const std::uint64_t graph = alloc.notify_capture_begin(s);
+    dev.begin_capture(s);
+    return graph;
+  }
+  // `to` waits on the work enqueued on `from` so far (torch.cuda.Stream.wait_stream).
+  void wait_stream(stream_handle to, stream_handle from) {
+    const event_handle e = dev.create_event();
+    dev.record_event(e, from);
+    dev.stream_wait_event(to, e);
+    dev.destroy_event(e);
+  }
+  bool in_pool(std::uint64_t graph, const void* p) {
+    for (const auto& seg : alloc.checkpoint_graph_pool(graph).segments)
+      for (const auto& b : seg.blocks)
+        if (b.allocated && b.address == addr(p)) return true;
+    return false;
+  }
+  std::size_t pool_segments(std::uint64_t graph) {
+    const memory_snapshot snap = alloc.snapshot();
+    return static_cast<std::size_t>(
+        std::count_if(snap.segments.begin(), snap.segments.end(),
+                      [&](const segment_snapshot& seg) { return seg.graph_pool == graph; }));
+  }
+  void finish() {
+    dev.run_until_idle();
+    INFO(fault_text(dev));
+    CHECK(dev.fault_count() == 0);
+    alloc.check_invariants();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("K11: a side stream that joined a capture allocates from the capture's pool",
+          "[core][graph][capture][side]") {
+  EACH_BACKEND(backend);
+  side_env env(backend);
+  const std::uint64_t graph = env.begin();
+  void* x = env.alloc.allocate(40 * MiB, env.s);
+  env.dev.launch(env.s, 10, {writes(x, 40 * MiB)});
+  env.wait_stream(env.side, env.s);  // fork: the side stream joins the capture
+  void* y = env.alloc.allocate(40 * MiB, env.side);
+  env.dev.launch(env.side, 10, {reads(x, 40 * MiB), writes(y, 40 * MiB)});
+  env.wait_stream(env.s, env.side);  // join
+  env.dev.end_capture(env.s);
+  env.alloc.notify_capture_end(env.s);
+  CHECK_FALSE(env.alloc.capture_underway());  // the side stream's part ended with the capture
+  CHECK(env.in_pool(graph, x));
+  CHECK(env.in_pool(graph, y));
+  // Each its own segment (an expandable pool grows its one range).
+  CHECK(env.pool_segments(graph) == (backend == backend_kind::expandable ? 1u : 2u));
+  env.alloc.deallocate(y);
+  env.alloc.deallocate(x);
+  CHECK(env.alloc.checkpoint_graph_pool(graph).allocated_blocks() == 0);
+  env.finish();
+}
+
+TEST_CASE("K11: a side stream in a capture is not handed a block the capturing stream freed",
+          "[core][graph][capture][side][safety]") {
+  EACH_BACKEND(backend);
+  side_env env(backend);
+  const std::uint64_t graph = env.begin();
+  env.wait_stream(env.side, env.s);  // forked before the capturing stream's use below
+  void* x = env.alloc.allocate(4 * KiB, env.s);
+  env.dev.launch(env.s, 10, {writes(x, 4 * KiB)});
+  env.alloc.deallocate(x);  // cached in the graph's pool, its use unordered with the side stream
+  const std::uint64_t waits = env.alloc.stats().stream_waits;
+  void* y = env.alloc.allocate(4 * KiB, env.side);
+  // New memory; or (an expandable pool whose mapped chunk has room only in x's free block) x,
+  // behind a wait of the side stream on the capturing stream inside the capture.
+  if (y == x) CHECK(env.alloc.stats().stream_waits > waits);
+  if (backend == backend_kind::cuda_malloc) CHECK(y != x);
+  CHECK(env.in_pool(graph, y));
+  env.wait_stream(env.s, env.side);
+  env.dev.end_capture(env.s);
+  env.alloc.notify_capture_end(env.s);
+  env.alloc.deallocate(y);
+  env.finish();
+}
+
+TEST_CASE("simulated device: a stream waiting on an event of a capture underway joins it",
+          "[sim][graph][capture][side]") {
+  side_env env(backend_kind::cuda_malloc);
+  env.dev.begin_capture(env.s);
+  CHECK(env.dev.capture_id(env.side) == 0);
+  env.wait_stream(env.side, env.s);
+  CHECK(env.dev.capturing(env.side));
+  CHECK(env.dev.capture_id(env.side) == env.dev.capture_id(env.s));
+  CHECK_THROWS_AS(env.dev.end_capture(env.side), backend_error);  // only its origin ends it
+  env.dev.clear_faults();
+  env.wait_stream(env.s, env.side);
+  env.dev.end_capture(env.s);
+  CHECK_FALSE(env.dev.capturing(env.side));
+  CHECK(env.dev.capture_id(env.side) == 0);
+  env.finish();
+}
+
+TEST_CASE("K11: a block freed with a side stream's use serves the capture again once it joined",
+          "[core][graph][capture][side][safety]") {
+  EACH_BACKEND(backend);
+  side_env env(backend);
+  const std::uint64_t graph = env.begin();
+  void* sink = env.alloc.allocate(512, env.s);
+  void* data1 = env.alloc.allocate(512, env.s);
+  env.dev.launch(env.s, 10, {writes(data1, 512)});
+  env.wait_stream(env.side, env.s);  // fork
+  void* buf = env.alloc.allocate(512, env.side);
+  env.dev.launch(env.side, 10, {reads(data1, 512), writes(buf, 512)});
+  env.alloc.record_stream(data1, env.side);
+  env.alloc.deallocate(data1);
+  void* data2 = env.alloc.allocate(512, env.s);  // the side stream may still read data1
+  CHECK(data2 != data1);
+  env.wait_stream(env.s, env.side);  // join
+  env.dev.launch(env.s, 10, {writes(sink, 512)});
+  void* data3 = env.alloc.allocate(512, env.s);
+  CHECK(data3 == data1);  // reused inside the capture, after the join
+  env.dev.end_capture(env.s);
+  env.alloc.notify_capture_end(env.s);
+  CHECK(env.alloc.held_free_count() == 0);
+  for (void* p : {sink, data2, data3, buf}) env.alloc.deallocate(p);
+  CHECK(env.alloc.checkpoint_graph_pool(graph).allocated_blocks() == 0);
+  env.finish();
+}
+
+TEST_CASE("simulated device: captured events carry the order of a capture's streams",
+          "[sim][graph][capture][side]") {
+  side_env env(backend_kind::cuda_malloc);
+  env.dev.begin_capture(env.s);
+  env.wait_stream(env.side, env.s);
+  env.dev.launch(env.side, 10, {});
+  const std::vector<std::uintptr_t> at = env.dev.capture_position(env.side);
+  CHECK_FALSE(env.dev.capture_follows(env.s, at));
+  env.wait_stream(env.s, env.side);
+  CHECK(env.dev.capture_follows(env.s, at));
+  env.dev.launch(env.side, 10, {});  // later work of the side stream: not followed
+  CHECK_FALSE(env.dev.capture_follows(env.s, env.dev.capture_position(env.side)));
+  env.wait_stream(env.s, env.side);
+  env.dev.end_capture(env.s);
+  CHECK(env.dev.capture_position(env.s).empty());
+  env.finish();
+}
