@@ -60,7 +60,7 @@ struct scene {
 }  // namespace
 
 TEST_CASE("empty_cache gives back memory of blocks pending their recorded streams' events",
-          "[empty_cache][record_stream][pending]") {
+          "[core][pending][release]") {
   const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
   const empty_cache_mode mode = GENERATE(empty_cache_mode::wait, empty_cache_mode::defer);
   const bool worker = GENERATE(false, true);
@@ -87,7 +87,7 @@ TEST_CASE("empty_cache gives back memory of blocks pending their recorded stream
 }
 
 TEST_CASE("empty_cache neither releases nor hands out memory a recorded stream still reads",
-          "[empty_cache][record_stream][pending]") {
+          "[core][pending][release]") {
   const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
   const bool worker = GENERATE(false, true);
   // allocation_stream: the release fence itself does not cover the recorded stream.
@@ -120,7 +120,7 @@ TEST_CASE("empty_cache neither releases nor hands out memory a recorded stream s
 }
 
 TEST_CASE("empty_cache in wait mode waits for a recorded stream's kernel, then releases",
-          "[empty_cache][record_stream][pending]") {
+          "[core][pending][release]") {
   const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
   const bool worker = GENERATE(false, true);
   INFO(to_string(backend) << ", release worker " << (worker ? "on" : "off"));

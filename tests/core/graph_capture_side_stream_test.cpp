@@ -57,7 +57,7 @@ struct side_env : sim_env {
 }  // namespace
 
 TEST_CASE("K11: a side stream that joined a capture allocates from the capture's pool",
-          "[core][graph][capture][side]") {
+          "[core][graph]") {
   EACH_BACKEND(backend);
   side_env env(backend);
   const std::uint64_t graph = env.begin();
@@ -81,7 +81,7 @@ TEST_CASE("K11: a side stream that joined a capture allocates from the capture's
 }
 
 TEST_CASE("K11: a side stream in a capture is not handed a block the capturing stream freed",
-          "[core][graph][capture][side][safety]") {
+          "[core][graph][race]") {
   EACH_BACKEND(backend);
   side_env env(backend);
   const std::uint64_t graph = env.begin();
@@ -104,7 +104,7 @@ TEST_CASE("K11: a side stream in a capture is not handed a block the capturing s
 }
 
 TEST_CASE("simulated device: a stream waiting on an event of a capture underway joins it",
-          "[sim][graph][capture][side]") {
+          "[sim][graph]") {
   side_env env(backend_kind::cuda_malloc);
   env.dev.begin_capture(env.s);
   CHECK(env.dev.capture_id(env.side) == 0);
@@ -121,7 +121,7 @@ TEST_CASE("simulated device: a stream waiting on an event of a capture underway 
 }
 
 TEST_CASE("K11: a block freed with a side stream's use serves the capture again once it joined",
-          "[core][graph][capture][side][safety]") {
+          "[core][graph][race]") {
   EACH_BACKEND(backend);
   side_env env(backend);
   const std::uint64_t graph = env.begin();
@@ -148,7 +148,7 @@ TEST_CASE("K11: a block freed with a side stream's use serves the capture again 
 }
 
 TEST_CASE("simulated device: captured events carry the order of a capture's streams",
-          "[sim][graph][capture][side]") {
+          "[sim][graph]") {
   side_env env(backend_kind::cuda_malloc);
   env.dev.begin_capture(env.s);
   env.wait_stream(env.side, env.s);

@@ -78,7 +78,7 @@ bool has_block(const pool_checkpoint& c, const void* p) {
 }  // namespace
 
 TEST_CASE("A routed thread's allocations come from the graph's pool, other threads' do not",
-          "[core][graph][route]") {
+          "[core][graph]") {
   EACH_BACKEND(backend);
   route_env env(backend);
   const std::uint64_t graph = env.graph;
@@ -108,7 +108,7 @@ TEST_CASE("A routed thread's allocations come from the graph's pool, other threa
 }
 
 TEST_CASE("A stream filter routes only the streams it takes into the graph's pool",
-          "[core][graph][route]") {
+          "[core][graph]") {
   EACH_BACKEND(backend);
   route_env env(backend);
   const std::uint64_t graph = env.graph;
@@ -128,7 +128,7 @@ TEST_CASE("A stream filter routes only the streams it takes into the graph's poo
 }
 
 TEST_CASE("The pool's statistics and its restore count the routed blocks",
-          "[core][graph][route][checkpoint]") {
+          "[core][graph][checkpoint]") {
   EACH_BACKEND(backend);
   route_env env(backend);
   const std::uint64_t graph = env.graph;
@@ -155,7 +155,7 @@ TEST_CASE("The pool's statistics and its restore count the routed blocks",
 }
 
 TEST_CASE("The pool's cached memory serves a routed stream only after the pool's stream's work",
-          "[core][graph][route][safety]") {
+          "[core][graph][race]") {
   EACH_BACKEND(backend);
   route_env env(backend);
   const std::uint64_t graph = env.graph;
@@ -171,7 +171,7 @@ TEST_CASE("The pool's cached memory serves a routed stream only after the pool's
 }
 
 TEST_CASE("A routed block freed under its stream's work is not handed out before that work ends",
-          "[core][graph][route][safety]") {
+          "[core][graph][race]") {
   EACH_BACKEND(backend);
   route_env env(backend);
   const std::uint64_t graph = env.graph;
@@ -191,7 +191,7 @@ TEST_CASE("A routed block freed under its stream's work is not handed out before
   env.finish();
 }
 
-TEST_CASE("An open route keeps the graph's pool until it ends", "[core][graph][route]") {
+TEST_CASE("An open route keeps the graph's pool until it ends", "[core][graph]") {
   EACH_BACKEND(backend);
   route_env env(backend);
   const std::uint64_t graph = env.graph;
@@ -211,7 +211,7 @@ TEST_CASE("An open route keeps the graph's pool until it ends", "[core][graph][r
   env.finish();
 }
 
-TEST_CASE("Routing calls with bad arguments are named errors", "[core][graph][route]") {
+TEST_CASE("Routing calls with bad arguments are named errors", "[core][graph]") {
   route_env env(backend_kind::cuda_malloc);
   const auto all = [](stream_handle) { return true; };
   CHECK_THROWS_AS(env.alloc.begin_allocate_to_graph_pool(42, all), std::invalid_argument);

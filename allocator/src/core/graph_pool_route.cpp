@@ -75,7 +75,8 @@ void* caching_allocator::impl::allocate_routed(std::size_t size, std::size_t rou
   const stream_handle key = key_of(stream);
   device_lock dlk(mu_);
   detect_captures_locked(dlk);
-  if (capture_.find(key)) return allocate_during_capture_locked(dlk, size, rounded, small, key, tag);
+  if (capture_.find(key))
+    return allocate_during_capture_locked(dlk, size, rounded, small, key, tag);
   if (const detail::pool_route* r = route_of_locked(stream)) {
     get_or_create_stream_locked(key);  // known: its events fence the block's free
     return allocate_in_route_locked(dlk, size, rounded, small, key, r->pool);
