@@ -6,6 +6,10 @@
 // PyTorch's own check of the cap (max_split_size_mb 40): after empty_cache(), the cap is what
 // stays reserved plus 120 MiB; three 40 MiB tensors fit, a fourth runs out of memory; once
 // they are freed, 120 MiB fits. The device's memory in use never passes the cap.
+//
+// A pool of its own allocator under the same cap, tried by an allocation that found no memory
+// (PyTorch: MemPool(use_on_oom=True)): allocate_cached serves it from the pool's cache only, and
+// a pool that cannot serve it keeps its cache.
 #include "support/sim_fixture.hpp"
 
 #include <streamsafe/backends/forwarding_backend.hpp>
@@ -127,4 +131,37 @@ TEST_CASE(
   for (void* p : live) alloc.deallocate(p);
   alloc.wait_for_release_worker_idle(5s);
   alloc.check_invariants();
+}
+
+TEST_CASE(
+    "A pool tried for an allocation that found no memory serves it from its cache, and keeps "
+    "its cache when the request does not fit it",
+    "[core][release]") {
+  sim::simulated_device dev(sim_config(8 * GiB));
+  capped_device capped(dev);
+  // The pool's allocator under the same device-wide cap (the pool's memory counts against it).
+  caching_allocator pool(capped, make_options(backend_kind::cuda_malloc));
+  capped.set_cap(48 * MiB);
+  void* cached = pool.allocate(40 * MiB, 0);
+  const auto address = addr(cached);
+  pool.deallocate(cached);
+  REQUIRE(pool.stats().reserved_bytes.current == static_cast<std::int64_t>(40 * MiB));
+
+  // What an allocation that found no memory asks of a pool before it runs out of memory
+  // (PyTorch: MemPool(use_on_oom=True)). 64 MiB: nothing cached fits, and the cap leaves no
+  // room: the pool cannot serve it, and what it holds stays (no release, no growth).
+  CHECK(pool.allocate_cached(64 * MiB, 0) == nullptr);
+  CHECK(pool.stats().reserved_bytes.current == static_cast<std::int64_t>(40 * MiB));
+  CHECK(dev.counters().segment_frees == 0);
+  // 30 MiB: the cached block serves it.
+  void* p = pool.allocate_cached(30 * MiB, 0);
+  CHECK(addr(p) == address);
+  if (p) pool.deallocate(p);
+  // Nothing cached on another stream: no growth either.
+  const auto side = dev.create_stream();
+  capped.set_cap(0);
+  const std::uint64_t grown = dev.counters().segment_allocs;
+  CHECK(pool.allocate_cached(4 * MiB, side) == nullptr);
+  CHECK(dev.counters().segment_allocs == grown);
+  pool.check_invariants();
 }
