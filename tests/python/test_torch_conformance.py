@@ -4,6 +4,7 @@ and empty_cache, live-allocation checks), caching_allocator_enable(False), stati
 (small_pool / large_pool, device-wide peaks), and CUDA IPC of tensors between two processes with its control.
 """
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -152,11 +153,13 @@ def test_mempool_with_its_own_allocator(ss):
     assert allocated() == before
 
 
-def test_use_on_oom_pool_serves_an_allocation_that_found_no_memory(ss):
-    alloc, _ = _pluggable_allocator(ss)
+@contextlib.contextmanager
+def _cap_above_reserved(ss, extra_bytes):
+    """set_per_process_memory_fraction to what stays reserved once the cache is emptied, plus
+    extra_bytes; the fraction as before on exit. Yields the device's total memory."""
     torch.cuda.empty_cache()
     # In defer mode memory_reserved() still counts what empty_cache() queued until the release
-    # worker gives it back: the cap below must start from what stays reserved.
+    # worker gives it back: the cap must start from what stays reserved.
     deadline = time.monotonic() + 10
     while ss.pending_release_bytes() and time.monotonic() < deadline:
         ss.reclaim()
@@ -164,9 +167,29 @@ def test_use_on_oom_pool_serves_an_allocation_that_found_no_memory(ss):
     assert ss.pending_release_bytes() == 0
     _, total = torch.cuda.mem_get_info()
     fraction0 = torch.cuda.get_per_process_memory_fraction()
-    pool = torch.cuda.MemPool(alloc.allocator(), use_on_oom=True)
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + extra_bytes) / total)
     try:
-        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 48 * MiB) / total)
+        yield total
+    finally:
+        torch.cuda.set_per_process_memory_fraction(fraction0)
+
+
+@contextlib.contextmanager
+def _own_allocator_pool(ss, **kwargs):
+    """A MemPool whose allocator is streamsafe's pluggable library; dropped and its memory given
+    back on exit."""
+    alloc, _ = _pluggable_allocator(ss)
+    pool = torch.cuda.MemPool(alloc.allocator(), **kwargs)
+    try:
+        yield pool
+    finally:
+        del pool
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def test_use_on_oom_pool_serves_an_allocation_that_found_no_memory(ss):
+    with _own_allocator_pool(ss, use_on_oom=True) as pool, _cap_above_reserved(ss, 48 * MiB):
         with torch.cuda.use_mem_pool(pool):
             a = torch.empty(40 * MiB, dtype=torch.uint8, device="cuda")
         address = a.data_ptr()
@@ -176,11 +199,18 @@ def test_use_on_oom_pool_serves_an_allocation_that_found_no_memory(ss):
         c = torch.empty(30 * MiB, dtype=torch.uint8, device="cuda")  # from the pool's cache
         assert c.data_ptr() == address
         del c
-    finally:
-        torch.cuda.set_per_process_memory_fraction(fraction0)
-        del pool
-        gc.collect()
-        torch.cuda.empty_cache()
+
+
+def test_pool_with_its_own_allocator_at_the_cap_takes_the_default_pools_cache(ss):
+    # One cap for the device: a pool whose allocator finds no room under it gets the memory the
+    # default pool holds cached (given back first), as PyTorch's out-of-memory path does.
+    with _own_allocator_pool(ss) as pool, _cap_above_reserved(ss, 48 * MiB) as total:
+        a = torch.empty(40 * MiB, dtype=torch.uint8, device="cuda")
+        del a  # cached in the default pool
+        with torch.cuda.use_mem_pool(pool):
+            b = torch.empty(40 * MiB, dtype=torch.uint8, device="cuda")
+        assert torch.cuda.memory_reserved() <= torch.cuda.get_per_process_memory_fraction() * total
+        del b
 
 
 def test_check_pool_live_allocations(ss):

@@ -154,4 +154,16 @@ void* caching_allocator::allocate(std::size_t size_bytes, stream_handle stream) 
   return m.allocate_slow(st, size_bytes, rounded, small, tag);
 }
 
+void* caching_allocator::allocate_cached(std::size_t size_bytes, stream_handle stream) {
+  impl& m = *impl_;
+  if (m.inherited()) m.throw_inherited("allocate_cached");  // a forked child (fork.cpp)
+  if (size_bytes == 0 || size_bytes > detail::k_max_request_bytes || m.capturing()) return nullptr;
+  const std::size_t rounded = m.runtime_.round(size_bytes);
+  impl::stream_state& st = m.state_for(stream);
+  detail::lock_guard<stream_lock> slk(st.mu);
+  if (!st.pending.empty() && !callback_scope::active()) m.process_events_locked(st);
+  block* b = m.take_cached_fit_locked(pool_of(st, detail::is_small(rounded)), rounded);
+  return b ? m.finish_allocation(st, b, rounded, size_bytes) : nullptr;
+}
+
 }  // namespace streamsafe

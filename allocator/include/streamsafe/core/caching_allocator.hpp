@@ -86,6 +86,13 @@ class caching_allocator {
   // the bytes waiting behind fences and the streams still busy). In a callback_scope it makes
   // no backend call: it is served from cached free blocks or throws std::logic_error at once.
   void* allocate(std::size_t size_bytes, stream_handle stream);
+  // Only what the allocator already holds for `stream`: a cached free block of the stream's
+  // pool that fits (blocks whose uses on other streams have completed come back first), split
+  // as allocate would. Never new memory, never a release of cached memory, never a host wait;
+  // nullptr when nothing cached fits (or a capture is underway). An allocation that found no
+  // memory elsewhere tries a pool this way (PyTorch: MemPool(use_on_oom=True)), so that the
+  // pool keeps its cache when it cannot serve the request either.
+  void* allocate_cached(std::size_t size_bytes, stream_handle stream);
 
   // Host free: the last use is on the allocation stream or on streams given to record_stream.
   // Throws invalid_pointer for a pointer this allocator did not hand out, a double free or an

@@ -543,6 +543,9 @@ class torch_allocator final : public cca::CUDAAllocator {
   void forget_pool_live(void* p);
   void* instance_malloc(pool_instance& inst, std::size_t n, c10::DeviceIndex device,
                         cudaStream_t stream);
+  // The main allocator's cache on `device` back to the driver, waited for; true when the
+  // device's bytes backed by memory went down.
+  bool release_main_cache(c10::DeviceIndex device);
   void* use_on_oom_malloc(std::size_t n, c10::DeviceIndex device, cudaStream_t stream);
   std::shared_ptr<pool_instance> instance_of(void* ptr);
   std::vector<std::shared_ptr<pool_instance>> instances();

@@ -160,23 +160,43 @@ void torch_allocator::forget_pool_live(void* p) {
   n_pool_live_.store(static_cast<int>(pool_live_.size()), std::memory_order_release);
 }
 
+// The pool's memory and the device's other memory share one cap (set_per_process_memory_fraction)
+// and one device: before an allocation into the pool runs out of memory, the cache of the
+// device's main allocator goes back, waited for (PyTorch's out-of-memory path releases the
+// default pools' cache for an allocation into a private pool too), and the pool tries again.
 void* torch_allocator::instance_malloc(pool_instance& inst, std::size_t n, c10::DeviceIndex device,
                                        cudaStream_t stream) {
-  try {
-    return inst.alloc->allocate(n, device, stream);
-  } catch (const std::bad_alloc& e) {
-    out_of_memory(n, device, stream, e.what());
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "streamsafe: allocation of ", n, " bytes in the memory pool (",
-                inst.id.first, ", ", inst.id.second, ") of allocator ",
-                inst.allocator ? inst.allocator->name() : std::string("?"), " failed: ", e.what());
+  for (bool retried = false;; retried = true) {
+    try {
+      return inst.alloc->allocate(n, device, stream);
+    } catch (const std::bad_alloc& e) {
+      if (!retried && release_main_cache(device)) continue;
+      out_of_memory(n, device, stream, e.what());
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "streamsafe: allocation of ", n, " bytes in the memory pool (",
+                  inst.id.first, ", ", inst.id.second, ") of allocator ",
+                  inst.allocator ? inst.allocator->name() : std::string("?"),
+                  " failed: ", e.what());
+    }
   }
-  return nullptr;  // not reached: both handlers throw
 }
 
-// PyTorch: an allocation that found no memory tries the pools made with use_on_oom=True. Pools
-// without an allocator of their own are streamsafe memory, already given back and retried by
-// streamsafe's out-of-memory path; a pool with its own allocator is tried here.
+bool torch_allocator::release_main_cache(c10::DeviceIndex device) {
+  streamsafe::caching_allocator* a = ss_->find_device_allocator(device);
+  if (!a) return false;
+  const std::size_t before = backed_bytes(device);
+  guarded("empty_cache", [&] {
+    (void)a->empty_cache(streamsafe::empty_cache_mode::wait);
+    (void)a->wait_for_release_worker_idle(std::chrono::seconds(1));  // its release in flight
+  });
+  return backed_bytes(device) < before;
+}
+
+// PyTorch: an allocation that found no memory tries the pools made with use_on_oom=True, for a
+// free block they have cached (PyTorch's get_free_block on the pool: no new memory, and a pool
+// that cannot serve it keeps its cache). Pools without an allocator of their own are streamsafe
+// memory, already given back and retried by streamsafe's out-of-memory path; a pool with its own
+// allocator is tried here.
 void* torch_allocator::use_on_oom_malloc(std::size_t n, c10::DeviceIndex device,
                                          cudaStream_t stream) {
   std::vector<std::shared_ptr<pool_instance>> candidates;
@@ -187,9 +207,12 @@ void* torch_allocator::use_on_oom_malloc(std::size_t n, c10::DeviceIndex device,
         candidates.push_back(pool.instance);
     }
   }
+  const streamsafe::stream_handle s = streamsafe::cuda::to_stream_handle(stream);
   for (const auto& inst : candidates) {
+    streamsafe::caching_allocator* a = inst->alloc->find_device_allocator(device);
+    if (!a) continue;  // the pool has no memory on this device
     try {
-      return inst->alloc->allocate(n, device, stream);
+      if (void* p = a->allocate_cached(n, s)) return p;
     } catch (const std::exception&) {
       (void)cudaGetLastError();
     }
