@@ -197,6 +197,54 @@ def test_pytorch_settings_unknown_key_refuses_install():
     assert "no_such_key" in r.stderr
 
 
+RELEASE_IN_SNAPSHOT_CHILD = """
+import json, torch, streamsafe.torch as sst
+sst.install("backend:%s,empty_cache:defer,release_worker:%s")
+torch.cuda.init()
+
+
+def release_here():
+    torch.cuda.empty_cache()
+
+
+for context in ("all", "alloc"):
+    torch.cuda.memory._record_memory_history(context=context, stacks="python")
+    x = torch.empty(8 << 20, dtype=torch.int8, device="cuda")
+    addr = x.data_ptr()
+    del x
+    torch.cuda._sleep(200_000_000)  # the release fence is still pending at empty_cache ...
+    release_here()
+    torch.cuda.synchronize()        # ... and completes here; no allocator call after it
+    ss = torch.cuda.memory._snapshot()
+    last = ss["device_traces"][0][-1]
+    assert last["action"] in ("segment_free", "segment_unmap"), (context, last)
+    assert not [g for g in ss["segments"]
+                if g["address"] <= addr < g["address"] + g["total_size"]], (context, addr)
+    # PyTorch: the releasing call's stack with context="all" only.
+    assert ("release_here" in json.dumps(last)) == (context == "all"), (context, last)
+    settings = ss["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"]
+    assert settings == "max_split_size_mb:64", settings
+    torch.cuda.memory._record_memory_history(None)
+torch.cuda.memory._set_allocator_settings("garbage_collection_threshold:0.5")
+settings = torch.cuda.memory._snapshot()["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"]
+assert settings == "garbage_collection_threshold:0.5", settings
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("backend", ["expandable", "cuda_malloc"])
+@pytest.mark.parametrize("worker", ["off", "on"])
+def test_snapshot_shows_the_release_empty_cache_queued_once_its_fence_completed(backend, worker):
+    # empty_cache:defer queues memory behind a fence that is still busy; once the device is done,
+    # the next snapshot gives it back first: the trace ends with that segment event (with the
+    # empty_cache caller's stack under context="all"), and the segment is gone. With the worker
+    # off nothing else would release it (the snapshot is the first allocator call after the
+    # fence completed); with the worker on it may have released it already.
+    r = _child(RELEASE_IN_SNAPSHOT_CHILD % (backend, worker),
+               {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"})
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
 def _trace(device=0):
     return torch.cuda.memory._snapshot()["device_traces"][device]
 
