@@ -25,14 +25,29 @@ def _oom_message(nbytes):
     return str(e.value)
 
 
+# A size as PyTorch's format_size writes it: "512 bytes" up to 1 KiB, then two decimals.
+SIZE = r"(?:\d+ bytes|\d+\.\d\d (?:KiB|MiB|GiB))"
+
+
 def test_oom_message_has_pytorchs_form_then_streamsafes_account(ss):
     keep = torch.zeros(1024, device="cuda")
     text = _oom_message(1024 * 1024 * 1024 * 800000000)
-    assert re.search(
+    # PyTorch's form, with its one optional clause: ", with X allocated in private pools (e.g.,
+    # CUDA Graphs)," when CUDA graphs' private pools hold cached free memory (earlier tests in
+    # the process may have left some), X being that free memory.
+    m = re.search(
         r"CUDA out of memory\. Tried to allocate 800000000\.00 GiB\. GPU \d+ has a total capacity of "
-        r"\d+\.\d\d GiB of which \d+\.\d\d (bytes|KiB|MiB|GiB) is free\. "
-        r"Of the allocated memory .+ is allocated by PyTorch, and .+ is reserved by PyTorch but "
-        r"unallocated\. streamsafe: ", text), text
+        rf"\d+\.\d\d GiB of which {SIZE} is free\. "
+        rf"Of the allocated memory {SIZE} is allocated by PyTorch, "
+        rf"(?:with ({SIZE}) allocated in private pools \(e\.g\., CUDA Graphs\), )?"
+        rf"and {SIZE} is reserved by PyTorch but unallocated\. streamsafe: ", text)
+    assert m, text
+    graph_free = re.search(rf"held by CUDA graphs' private pools \(({SIZE}) of it free\)", text)
+    assert graph_free, text
+    if m.group(1) is None:  # PyTorch leaves the clause out when nothing is free there
+        assert graph_free.group(1) == "0 bytes", text
+    else:
+        assert m.group(1) == graph_free.group(1) != "0 bytes", text
     for part in ("cached (reserved, not allocated)", "queued for release behind fences",
                  "freed and waiting for other streams' work", "held by CUDA graphs' private pools"):
         assert part in text, text
@@ -68,6 +83,7 @@ def test_oom_message_counts_graph_pool_memory(ss):
 
 def _child(code, env_extra):
     env = dict(os.environ)
+    env.pop("PYTORCH_ALLOC_CONF", None)  # it would win over PYTORCH_CUDA_ALLOC_CONF
     env.update(env_extra)
     env.pop("STREAMSAFE_TORCH_INSTALL", None)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
@@ -77,6 +93,7 @@ def _child(code, env_extra):
 SETTINGS_CHILD = """
 import torch, streamsafe.torch as sst
 sst.install("backend:expandable")
+torch.cuda.init()  # memory_stats() is {} until torch.cuda is initialised (PyTorch's own rule)
 conf = sst.config()
 assert "max_split_size_mb:64" in conf, conf
 assert "roundup_power2_divisions:4" in conf, conf
@@ -109,6 +126,7 @@ def test_pytorch_settings_applied_accepted_or_refused_by_name():
 RUNTIME_SETTINGS_CHILD = """
 import torch, streamsafe.torch as sst
 sst.install("backend:cuda_malloc")
+torch.cuda.init()  # memory_stats() is {} until torch.cuda is initialised (PyTorch's own rule)
 MiB = 1 << 20
 key = "active_bytes.all.allocated"
 
@@ -177,6 +195,54 @@ def test_pytorch_settings_unknown_key_refuses_install():
                {"PYTORCH_CUDA_ALLOC_CONF": "no_such_key:1"})
     assert r.returncode != 0
     assert "no_such_key" in r.stderr
+
+
+RELEASE_IN_SNAPSHOT_CHILD = """
+import json, torch, streamsafe.torch as sst
+sst.install("backend:%s,empty_cache:defer,release_worker:%s")
+torch.cuda.init()
+
+
+def release_here():
+    torch.cuda.empty_cache()
+
+
+for context in ("all", "alloc"):
+    torch.cuda.memory._record_memory_history(context=context, stacks="python")
+    x = torch.empty(8 << 20, dtype=torch.int8, device="cuda")
+    addr = x.data_ptr()
+    del x
+    torch.cuda._sleep(200_000_000)  # the release fence is still pending at empty_cache ...
+    release_here()
+    torch.cuda.synchronize()        # ... and completes here; no allocator call after it
+    ss = torch.cuda.memory._snapshot()
+    last = ss["device_traces"][0][-1]
+    assert last["action"] in ("segment_free", "segment_unmap"), (context, last)
+    assert not [g for g in ss["segments"]
+                if g["address"] <= addr < g["address"] + g["total_size"]], (context, addr)
+    # PyTorch: the releasing call's stack with context="all" only.
+    assert ("release_here" in json.dumps(last)) == (context == "all"), (context, last)
+    settings = ss["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"]
+    assert settings == "max_split_size_mb:64", settings
+    torch.cuda.memory._record_memory_history(None)
+torch.cuda.memory._set_allocator_settings("garbage_collection_threshold:0.5")
+settings = torch.cuda.memory._snapshot()["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"]
+assert settings == "garbage_collection_threshold:0.5", settings
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("backend", ["expandable", "cuda_malloc"])
+@pytest.mark.parametrize("worker", ["off", "on"])
+def test_snapshot_shows_the_release_empty_cache_queued_once_its_fence_completed(backend, worker):
+    # empty_cache:defer queues memory behind a fence that is still busy; once the device is done,
+    # the next snapshot gives it back first: the trace ends with that segment event (with the
+    # empty_cache caller's stack under context="all"), and the segment is gone. With the worker
+    # off nothing else would release it (the snapshot is the first allocator call after the
+    # fence completed); with the worker on it may have released it already.
+    r = _child(RELEASE_IN_SNAPSHOT_CHILD % (backend, worker),
+               {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"})
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
 def _trace(device=0):

@@ -363,7 +363,11 @@ class torch_allocator final : public cca::CUDAAllocator {
       for (auto& t : traces_) t.clear();
       annotations_.clear();
     }
-    if (!enabled) live_.clear();
+    if (!enabled) {
+      live_.clear();
+      release_context_.reset();
+      has_release_context_.store(false);
+    }
     history_enabled_.store(enabled);
   }
   // torch_history.cpp: record_function annotations (snapshot()["external_annotations"]), the
@@ -426,6 +430,11 @@ class torch_allocator final : public cca::CUDAAllocator {
   const std::string& conf() const { return conf_; }
   // torch.cuda.memory._set_allocator_settings after install (torch_settings.cpp).
   void apply_torch_settings(const std::string& torch_conf);
+  // PyTorch's allocator settings as PyTorch last read them (the environment's string at install,
+  // then each _set_allocator_settings call's): the snapshot's allocator_settings report it under
+  // PyTorch's key, as PyTorch's allocator does (torch_settings.cpp).
+  void set_torch_settings_text(std::string torch_conf);
+  std::string torch_settings_text();
 
  private:
   // A MemPool with its own allocator (a CUDAPluggableAllocator): a streamsafe allocator of its
@@ -592,9 +601,20 @@ class torch_allocator final : public cca::CUDAAllocator {
  private:
   void note_alloc(void* p, std::size_t n, int device, cudaStream_t stream);  // torch_history.cpp
   void note_free(void* p);
+  // emptyCache (torch_mempool.cpp): the metadata and, with context="all", the Python stack that
+  // the segment events of the releases it asks for carry, even when the release worker gives the
+  // memory back after the call returned.
+  void note_release_request();
+  // Drops the release stack once no release is queued or in flight on any device.
+  void forget_release_context_when_done();
+  // The main allocator's and each MemPool allocator's releases whose fences have completed go
+  // back now (never waiting on a fence), so that a snapshot shows what empty_cache asked for as
+  // given back once the device is done with it (torch_snapshot.cpp).
+  void finish_completed_releases(MempoolId_t mempool_id);
   // Trace trackers get the entry as PyTorch's allocator gives it (approximate clock); the
   // history keeps it with time_.t_ in microseconds since the epoch, as snapshot() returns it.
-  // Stamps the compile context and the user metadata (release_metadata_ for a release event).
+  // Stamps the compile context and the user metadata (release_metadata_ for a release event, and
+  // release_context_ as its stack).
   void emit(cda::TraceEntry te, bool release_event = false);
   // torch.profiler's memory records (profile_memory=True), as PyTorch's allocator reports them.
   void report_to_profiler(void* p, std::int64_t signed_size, int device);
@@ -611,7 +631,9 @@ class torch_allocator final : public cca::CUDAAllocator {
 
   std::array<std::atomic<std::size_t>, max_devices> backed_bytes_;  // every instance's segments
 
-  std::mutex settings_mu_;  // one _set_allocator_settings at a time (torch_settings.cpp)
+  std::mutex settings_mu_;        // one _set_allocator_settings at a time (torch_settings.cpp)
+  std::mutex torch_settings_mu_;  // a leaf: guards torch_settings_
+  std::string torch_settings_;    // PyTorch's settings string as PyTorch last read it
   std::atomic<bool> backend_warned_{false};  // the one warning that the backend stays
   std::mutex pools_mu_;                      // guards pools_, captures_, routes_, instances_
   std::map<MempoolId_t, pool_state> pools_;
@@ -655,6 +677,11 @@ class torch_allocator final : public cca::CUDAAllocator {
   std::vector<std::string> compile_context_;  // torch.compile regions entered, innermost last
   std::string user_metadata_;                 // _set_memory_metadata
   std::string release_metadata_;  // user_metadata_ at the last emptyCache (see note_segment)
+  // With context="all": the Python stack of the last emptyCache, on the segment_free / unmap
+  // entries of the releases it asked for (PyTorch: the releasing call's stack), until none of
+  // them is outstanding (torch_history.cpp).
+  std::shared_ptr<c10::GatheredContext> release_context_;
+  std::atomic<bool> has_release_context_{false};
   std::unordered_map<void*, live_block> live_;
 };
 

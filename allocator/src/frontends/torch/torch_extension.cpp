@@ -78,6 +78,7 @@ STREAMSAFE_EXPORT int streamsafe_torch_ext_install(const char* conf, char* err, 
     // Never destroyed: tensors are freed during interpreter shutdown, after static destructors
     // would have run (PyTorch's own allocator is never destroyed either).
     auto* owner = new streamsafe::torch_ext::torch_allocator(opts, conf ? conf : "");
+    owner->set_torch_settings_text(torch_env ? torch_env : "");
     g_allocator = owner;
     cca::allocator.store(owner);
     c10::SetAllocator(c10::DeviceType::CUDA, owner, /*priority=*/255);

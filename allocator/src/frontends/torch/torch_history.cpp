@@ -2,8 +2,10 @@
 // alloc / free trace entries with the Python context PyTorch's recorder gathers (a free without
 // a stack of its own carries its allocation's, as in PyTorch), segment events from
 // limited_backend, record_function annotations, the compile context and user metadata on every
-// entry, the trace trackers PyTorch attaches, and torch.profiler's memory records. history_mu_ and
-// observers_mu_ are leaf locks, never held across a call into streamsafe.
+// entry (a segment given back behind a fence carries the metadata, and with context="all" the
+// Python stack, of the empty_cache that asked for it), the trace trackers PyTorch attaches, and
+// torch.profiler's memory records. history_mu_ and observers_mu_ are leaf locks, never held
+// across a call into streamsafe.
 #include "extension_allocator.hpp"
 
 namespace streamsafe::torch_ext {
@@ -23,6 +25,7 @@ void torch_allocator::note_alloc(void* p, std::size_t n, int device, cudaStream_
     when = when_;
   }
   if (recorder && when != cda::RecordContext::NEVER) ctx = recorder();
+  if (has_release_context_.load(std::memory_order_relaxed)) forget_release_context_when_done();
   if (history_enabled_.load()) {
     std::lock_guard<std::mutex> lock(history_mu_);
     live_[p] = live_block{ctx, n, device, stream};
@@ -72,6 +75,10 @@ void torch_allocator::emit(cda::TraceEntry te, bool release_event) {
     std::lock_guard<std::mutex> lock(history_mu_);
     te.compile_context_ = compile_context_.empty() ? "N/A" : compile_context_.back();
     te.user_metadata_ = release_event ? release_metadata_ : user_metadata_;
+    // PyTorch gathers the releasing call's stack only with context="all" and records it when
+    // the entry is made with context "alloc" or "all".
+    if (release_event)
+      te.context_ = when_ >= cda::RecordContext::ALLOC ? release_context_ : nullptr;
   }
   if (has_trackers_.load(std::memory_order_relaxed)) {
     std::vector<cda::AllocatorTraceTracker> trackers;
@@ -89,6 +96,42 @@ void torch_allocator::emit(cda::TraceEntry te, bool release_event) {
   auto& ring = traces_[static_cast<std::size_t>(te.device_)];
   ring.push_back(std::move(te));
   while (ring.size() > max_entries_) ring.pop_front();
+}
+
+void torch_allocator::note_release_request() {
+  cda::CreateContextFn recorder = nullptr;
+  cda::RecordContext when = cda::RecordContext::NEVER;
+  {
+    std::lock_guard<std::mutex> lock(history_mu_);
+    recorder = recorder_;
+    when = when_;
+  }
+  std::shared_ptr<c10::GatheredContext> ctx;
+  if (recorder && when == cda::RecordContext::ALL) ctx = recorder();  // not under history_mu_
+  std::lock_guard<std::mutex> lock(history_mu_);
+  release_metadata_ = user_metadata_;
+  release_context_ = std::move(ctx);
+  has_release_context_.store(release_context_ != nullptr);
+}
+void torch_allocator::forget_release_context_when_done() {
+  std::shared_ptr<c10::GatheredContext> seen;
+  {
+    std::lock_guard<std::mutex> lock(history_mu_);
+    seen = release_context_;
+  }
+  if (!seen) return;
+  std::size_t outstanding = 0;
+  for (int d = 0; d < ss_->device_count(); ++d)
+    if (const streamsafe::caching_allocator* a = ss_->find_device_allocator(d))
+      outstanding += a->pending_release_bytes();
+  for (const std::shared_ptr<pool_instance>& inst : instances())
+    if (const streamsafe::caching_allocator* a = inst->alloc->find_device_allocator(inst->device))
+      outstanding += a->pending_release_bytes();
+  if (outstanding != 0) return;
+  std::lock_guard<std::mutex> lock(history_mu_);
+  if (release_context_ != seen) return;  // a later empty_cache's: its releases may be ahead
+  release_context_.reset();
+  has_release_context_.store(false);
 }
 
 void torch_allocator::recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) {

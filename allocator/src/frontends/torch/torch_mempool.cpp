@@ -265,10 +265,7 @@ streamsafe::statistics torch_allocator::device_stats(c10::DeviceIndex device) {
 // PyTorch: emptyCache of the default id releases the default pools and every private pool no
 // longer in use; a live MemPool keeps its cache until emptyCache is given its id (~MemPool does).
 void torch_allocator::emptyCache(MempoolId_t mempool_id) {
-  {
-    std::lock_guard<std::mutex> lock(history_mu_);  // the metadata of the releases that follow
-    release_metadata_ = user_metadata_;
-  }
+  note_release_request();  // the metadata and stack of the releases that follow
   std::vector<std::shared_ptr<pool_instance>> release_instances;
   std::set<std::string> keep;  // tags of MemPools in use
   std::string tag;

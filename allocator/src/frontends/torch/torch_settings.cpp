@@ -93,7 +93,19 @@ std::string torch_settings_to_options(const std::string& torch_conf) {
   return out;
 }
 
+void torch_allocator::set_torch_settings_text(std::string torch_conf) {
+  std::lock_guard<std::mutex> lock(torch_settings_mu_);
+  torch_settings_ = std::move(torch_conf);
+}
+std::string torch_allocator::torch_settings_text() {
+  std::lock_guard<std::mutex> lock(torch_settings_mu_);
+  return torch_settings_;
+}
+
 void torch_allocator::apply_torch_settings(const std::string& torch_conf) {
+  // PyTorch's parser took the string before this call (streamsafe.torch routes it there first):
+  // PyTorch reports it as its last settings, whatever streamsafe makes of it.
+  set_torch_settings_text(torch_conf);
   const std::string mapped = torch_settings_to_options(torch_conf);  // refuses by name
   std::lock_guard<std::mutex> settings(settings_mu_);
   // The options at install with this call's keys over them: a key it does not name goes back

@@ -5,10 +5,33 @@
 
 namespace streamsafe::torch_ext {
 
+void torch_allocator::finish_completed_releases(MempoolId_t mempool_id) {
+  const bool every_pool = mempool_id.first == 0 && mempool_id.second == 0;
+  std::vector<streamsafe::caching_allocator*> allocs;
+  for (int d = 0; d < ss_->device_count(); ++d)
+    if (streamsafe::caching_allocator* a = ss_->find_device_allocator(d)) allocs.push_back(a);
+  for (const std::shared_ptr<pool_instance>& inst : instances())
+    if (every_pool || inst->id == mempool_id)
+      if (streamsafe::caching_allocator* a = inst->alloc->find_device_allocator(inst->device))
+        allocs.push_back(a);
+  for (streamsafe::caching_allocator* a : allocs) {
+    try {
+      (void)a->reclaim();  // never waits on a fence; a failed driver call leaves it queued
+    } catch (const std::exception& e) {
+      TORCH_WARN("streamsafe: memory snapshot: finishing releases: ", e.what());
+    }
+  }
+}
+
 // mempool_id {0, 0}: every pool's segments (MemPools' segments name their pool in
 // owner_private_pool_id); a MemPool's id: that pool's segments only (MemPool.snapshot()).
+// Releases that empty_cache queued (empty_cache:defer) and whose fences have completed go back
+// first, on this thread: the snapshot then shows them given back, with their segment_free /
+// segment_unmap entries at the end of the trace, as after PyTorch's synchronous empty_cache.
+// Memory whose fence is still pending stays queued (never waited on) and shows as cached.
 cca::SnapshotInfo torch_allocator::snapshot(MempoolId_t mempool_id, bool include_traces) {
   const bool every_pool = mempool_id.first == 0 && mempool_id.second == 0;
+  finish_completed_releases(mempool_id);
   cca::SnapshotInfo out;
   std::unordered_map<void*, live_block> live;
   if (history_enabled_.load()) {
@@ -121,7 +144,9 @@ cca::SnapshotInfo torch_allocator::snapshot(MempoolId_t mempool_id, bool include
   m.release_lock_on_malloc = false;
   m.pinned_use_host_register = false;
   m.graph_capture_record_stream_reuse = false;
-  m.last_allocator_settings = "streamsafe:" + options_.to_string();
+  // PyTorch's settings string, as PyTorch's allocator reports it ("PYTORCH_CUDA_ALLOC_CONF");
+  // streamsafe's own options are streamsafe.torch.config().
+  m.last_allocator_settings = torch_settings_text();
   return out;
 }
 
