@@ -36,7 +36,8 @@
 //    pool whose other uses are all streams of that capture records where each stood
 //    (backend_.capture_position); once the capturing stream follows all of them inside the
 //    capture (the side streams joined back by an event wait: backend_.capture_follows), the
-//    block is free for it again, as a free on its own stream (reclaim_joined_frees_locked).
+//    block is free for it again, as a free on its own stream (reclaim_joined_frees_locked), unless
+//    graph_capture_record_stream_reuse is off (then it completes when the capture ends).
 // Every function here runs with the device lock (mu_) held.
 #include "allocator_impl.hpp"
 #include "logging.hpp"
@@ -357,8 +358,11 @@ void caching_allocator::impl::note_capture_positions_locked(detail::held_free& h
 // The capturing stream of c allocates: held frees of its own pool whose other uses it now
 // follows inside the capture (the side streams joined back, by an event wait) become free for
 // it, as frees on its own stream: stream order inside the graph puts their uses first.
+// graph_capture_record_stream_reuse:False (runtime_options): none does, they wait for the end.
 void caching_allocator::impl::reclaim_joined_frees_locked(const detail::capture_record& c) {
-  if (capture_.held_frees.empty() || detail::is_per_thread_key(c.stream)) return;
+  if (capture_.held_frees.empty() || detail::is_per_thread_key(c.stream) ||
+      !runtime_.graph_capture_record_stream_reuse.load(std::memory_order_relaxed))
+    return;
   for (auto it = capture_.held_frees.begin(); it != capture_.held_frees.end();) {
     detail::held_free& h = *it;
     bool follows = h.join_graph == c.graph && h.graph == 0;

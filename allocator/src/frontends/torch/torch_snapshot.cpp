@@ -120,7 +120,7 @@ cca::SnapshotInfo torch_allocator::snapshot(MempoolId_t mempool_id, bool include
   m.expandable_segments = options_.backend == streamsafe::backend_kind::expandable;
   m.release_lock_on_malloc = false;
   m.pinned_use_host_register = false;
-  m.graph_capture_record_stream_reuse = false;
+  m.graph_capture_record_stream_reuse = now.graph_capture_record_stream_reuse;
   m.last_allocator_settings = "streamsafe:" + options_.to_string();
   return out;
 }
