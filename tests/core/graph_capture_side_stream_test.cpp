@@ -97,7 +97,7 @@ TEST_CASE("K11: a side stream that joined a capture allocates from the capture's
 TEST_CASE(
     "K11: graphs with a side stream, captured and released in a loop, give back the side "
     "stream's segments before the next capture",
-    "[core][graph][capture][side]") {
+    "[core][graph][expandable]") {
   EACH_BACKEND(backend);
   side_env env(backend);
   for (int i = 0; i < 20; ++i) {
@@ -185,7 +185,7 @@ TEST_CASE("K11: a block freed with a side stream's use serves the capture again 
 TEST_CASE(
     "K11: with graph_capture_record_stream_reuse off, a block freed with a side stream's use is "
     "held until the capture ends",
-    "[core][graph][capture][side][options]") {
+    "[core][graph][config]") {
   EACH_BACKEND(backend);
   side_env env(backend);
   const runtime_options on = runtime_options::of(env.alloc.config());
@@ -214,7 +214,7 @@ TEST_CASE(
 }
 
 TEST_CASE("graph_capture_record_stream_reuse is parsed, shown and refused like the other options",
-          "[core][options]") {
+          "[core][config]") {
   CHECK(options{}.graph_capture_record_stream_reuse);
   CHECK_FALSE(
       options::parse("graph_capture_record_stream_reuse:False").graph_capture_record_stream_reuse);
