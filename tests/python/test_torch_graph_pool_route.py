@@ -102,9 +102,9 @@ def test_a_graph_replays_correctly_after_eager_work_was_routed_into_its_pool(ss)
         assert float(out) == expected
 
 
-def test_a_side_stream_joined_into_a_capture_allocates_in_the_capture_pool(ss):
-    existing = {s["segment_pool_id"] for s in torch.cuda.memory_snapshot()}
-    x = torch.randn(10 * MiB, device="cuda")
+def _capture_with_side_stream(x):
+    """A capture on s0 computing z = x + 1, joined by s1 computing w = z * 2 (torch.cuda.Stream
+    waits inside the capture), then joined back."""
     g = torch.cuda.CUDAGraph()
     s0, s1 = torch.cuda.Stream(), torch.cuda.Stream()
     s0.wait_stream(torch.cuda.current_stream())
@@ -117,6 +117,13 @@ def test_a_side_stream_joined_into_a_capture_allocates_in_the_capture_pool(ss):
     s0.wait_stream(s1)
     with torch.cuda.stream(s0):
         g.capture_end()
+    return g, z, w
+
+
+def test_a_side_stream_joined_into_a_capture_allocates_in_the_capture_pool(ss):
+    existing = {s["segment_pool_id"] for s in torch.cuda.memory_snapshot()}
+    x = torch.randn(10 * MiB, device="cuda")
+    g, z, w = _capture_with_side_stream(x)
     new = [s for s in torch.cuda.memory_snapshot() if s["segment_pool_id"] not in existing]
     assert {s["segment_pool_id"] for s in new} == {g.pool()}
     addrs = {b["address"] for s in new for b in s["blocks"] if b["state"] == "active_allocated"}
@@ -127,7 +134,17 @@ def test_a_side_stream_joined_into_a_capture_allocates_in_the_capture_pool(ss):
     del z, w, g
 
 
-def test_a_block_freed_with_a_side_stream_use_is_reused_in_the_capture_only_after_the_join(ss):
+def test_a_side_stream_joined_into_a_capture_has_a_segment_of_its_own_in_the_pool(ss):
+    # As PyTorch's allocator keeps one segment per pool and stream, expandable segments too.
+    g, z, w = _capture_with_side_stream(torch.randn(10 * MiB, device="cuda"))
+    assert len(_pool_segments(g.pool())) == 2
+    del z, w, g
+
+
+def _free_with_side_use_in_capture():
+    """In a capture on s1: `a` read on s2, record_stream(s2), freed; one allocation before s1
+    joins s2 back and one after. Returns a's address, the two allocations, b (= a * 3), g and
+    the sink the graph writes."""
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     g = torch.cuda.CUDAGraph(keep_graph=True)
     torch.cuda.synchronize()
@@ -147,9 +164,28 @@ def test_a_block_freed_with_a_side_stream_use_is_reused_in_the_capture_only_afte
         after_join = torch.empty(64, device="cuda")
         g.capture_end()
     torch.cuda.synchronize()
+    return a_ptr, before_join, after_join, b, g, sink
+
+
+def test_a_block_freed_with_a_side_stream_use_is_reused_in_the_capture_only_after_the_join(ss):
+    a_ptr, before_join, after_join, b, g, sink = _free_with_side_use_in_capture()
     assert before_join.data_ptr() != a_ptr
     assert after_join.data_ptr() == a_ptr
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(b, torch.full_like(b, 3.0))
     del b, sink, before_join, after_join, g
+
+
+def test_graph_capture_record_stream_reuse_false_holds_the_block_until_the_capture_ends(ss):
+    try:
+        torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:False")
+        a_ptr, before_join, after_join, b, g, sink = _free_with_side_use_in_capture()
+        assert after_join.data_ptr() != a_ptr  # held: PyTorch's meaning of False
+        del before_join, after_join, b, g, sink
+        torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:True")
+        a_ptr, before_join, after_join, b, g, sink = _free_with_side_use_in_capture()
+        assert after_join.data_ptr() == a_ptr
+        del before_join, after_join, b, g, sink
+    finally:
+        torch.cuda.memory._set_allocator_settings("")

@@ -74,13 +74,18 @@ struct caching_allocator::impl : detail::allocator_state {
   block* new_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
   block* add_segment_locked(pool& p, std::uintptr_t base, std::size_t size, bool mapped)
       STREAMSAFE_REQUIRES(mu_);
+  // side: 0, or a side stream joined into the capture of p's graph, whose growth maps only into
+  // ranges of its own (segment::side_stream).
   block* choose_unmapped_locked(const pool& p, std::size_t rounded, std::size_t& map_bytes,
-                                bool within_limit = true) const STREAMSAFE_REQUIRES(mu_);
-  void reserve_range_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+                                bool within_limit = true, stream_handle side = 0) const
+      STREAMSAFE_REQUIRES(mu_);
+  void reserve_range_locked(pool& p, std::size_t rounded, stream_handle side = 0)
+      STREAMSAFE_REQUIRES(mu_);
   std::size_t map_chunks_locked(segment* seg, std::uintptr_t addr, std::size_t bytes,
                                 std::size_t chunk, std::size_t fine_from = SIZE_MAX,
                                 std::size_t fine = 0) STREAMSAFE_REQUIRES(mu_);
-  block* expandable_fit_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  block* expandable_fit_locked(pool& p, std::size_t rounded, stream_handle side = 0)
+      STREAMSAFE_REQUIRES(mu_);
   block* cut_chunks_locked(block* b, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
   block* steal_segment_locked(pool& p, std::size_t rounded, bool whole_rule)
       STREAMSAFE_REQUIRES(mu_);

@@ -92,6 +92,10 @@ struct segment {
   bool small = false;
   bool expandable = false;
   pool* owner = nullptr;
+  // Expandable, in a CUDA graph's pool: non-zero for a range reserved for a side stream that
+  // joined the pool's capture; only that stream's growth maps into it (one segment per pool and
+  // stream, as PyTorch's allocator keeps), and other growth never does (growth.cpp).
+  stream_handle side_stream = 0;
   block* first = nullptr;
   std::vector<stream_handle> used_streams;  // streams that used it since the last release
   // Sleep/wake (sleep.cpp): set from pause until resume; nothing else releases, moves or grows

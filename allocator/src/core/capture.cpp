@@ -20,7 +20,9 @@
 //    capture_id names the same capture) is that capture's too (join_capture_locked): its
 //    allocations come from the graph's private pool, new memory only (a block the capturing
 //    stream freed in the capture may still be used by work the side stream is not ordered
-//    after), with the side stream as a use; its record ends with the capture.
+//    after), with the side stream as a use; its record ends with the capture. Its growth is a
+//    segment of its own in the pool (a cudaMalloc segment, or an expandable range reserved for
+//    it: segment::side_stream), as PyTorch keeps one segment per pool and stream.
 //  * A graph's private pool is a stream_state keyed graph_key(id), whose handle is the
 //    capturing stream. Blocks allocated in it return to it when freed, also after the capture,
 //    and nobody else allocates from it; its segments are released (behind the usual fence, on
@@ -36,7 +38,8 @@
 //    pool whose other uses are all streams of that capture records where each stood
 //    (backend_.capture_position); once the capturing stream follows all of them inside the
 //    capture (the side streams joined back by an event wait: backend_.capture_follows), the
-//    block is free for it again, as a free on its own stream (reclaim_joined_frees_locked).
+//    block is free for it again, as a free on its own stream (reclaim_joined_frees_locked), unless
+//    graph_capture_record_stream_reuse is off (then it completes when the capture ends).
 // Every function here runs with the device lock (mu_) held.
 #include "allocator_impl.hpp"
 #include "logging.hpp"
@@ -357,8 +360,11 @@ void caching_allocator::impl::note_capture_positions_locked(detail::held_free& h
 // The capturing stream of c allocates: held frees of its own pool whose other uses it now
 // follows inside the capture (the side streams joined back, by an event wait) become free for
 // it, as frees on its own stream: stream order inside the graph puts their uses first.
+// graph_capture_record_stream_reuse:False (runtime_options): none does, they wait for the end.
 void caching_allocator::impl::reclaim_joined_frees_locked(const detail::capture_record& c) {
-  if (capture_.held_frees.empty() || detail::is_per_thread_key(c.stream)) return;
+  if (capture_.held_frees.empty() || detail::is_per_thread_key(c.stream) ||
+      !runtime_.graph_capture_record_stream_reuse.load(std::memory_order_relaxed))
+    return;
   for (auto it = capture_.held_frees.begin(); it != capture_.held_frees.end();) {
     detail::held_free& h = *it;
     bool follows = h.join_graph == c.graph && h.graph == 0;
@@ -405,9 +411,12 @@ void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, 
     target = &get_or_create_stream_locked(stream);
   }
   const auto grow = [&](pool& p) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-    // Growth is the one backend call allowed (capture-safe in the CUDA backends).
-    return opts_.backend == backend_kind::expandable ? expandable_fit_locked(p, rounded)
-                                                     : new_segment_locked(p, rounded);
+    // Growth is the one backend call allowed (capture-safe in the CUDA backends). A side stream
+    // grows into a segment of its own in the graph's pool: a new cudaMalloc segment, or an
+    // expandable range reserved for it (as PyTorch keeps one segment per pool and stream).
+    return opts_.backend == backend_kind::expandable
+               ? expandable_fit_locked(p, rounded, origin != 0 ? stream : 0)
+               : new_segment_locked(p, rounded);
   };
   detail::unique_lock<stream_lock> slk(target->mu);
   // Under a tag, the graph's private pool keeps the tag's memory apart (tagged pools of its
@@ -470,34 +479,44 @@ void caching_allocator::impl::release_released_pools_locked(device_lock& lk, str
         backend_.device(), stream, batch.bytes);
     release_collected(lk, batch, opts_.empty_cache);
   }
-  // A released pool's expandable segment with nothing mapped gives its address range back: each
-  // graph's pool reserves a range as large as the memory limit, and a loop of graphs would
-  // otherwise exhaust the address space.
+  // A released pool's expandable segments with nothing mapped give their address ranges back:
+  // each graph's pool reserves a range as large as the memory limit (and one more per side
+  // stream that joined its capture), and a loop of graphs would otherwise exhaust the address
+  // space.
   if (capturing()) return;  // a capture began while the fence wait had mu_ dropped
-  for (auto& [key, st] : streams_.states) {
-    if (st->graph == 0 || !st->graph_released) continue;
-    detail::lock_guard<stream_lock> slk(st->mu);
-    for (pool* p : {&st->small_pool, &st->large_pool}) {
-      segment* seg = p->expandable;
-      if (!seg || seg->mapped_bytes != 0 || seg->first->next ||
-          seg->first->state != block_state::free)
-        continue;
-      try {
-        backend_.release_address_range(reinterpret_cast<void*>(seg->base), seg->size);
-      } catch (const std::exception& e) {  // opportunistic: the range stays, reusable by nobody
-        detail::log().warn(
-            "device {}: giving back a released graph pool's address range failed: {}",
-            backend_.device(), e.what());
-        continue;
-      }
-      p->unmapped.erase(seg->first);
-      streams_.segments.erase(seg->base);
-      recycle_block(*st, seg->first);
-      p->expandable = nullptr;
-      detail::sub_segment(stats_, seg->small);
-      --st->segments;
-      delete seg;
+  std::vector<segment*> empty;
+  for (auto& [base, seg] : streams_.segments) {
+    stream_state& st = state_of(*seg->owner);
+    if (!seg->expandable || seg->paused || st.graph == 0 || !st.graph_released) continue;
+    detail::lock_guard<stream_lock> slk(st.mu);
+    if (seg->mapped_bytes == 0 && !seg->first->next && seg->first->state == block_state::free)
+      empty.push_back(seg);
+  }
+  for (segment* seg : empty) {
+    pool& p = *seg->owner;
+    stream_state& st = state_of(p);
+    detail::lock_guard<stream_lock> slk(st.mu);
+    try {
+      backend_.release_address_range(reinterpret_cast<void*>(seg->base), seg->size);
+    } catch (const std::exception& e) {  // opportunistic: the range stays, reusable by nobody
+      detail::log().warn("device {}: giving back a released graph pool's address range failed: {}",
+                         backend_.device(), e.what());
+      continue;
     }
+    p.unmapped.erase(seg->first);
+    streams_.segments.erase(seg->base);
+    recycle_block(st, seg->first);
+    if (p.expandable == seg) {  // the pool's first range of its own: another, if it has one
+      p.expandable = nullptr;
+      for (auto& [base, other] : streams_.segments)
+        if (other->owner == &p && other->expandable && other->side_stream == 0) {
+          p.expandable = other;
+          break;
+        }
+    }
+    detail::sub_segment(stats_, seg->small);
+    --st.segments;
+    delete seg;
   }
 }
 

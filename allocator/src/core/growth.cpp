@@ -123,24 +123,31 @@ std::size_t caching_allocator::impl::map_chunks_locked(segment* seg, std::uintpt
 // The unmapped block of p to grow into for `rounded` bytes and how many bytes to map there;
 // within_limit false: also when mapping map_bytes would pass the limit (reclaim by alias).
 block* caching_allocator::impl::choose_unmapped_locked(const pool& p, std::size_t rounded,
-                                                       std::size_t& map_bytes,
-                                                       bool within_limit) const {
+                                                       std::size_t& map_bytes, bool within_limit,
+                                                       stream_handle side) const {
   // Bytes to map if we grow into unmapped block u, reusing a free mapped block just before it:
-  // what the request lacks, to the granularity (map_chunks_locked cuts it into chunks).
+  // what the request lacks, to the granularity (map_chunks_locked cuts it into chunks). A side
+  // stream maps all it needs: the free block before u may still be in use by work it is not
+  // ordered after.
   auto need = [&](const block* u) -> std::size_t {
-    std::size_t have = (u->prev && u->prev->state == block_state::free && u->prev->mapped)
+    std::size_t have = (side == 0 && u->prev && u->prev->state == block_state::free &&
+                        u->prev->mapped)
                            ? u->prev->size
                            : 0;
     return have >= rounded ? 0 : detail::round_up(rounded - have, limits_.small_chunk_bytes);
   };
+  // Only the ranges of `side` (0: the pool's own); a pool has a few ranges.
+  auto ours = [&](const block* u) { return u->seg->side_stream == side; };
   block* choice = nullptr;
-  if (auto it = p.unmapped.lower_bound(detail::block_order::key{rounded, 0});
-      it != p.unmapped.end())
-    choice = *it;
-  if (!p.unmapped.empty()) {
-    block* largest = *p.unmapped.rbegin();
+  for (auto it = p.unmapped.lower_bound(detail::block_order::key{rounded, 0});
+       it != p.unmapped.end() && !choice; ++it)
+    if (ours(*it)) choice = *it;
+  for (auto it = p.unmapped.rbegin(); it != p.unmapped.rend(); ++it) {
+    if (!ours(*it)) continue;
+    block* largest = *it;
     if (largest->size >= need(largest) && (!choice || need(largest) < need(choice)))
       choice = largest;
+    break;
   }
   if (!choice) return nullptr;
   map_bytes = need(choice);
@@ -152,7 +159,8 @@ block* caching_allocator::impl::choose_unmapped_locked(const pool& p, std::size_
 }
 
 // A new reserved range of p, large enough for `rounded` bytes.
-void caching_allocator::impl::reserve_range_locked(pool& p, std::size_t rounded) {
+void caching_allocator::impl::reserve_range_locked(pool& p, std::size_t rounded,
+                                                   stream_handle side) {
   // The address space a range spans scales with the ranges already reserved: the first ones span
   // the limit (any request fits), then limit * 8 / (ranges + 8), never less than the request,
   // so that n ranges take about 8 * limit * (1 + ln(n / 16)) (63 streams' two pools each: about
@@ -195,24 +203,33 @@ void caching_allocator::impl::reserve_range_locked(pool& p, std::size_t rounded)
     }
   }
   segment* seg = add_segment_locked(p, reinterpret_cast<std::uintptr_t>(base), reserve, false)->seg;
-  if (!p.expandable) p.expandable = seg;
+  seg->side_stream = side;
+  if (!p.expandable && side == 0) p.expandable = seg;
 }
 
-block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t rounded) {
+block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t rounded,
+                                                      stream_handle side) {
   const std::size_t gran = p.small ? limits_.small_chunk_bytes : limits_.large_chunk_bytes;
   // A pool reserves its first range on its first growth, and another range whenever a request
   // fits in no hole of the ranges it has while the memory under the limit is there: holes left
   // between live blocks never make the pool run out of memory with memory free. The first
   // ranges span the limit, so an empty one serves any request; with many pools they are smaller
   // (reserve_range_locked), and a request larger than a pool's empty range gets one of its own.
+  // A side stream joined into the capture of p's graph (side != 0) grows into ranges of its own.
   std::size_t map_bytes = 0;
-  block* choice = p.expandable ? choose_unmapped_locked(p, rounded, map_bytes) : nullptr;
-  if (!choice && (!p.expandable || static_cast<std::size_t>(stats_.reserved_bytes.current) +
-                                           detail::round_up(rounded, limits_.small_chunk_bytes) <=
-                                       limits_.limit_bytes)) {
+  bool has_range = p.expandable != nullptr;
+  if (side != 0) {
+    has_range = false;
+    for (const auto& [base, seg] : streams_.segments)
+      has_range = has_range || (seg->owner == &p && seg->side_stream == side);
+  }
+  block* choice = has_range ? choose_unmapped_locked(p, rounded, map_bytes, true, side) : nullptr;
+  if (!choice && (!has_range || static_cast<std::size_t>(stats_.reserved_bytes.current) +
+                                        detail::round_up(rounded, limits_.small_chunk_bytes) <=
+                                    limits_.limit_bytes)) {
     // The first range, or no hole fits while the memory is there: a fresh range.
-    reserve_range_locked(p, rounded);
-    choice = choose_unmapped_locked(p, rounded, map_bytes);
+    reserve_range_locked(p, rounded, side);
+    choice = choose_unmapped_locked(p, rounded, map_bytes, true, side);
   }
   if (!choice) return nullptr;
   // Past the high-water mark of reserved bytes, where the peak is set, large pools map in
@@ -245,6 +262,13 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
   trace(trace_action::segment_map, choice->addr, map_bytes, p.stream);
   detail::log().debug("device {}: segment_map {} bytes at {} (stream {})", backend_.device(),
                       map_bytes, hex(choice->addr), hex(p.stream));
+  if (side != 0 && !partial) {
+    // The side stream takes the memory just mapped, not merged with a free block before it
+    // (which it may not be ordered after): finish_allocation makes it active at once.
+    choice->state = block_state::free;
+    p.mapped.insert(choice);
+    return choice;
+  }
   free_block_locked(choice);  // merges with the free mapped block before it
   return partial ? nullptr : best_fit(p, rounded);
 }

@@ -305,6 +305,15 @@ const option_spec k_options[] = {
        o.garbage_collection_threshold = f;
      },
      [](const options& o) { return show_number(o.garbage_collection_threshold); }},
+    {"graph_capture_record_stream_reuse", "choice", "True, true, False, false",
+     "reuse, inside a CUDA graph capture, a block freed with side-stream uses once the capturing "
+     "stream follows them (False: held until the capture ends)",
+     [](options& o, const option_spec& s, std::string_view v) {
+       o.graph_capture_record_stream_reuse = choice(s, v) < 2;
+     },
+     [](const options& o) {
+       return std::string(o.graph_capture_record_stream_reuse ? "True" : "False");
+     }},
     {"max_cached_bytes", "bytes", k_bytes_accepted,
      "release free cached segments before growing past this many cached bytes",
      [](options& o, const option_spec& s, std::string_view v) {
@@ -402,13 +411,15 @@ bool power2_divisions::any() const noexcept {
 }
 
 runtime_options runtime_options::of(const options& o) noexcept {
-  return {o.max_split_size_bytes, o.garbage_collection_threshold, o.roundup_power2_divisions};
+  return {o.max_split_size_bytes, o.garbage_collection_threshold, o.roundup_power2_divisions,
+          o.graph_capture_record_stream_reuse};
 }
 
 void runtime_options::apply_to(options& o) const noexcept {
   o.max_split_size_bytes = max_split_size_bytes;
   o.garbage_collection_threshold = garbage_collection_threshold;
   o.roundup_power2_divisions = roundup_power2_divisions;
+  o.graph_capture_record_stream_reuse = graph_capture_record_stream_reuse;
 }
 
 void runtime_options::validate() const {

@@ -1,10 +1,10 @@
 // streamsafe core: the options a program may change while the allocator runs (internal).
 //
-// max_split_size, garbage_collection_threshold and roundup_power2_divisions
-// (runtime_options), held in atomics: allocate reads them with relaxed loads, without a lock;
-// set_runtime_options (runtime_options.cpp) writes them under the device lock, so that two
-// writers never interleave their entries. A concurrent allocation sees each option's old or new
-// value; the blocks already cached are not touched.
+// max_split_size, garbage_collection_threshold, roundup_power2_divisions and
+// graph_capture_record_stream_reuse (runtime_options), held in atomics: allocate reads them with
+// relaxed loads, without a lock; set_runtime_options (runtime_options.cpp) writes them under the
+// device lock, so that two writers never interleave their entries. A concurrent allocation sees
+// each option's old or new value; the blocks already cached are not touched.
 #pragma once
 
 #include "size_classes.hpp"
@@ -23,6 +23,7 @@ struct runtime_settings {
   std::atomic<std::size_t> max_split_size_bytes{0};
   std::atomic<double> garbage_collection_threshold{0};
   std::atomic<bool> rounds{false};  // some interval has more than one division
+  std::atomic<bool> graph_capture_record_stream_reuse{true};
   std::array<std::atomic<std::size_t>, power2_divisions::k_intervals> divisions{};
 
   void store(const runtime_options& r) noexcept {
@@ -31,6 +32,8 @@ struct runtime_settings {
     for (std::size_t i = 0; i < divisions.size(); ++i)
       divisions[i].store(r.roundup_power2_divisions.by_interval[i], std::memory_order_relaxed);
     rounds.store(r.roundup_power2_divisions.any(), std::memory_order_relaxed);
+    graph_capture_record_stream_reuse.store(r.graph_capture_record_stream_reuse,
+                                            std::memory_order_relaxed);
   }
 
   runtime_options load() const noexcept {
@@ -39,6 +42,8 @@ struct runtime_settings {
     r.garbage_collection_threshold = garbage_collection_threshold.load(std::memory_order_relaxed);
     for (std::size_t i = 0; i < divisions.size(); ++i)
       r.roundup_power2_divisions.by_interval[i] = divisions[i].load(std::memory_order_relaxed);
+    r.graph_capture_record_stream_reuse = graph_capture_record_stream_reuse.load(
+        std::memory_order_relaxed);
     return r;
   }
 

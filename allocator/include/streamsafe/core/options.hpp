@@ -88,6 +88,7 @@ struct runtime_options {
   std::size_t max_split_size_bytes = 0;     // 0 or at least 20 MiB
   double garbage_collection_threshold = 0;  // 0 (off) or a fraction in (0, 1)
   power2_divisions roundup_power2_divisions;
+  bool graph_capture_record_stream_reuse = true;
 
   static runtime_options of(const options& o) noexcept;
   void apply_to(options& o) const noexcept;
@@ -144,6 +145,12 @@ struct options {
   // limit, first release the free cached segments behind a fence (0 = off). PyTorch's
   // garbage_collection_threshold, applied whenever the allocator grows. Changeable at runtime.
   double garbage_collection_threshold = 0.0;
+  // A block freed during a CUDA graph capture whose other uses are side streams of the same
+  // capture (record_stream) serves the capturing stream again, inside the capture, once that
+  // stream follows those uses (the side streams joined back by an event wait); false: the free
+  // is held until the capture ends. PyTorch's graph_capture_record_stream_reuse (whose default
+  // is False). Changeable at runtime.
+  bool graph_capture_record_stream_reuse = true;
   // When the allocator grows while more than this many cached (reserved, unallocated) bytes
   // sit in its pools, it first releases the free segments behind a fence (0 = no cap).
   std::size_t max_cached_bytes = 0;

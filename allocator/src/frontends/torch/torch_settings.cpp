@@ -3,9 +3,10 @@
 // Each key is applied where streamsafe has the option, accepted and ignored where it only
 // concerns host memory or PyTorch's own locking, and refused by name otherwise (docs/pytorch.md
 // has the table). After install, max_split_size_mb, garbage_collection_threshold and
-// roundup_power2_divisions change at once on every device's allocator and every MemPool's own
-// (caching_allocator::set_runtime_options), for the allocations that follow; as in PyTorch, a
-// call sets all three, those it does not name going back to their values at install.
+// roundup_power2_divisions and graph_capture_record_stream_reuse change at once on every device's
+// allocator and every MemPool's own (caching_allocator::set_runtime_options), for the allocations
+// that follow; as in PyTorch, a call sets all four, those it does not name going back to their
+// values at install.
 // expandable_segments that differs from the running backend is accepted with one warning: the
 // backend is a placement choice fixed when the allocator is made, and streamsafe keeps it.
 #include "extension_allocator.hpp"
@@ -76,6 +77,8 @@ std::string torch_settings_to_options(const std::string& torch_conf) {
       add(key + ":" + value);
     } else if (key == "roundup_power2_divisions") {
       add(key + ":" + value);  // one number, or PyTorch's list "[64:8,128:2,>:1]"
+    } else if (key == "graph_capture_record_stream_reuse") {
+      add(key + ":" + (is_true(key, value) ? "True" : "False"));
     } else if (key == "expandable_segments") {
       add(std::string("backend:") + (is_true(key, value) ? "expandable" : "cuda_malloc"));
     } else if (key == "backend") {

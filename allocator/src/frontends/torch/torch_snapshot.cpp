@@ -143,7 +143,7 @@ cca::SnapshotInfo torch_allocator::snapshot(MempoolId_t mempool_id, bool include
   m.expandable_segments = options_.backend == streamsafe::backend_kind::expandable;
   m.release_lock_on_malloc = false;
   m.pinned_use_host_register = false;
-  m.graph_capture_record_stream_reuse = false;
+  m.graph_capture_record_stream_reuse = now.graph_capture_record_stream_reuse;
   // PyTorch's settings string, as PyTorch's allocator reports it ("PYTORCH_CUDA_ALLOC_CONF");
   // streamsafe's own options are streamsafe.torch.config().
   m.last_allocator_settings = torch_settings_text();
