@@ -523,6 +523,7 @@ class torch_allocator final : public cca::CUDAAllocator {
         has_trackers_.load(std::memory_order_relaxed))
       note_alloc(p, n, device, stream);
     if (c10::memoryProfilingEnabled()) report_to_profiler(p, static_cast<std::int64_t>(n), device);
+    if (has_dropped_contexts_.load(std::memory_order_relaxed)) drain_dropped_contexts();
     return p;
   }
   void* core_malloc(std::size_t n, c10::DeviceIndex device, cudaStream_t stream) {
@@ -596,6 +597,7 @@ class torch_allocator final : public cca::CUDAAllocator {
       streamsafe::cuda::log_error(e.what());
       TORCH_WARN("streamsafe: free of ", ptr, " failed: ", e.what());
     }
+    if (has_dropped_contexts_.load(std::memory_order_relaxed)) drain_dropped_contexts();
   }
 
  private:
@@ -683,6 +685,12 @@ class torch_allocator final : public cca::CUDAAllocator {
   std::shared_ptr<c10::GatheredContext> release_context_;
   std::atomic<bool> has_release_context_{false};
   std::unordered_map<void*, live_block> live_;
+  // Python stacks that a trace entry let go of in emit(), kept until a PyTorch thread that holds
+  // none of our locks drops them (drain_dropped_contexts): destroying one takes the GIL, and the
+  // release worker's thread (or any thread inside a streamsafe call) must never wait for it.
+  std::vector<std::shared_ptr<c10::GatheredContext>> dropped_contexts_;  // under history_mu_
+  std::atomic<bool> has_dropped_contexts_{false};
+  void drain_dropped_contexts();
 };
 
 extern torch_allocator* g_allocator;  // set once by install; never destroyed (torch_extension.cpp)

@@ -88,14 +88,37 @@ void torch_allocator::emit(cda::TraceEntry te, bool release_event) {
     }
     for (auto& t : trackers) t(te);
   }
-  if (!history_enabled_.load(std::memory_order_relaxed)) return;
   te.time_.t_ = static_cast<time_t>(now_us());
   std::lock_guard<std::mutex> lock(history_mu_);
-  if (skip_.count(te.action_)) return;
-  if (te.device_ < 0 || te.device_ >= max_devices) return;
+  // A stack this entry or an entry leaving the ring held is dropped later, by a PyTorch thread
+  // outside every lock (drain_dropped_contexts): this may be the release worker's thread, or a
+  // thread inside a streamsafe call, and destroying a Python stack takes the GIL.
+  const auto drop = [&](cda::TraceEntry& e) {
+    if (!e.context_) return;
+    dropped_contexts_.push_back(std::move(e.context_));
+    has_dropped_contexts_.store(true, std::memory_order_relaxed);
+  };
+  if (!history_enabled_.load(std::memory_order_relaxed) || skip_.count(te.action_) ||
+      te.device_ < 0 || te.device_ >= max_devices) {
+    drop(te);
+    return;
+  }
   auto& ring = traces_[static_cast<std::size_t>(te.device_)];
   ring.push_back(std::move(te));
-  while (ring.size() > max_entries_) ring.pop_front();
+  while (ring.size() > max_entries_) {
+    drop(ring.front());
+    ring.pop_front();
+  }
+}
+
+void torch_allocator::drain_dropped_contexts() {
+  std::vector<std::shared_ptr<c10::GatheredContext>> dropped;
+  {
+    std::lock_guard<std::mutex> lock(history_mu_);
+    dropped.swap(dropped_contexts_);
+    has_dropped_contexts_.store(false, std::memory_order_relaxed);
+  }
+  // `dropped` goes out of scope here, with no lock held: a stack's last owner takes the GIL.
 }
 
 void torch_allocator::note_release_request() {
