@@ -98,10 +98,9 @@ TEST_CASE(
   if (c.mode == empty_cache_mode::defer) {
     // Right after empty_cache() in defer mode, reserved still counts what it queued (mapped
     // until the worker's driver call, reusable first): a cap read from it now would leave room
-    // for that memory as well once the worker gives it back. The statistics are the device's
-    // truth all along; the cap below starts from what stays.
-    CHECK(alloc.pending_release_bytes() > 0);
-    CHECK(static_cast<std::size_t>(alloc.stats().reserved_bytes.current) == dev.bytes_in_use());
+    // for that memory as well once the worker gives it back. The cap below starts from what
+    // stays once the worker is done (how far the worker has got at this point is timing: on the
+    // simulated device the fence completes at once).
     REQUIRE(alloc.wait_for_release_worker_idle(5s));
     REQUIRE(alloc.pending_release_bytes() == 0);
   }
