@@ -457,3 +457,36 @@ TEST_CASE(
     env.alloc->check_invariants();
   }
 }
+
+TEST_CASE(
+    "finish_releases: the host waits on the fences of what empty_cache queued and gives it back; "
+    "cached memory no call asked to release stays cached",
+    "[core][worker]") {
+  const backend_kind backend = GENERATE(backend_kind::expandable, backend_kind::cuda_malloc);
+  const release_worker_mode mode = GENERATE(release_worker_mode::on, release_worker_mode::off);
+  INFO(to_string(backend) << ", release_worker " << to_string(mode));
+  worker_env env(worker_options(backend, mode));
+  const auto s = env.dev.create_stream();
+  const auto s2 = env.dev.create_stream();
+  void* q = env.alloc->allocate(8 * MiB, s2);  // live through the empty_cache
+  void* p = env.alloc->allocate(64 * MiB, s);
+  env.dev.launch(s, 1000, {reads(p, 64 * MiB)}, "optimizer tail");
+  env.alloc->deallocate(p);
+  CHECK(env.alloc->empty_cache() == 0);  // queued behind the running kernel
+  REQUIRE(env.settle());
+  REQUIRE(env.alloc->pending_release_bytes() >= 64 * MiB);
+  env.alloc->deallocate(q);  // cached after the empty_cache: not queued, finish_releases leaves it
+  const std::int64_t cached_q = env.reserved() - static_cast<std::int64_t>(64 * MiB);
+  REQUIRE(cached_q >= static_cast<std::int64_t>(8 * MiB));
+
+  CHECK(env.alloc->reclaim() == 0);  // control: reclaim never waits, the kernel still runs
+  CHECK(env.alloc->pending_release_bytes() >= 64 * MiB);
+  (void)env.alloc->finish_releases();  // with the worker on, the worker may be the one to unmap
+  CHECK(env.alloc->pending_release_bytes() == 0);
+  CHECK(env.alloc->release_worker_idle());
+  CHECK(env.reserved() == cached_q);          // the queued 64 MiB went back, q's segment stayed
+  CHECK(env.dev.counters().event_syncs > 0);  // it waited on the fence
+  CHECK(env.dev.fault_count() == 0);          // and nothing went back under the kernel
+  CHECK(env.alloc->finish_releases() == 0);   // nothing queued: returns at once
+  env.alloc->check_invariants();
+}

@@ -201,6 +201,7 @@ RELEASE_IN_SNAPSHOT_CHILD = """
 import json, torch, streamsafe.torch as sst
 sst.install("backend:%s,empty_cache:defer,release_worker:%s")
 torch.cuda.init()
+sync = %s
 
 
 def release_here():
@@ -214,8 +215,9 @@ for context in ("all", "alloc"):
     del x
     torch.cuda._sleep(200_000_000)  # the release fence is still pending at empty_cache ...
     release_here()
-    torch.cuda.synchronize()        # ... and completes here; no allocator call after it
-    ss = torch.cuda.memory._snapshot()
+    if sync:
+        torch.cuda.synchronize()    # ... and completes here; no allocator call after it
+    ss = torch.cuda.memory._snapshot()  # (else the snapshot waits on it: the history is on)
     last = ss["device_traces"][0][-1]
     assert last["action"] in ("segment_free", "segment_unmap"), (context, last)
     assert not [g for g in ss["segments"]
@@ -225,6 +227,19 @@ for context in ("all", "alloc"):
     settings = ss["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"]
     assert settings == "max_split_size_mb:64", settings
     torch.cuda.memory._record_memory_history(None)
+# Without the history a snapshot never waits on a fence: memory queued behind a running kernel
+# still shows as a segment (cached), and the kernel is still running when the snapshot returns.
+x = torch.empty(8 << 20, dtype=torch.int8, device="cuda")
+addr = x.data_ptr()
+del x
+done = torch.cuda.Event()
+torch.cuda._sleep(2_000_000_000)
+done.record()
+torch.cuda.empty_cache()
+ss = torch.cuda.memory._snapshot()
+assert not done.query(), "the snapshot waited on the fence without the history"
+assert [g for g in ss["segments"] if g["address"] <= addr < g["address"] + g["total_size"]], addr
+torch.cuda.synchronize()
 torch.cuda.memory._set_allocator_settings("garbage_collection_threshold:0.5")
 settings = torch.cuda.memory._snapshot()["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"]
 assert settings == "garbage_collection_threshold:0.5", settings
@@ -234,13 +249,16 @@ print("OK")
 
 @pytest.mark.parametrize("backend", ["expandable", "cuda_malloc"])
 @pytest.mark.parametrize("worker", ["off", "on"])
-def test_snapshot_shows_the_release_empty_cache_queued_once_its_fence_completed(backend, worker):
-    # empty_cache:defer queues memory behind a fence that is still busy; once the device is done,
-    # the next snapshot gives it back first: the trace ends with that segment event (with the
-    # empty_cache caller's stack under context="all"), and the segment is gone. With the worker
-    # off nothing else would release it (the snapshot is the first allocator call after the
-    # fence completed); with the worker on it may have released it already.
-    r = _child(RELEASE_IN_SNAPSHOT_CHILD % (backend, worker),
+@pytest.mark.parametrize("sync", [True, False])
+def test_snapshot_with_history_shows_the_release_empty_cache_queued(backend, worker, sync):
+    # empty_cache:defer queues memory behind a fence that is still busy. The next snapshot, with
+    # the memory history on, gives it back first: at once when the device is done (sync), or
+    # after waiting on the fence (no sync), as PyTorch's synchronous empty_cache would have. The
+    # trace ends with that segment event (with the empty_cache caller's stack under
+    # context="all"), and the segment is gone. With the worker off nothing else would release it;
+    # with the worker on it may have released it already. Without the history the snapshot never
+    # waits (the end of the child).
+    r = _child(RELEASE_IN_SNAPSHOT_CHILD % (backend, worker, sync),
                {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"})
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 

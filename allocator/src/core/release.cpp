@@ -795,6 +795,18 @@ std::size_t caching_allocator::reclaim() {
   return released;
 }
 
+std::size_t caching_allocator::finish_releases() {
+  if (impl_->inherited()) return 0;        // a forked child (fork.cpp)
+  if (callback_scope::active()) return 0;  // no backend call, no wait in a stream callback
+  std::size_t released = reclaim();        // what is done already, never waiting
+  device_lock lk(impl_->mu_);
+  impl_->detect_captures_locked(lk);
+  if (impl_->capturing()) return released;
+  released += impl_->finish_deferred(lk, true);  // waits on each queued fence, mu_ dropped
+  if (impl_->worker_release_in_flight_locked()) impl_->wait_for_worker_locked(lk, nullptr);
+  return released;
+}
+
 std::size_t caching_allocator::pending_release_bytes() const {
   detail::lock_guard<detail::mutex> lk(impl_->mu_);
   return impl_->queued_release_bytes_locked();

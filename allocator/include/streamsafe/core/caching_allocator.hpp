@@ -129,6 +129,15 @@ class caching_allocator {
   // fence (with the release worker on it waits for the worker's driver calls in flight, on memory
   // whose fence has completed). Returns the bytes released by this call.
   std::size_t reclaim();
+  // Finishes every release empty_cache queued (defer mode, or the out-of-memory path): the
+  // host waits, with no lock held, on their fences, gives them back and waits for the release
+  // worker's driver calls in flight; cached memory that no call asked to release stays cached,
+  // and blocks an empty_cache(defer) found pending other streams' work go back once those
+  // events completed (as reclaim). For callers that must see the release done before they go
+  // on (the PyTorch extension's snapshot while the memory history is recorded). Inside a
+  // callback_scope or while a graph is captured it returns 0 and waits for nothing. Returns
+  // the bytes released by this call.
+  std::size_t finish_releases();
   // Bytes waiting in the deferred-release queue, plus those the release worker is giving back
   // to the driver right now (statistics: release_queued_bytes, release_worker_bytes).
   std::size_t pending_release_bytes() const;

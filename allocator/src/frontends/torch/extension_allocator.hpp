@@ -609,10 +609,12 @@ class torch_allocator final : public cca::CUDAAllocator {
   void note_release_request();
   // Drops the release stack once no release is queued or in flight on any device.
   void forget_release_context_when_done();
-  // The main allocator's and each MemPool allocator's releases whose fences have completed go
-  // back now (never waiting on a fence), so that a snapshot shows what empty_cache asked for as
-  // given back once the device is done with it (torch_snapshot.cpp).
-  void finish_completed_releases(MempoolId_t mempool_id);
+  // The main allocator's and each MemPool allocator's queued releases go back now, so that a
+  // snapshot shows what empty_cache asked for as given back: those whose fences have completed
+  // (never waiting) and, while the memory history is recorded, every one (the host waits on
+  // their fences, as PyTorch's synchronous empty_cache would have), so that the trace holds the
+  // segment_free / segment_unmap entries of each empty_cache before it (torch_snapshot.cpp).
+  void finish_releases_for_snapshot(MempoolId_t mempool_id);
   // Trace trackers get the entry as PyTorch's allocator gives it (approximate clock); the
   // history keeps it with time_.t_ in microseconds since the epoch, as snapshot() returns it.
   // Stamps the compile context and the user metadata (release_metadata_ for a release event, and

@@ -5,7 +5,8 @@
 
 namespace streamsafe::torch_ext {
 
-void torch_allocator::finish_completed_releases(MempoolId_t mempool_id) {
+void torch_allocator::finish_releases_for_snapshot(MempoolId_t mempool_id) {
+  const bool wait = history_enabled_.load();
   const bool every_pool = mempool_id.first == 0 && mempool_id.second == 0;
   std::vector<streamsafe::caching_allocator*> allocs;
   for (int d = 0; d < ss_->device_count(); ++d)
@@ -16,7 +17,8 @@ void torch_allocator::finish_completed_releases(MempoolId_t mempool_id) {
         allocs.push_back(a);
   for (streamsafe::caching_allocator* a : allocs) {
     try {
-      (void)a->reclaim();  // never waits on a fence; a failed driver call leaves it queued
+      // A failed driver call leaves the memory queued (nothing lost), and the snapshot shows it.
+      (void)(wait ? a->finish_releases() : a->reclaim());
     } catch (const std::exception& e) {
       TORCH_WARN("streamsafe: memory snapshot: finishing releases: ", e.what());
     }
@@ -25,13 +27,15 @@ void torch_allocator::finish_completed_releases(MempoolId_t mempool_id) {
 
 // mempool_id {0, 0}: every pool's segments (MemPools' segments name their pool in
 // owner_private_pool_id); a MemPool's id: that pool's segments only (MemPool.snapshot()).
-// Releases that empty_cache queued (empty_cache:defer) and whose fences have completed go back
-// first, on this thread: the snapshot then shows them given back, with their segment_free /
+// Releases that empty_cache queued (empty_cache:defer) go back first, on this thread: those whose
+// fences have completed, and, while the memory history is recorded, all of them (waiting on
+// their fences): the snapshot then shows them given back, with their segment_free /
 // segment_unmap entries at the end of the trace, as after PyTorch's synchronous empty_cache.
-// Memory whose fence is still pending stays queued (never waited on) and shows as cached.
+// Without the history, memory whose fence is still pending stays queued (never waited on) and
+// shows as cached.
 cca::SnapshotInfo torch_allocator::snapshot(MempoolId_t mempool_id, bool include_traces) {
   const bool every_pool = mempool_id.first == 0 && mempool_id.second == 0;
-  finish_completed_releases(mempool_id);
+  finish_releases_for_snapshot(mempool_id);
   cca::SnapshotInfo out;
   std::unordered_map<void*, live_block> live;
   if (history_enabled_.load()) {
