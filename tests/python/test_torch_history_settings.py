@@ -101,7 +101,7 @@ key = "active_bytes.all.allocated"
 before = torch.cuda.memory_stats()[key]
 y = torch.rand(21 * 1024 * 1024, device="cuda")   # 84 MiB: 4 steps per power of two -> 96 MiB
 assert torch.cuda.memory_stats()[key] - before == 96 * 1024 * 1024, torch.cuda.memory_stats()[key] - before
-torch.cuda.memory._set_allocator_settings("roundup_power2_divisions:4,pinned_use_host_register:True")
+torch.cuda.memory._set_allocator_settings("roundup_power2_divisions:4,pinned_use_cuda_host_register:True")
 torch.cuda.memory._set_allocator_settings("")
 for bad, name in (("roundup_power2_divisions:128", "roundup_power2_divisions"),
                   ("no_such_key:1", "no_such_key"),
@@ -119,7 +119,7 @@ print("OK")
 def test_pytorch_settings_applied_accepted_or_refused_by_name():
     r = _child(SETTINGS_CHILD, {
         "PYTORCH_CUDA_ALLOC_CONF":
-            "max_split_size_mb:64,roundup_power2_divisions:4,pinned_use_host_register:True"})
+            "max_split_size_mb:64,roundup_power2_divisions:4,pinned_use_cuda_host_register:True"})
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
@@ -269,6 +269,30 @@ def _trace(device=0):
 
 def _stop_history():
     torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def test_segment_events_carry_the_stack_of_the_allocation_that_brought_the_memory_in(ss):
+    # PyTorch's allocator records the allocating call's stack on the segment_alloc entry (and
+    # torch.cuda._memory_viz's trace_plot(filter_freed=True) keeps only such entries of a
+    # freed allocation); streamsafe's segment_alloc / segment_map entries do the same.
+    def bring_in():
+        return torch.empty(96 * MiB + 7, dtype=torch.int8, device="cuda")
+
+    for context in ("alloc", "all", "state"):
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+            ss.reclaim()  # what empty_cache queued is back with the driver: bring_in maps anew
+            torch.cuda.memory._record_memory_history(context=context, stacks="python")
+            t = bring_in()
+            seg = [e for e in _trace() if e["action"] in ("segment_alloc", "segment_map")]
+            assert seg, context
+            names = {f["name"] for e in seg for f in e.get("frames", [])}
+            assert ("bring_in" in names) == (context != "state"), (context, names)
+            del t
+        finally:
+            _stop_history()
 
 
 def test_history_off_drops_it_and_skip_actions_hold(ss):

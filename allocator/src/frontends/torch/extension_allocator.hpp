@@ -423,6 +423,9 @@ class torch_allocator final : public cca::CUDAAllocator {
       // caller moved on: its events carry the metadata in force when empty_cache was asked.
       const bool release = action == cda::TraceEntry::SEGMENT_FREE ||
                            action == cda::TraceEntry::SEGMENT_UNMAP;
+      // Memory an allocation brings in carries that allocation's stack (PyTorch's allocator).
+      const alloc_context* ctx = segment_context_scope::current();
+      if (!release && ctx && ctx->when >= cda::RecordContext::ALLOC) te.context_ = ctx->stack;
       emit(std::move(te), release);
     } catch (...) {
     }
@@ -503,6 +506,14 @@ class torch_allocator final : public cca::CUDAAllocator {
   void* malloc(std::size_t n, c10::DeviceIndex device, cudaStream_t stream) {
     check_request_size(n);  // torch_oom.cpp
     if (!enabled_.load(std::memory_order_relaxed)) return uncached_malloc(n, device);
+    // With the history on, the caller's stack is gathered once, before the allocation: the
+    // segment_alloc / segment_map entries of memory this allocation brings in carry it, as in
+    // PyTorch's allocator, and so does its alloc entry.
+    const bool record = history_enabled_.load(std::memory_order_relaxed) ||
+                        has_trackers_.load(std::memory_order_relaxed);
+    alloc_context ctx;
+    if (record) ctx = gather_alloc_context();  // torch_history.cpp
+    segment_context_scope segment_context(record ? &ctx : nullptr);
     void* p = nullptr;
     if (n_routes_.load(std::memory_order_acquire) != 0 ||
         n_captures_.load(std::memory_order_acquire) != 0) {
@@ -519,9 +530,7 @@ class torch_allocator final : public cca::CUDAAllocator {
     } else {
       p = core_malloc(n, device, stream);
     }
-    if (history_enabled_.load(std::memory_order_relaxed) ||
-        has_trackers_.load(std::memory_order_relaxed))
-      note_alloc(p, n, device, stream);
+    if (record) note_alloc(p, n, device, stream, ctx);
     if (c10::memoryProfilingEnabled()) report_to_profiler(p, static_cast<std::int64_t>(n), device);
     if (has_dropped_contexts_.load(std::memory_order_relaxed)) drain_dropped_contexts();
     return p;
@@ -601,7 +610,32 @@ class torch_allocator final : public cca::CUDAAllocator {
   }
 
  private:
-  void note_alloc(void* p, std::size_t n, int device, cudaStream_t stream);  // torch_history.cpp
+  // torch_history.cpp: the stack PyTorch's recorder gathers for an allocation (none when the
+  // history records no context) and when the trace entries carry it.
+  struct alloc_context {
+    std::shared_ptr<c10::GatheredContext> stack;
+    cda::RecordContext when = cda::RecordContext::NEVER;
+  };
+  alloc_context gather_alloc_context();
+  // The allocation context of this thread's malloc in progress, for the segment events it causes
+  // (note_segment); nested scopes restore the outer one.
+  class segment_context_scope {
+   public:
+    explicit segment_context_scope(const alloc_context* c) noexcept;
+    ~segment_context_scope();
+    segment_context_scope(const segment_context_scope&) = delete;
+    segment_context_scope& operator=(const segment_context_scope&) = delete;
+    static const alloc_context* current() noexcept;
+
+   private:
+    static thread_local const alloc_context* current_;
+    const alloc_context* outer_;
+  };
+  void note_alloc(void* p, std::size_t n, int device, cudaStream_t stream,
+                  const alloc_context& ctx);
+  void note_alloc(void* p, std::size_t n, int device, cudaStream_t stream) {
+    note_alloc(p, n, device, stream, gather_alloc_context());
+  }
   void note_free(void* p);
   // emptyCache (torch_mempool.cpp): the metadata and, with context="all", the Python stack that
   // the segment events of the releases it asks for carry, even when the release worker gives the

@@ -1,11 +1,11 @@
 // streamsafe PyTorch extension: the memory history (torch.cuda.memory._record_memory_history):
 // alloc / free trace entries with the Python context PyTorch's recorder gathers (a free without
 // a stack of its own carries its allocation's, as in PyTorch), segment events from
-// limited_backend, record_function annotations, the compile context and user metadata on every
-// entry (a segment given back behind a fence carries the metadata, and with context="all" the
-// Python stack, of the empty_cache that asked for it), the trace trackers PyTorch attaches, and
-// torch.profiler's memory records. history_mu_ and observers_mu_ are leaf locks, never held
-// across a call into streamsafe.
+// limited_backend (memory an allocation brings in carries that allocation's stack), record_function
+// annotations, the compile context and user metadata on every entry (a segment given back behind a
+// fence carries the metadata, and with context="all" the Python stack, of the empty_cache that
+// asked for it), the trace trackers PyTorch attaches, and torch.profiler's memory records.
+// history_mu_ and observers_mu_ are leaf locks, never held across a call into streamsafe.
 #include "extension_allocator.hpp"
 
 namespace streamsafe::torch_ext {
@@ -15,25 +15,41 @@ void limited_backend::note(cda::TraceEntry::Action action, void* addr,
   owner_->note_segment(action, inner().device(), addr, size_bytes);
 }
 
-void torch_allocator::note_alloc(void* p, std::size_t n, int device, cudaStream_t stream) {
-  std::shared_ptr<c10::GatheredContext> ctx;
+thread_local const torch_allocator::alloc_context*
+    torch_allocator::segment_context_scope::current_ = nullptr;
+
+torch_allocator::segment_context_scope::segment_context_scope(const alloc_context* c) noexcept
+    : outer_(current_) {
+  current_ = c;
+}
+torch_allocator::segment_context_scope::~segment_context_scope() { current_ = outer_; }
+const torch_allocator::alloc_context* torch_allocator::segment_context_scope::current() noexcept {
+  return current_;
+}
+
+torch_allocator::alloc_context torch_allocator::gather_alloc_context() {
+  alloc_context c;
   cda::CreateContextFn recorder = nullptr;
-  cda::RecordContext when = cda::RecordContext::NEVER;
   {
     std::lock_guard<std::mutex> lock(history_mu_);
     recorder = recorder_;
-    when = when_;
+    c.when = when_;
   }
-  if (recorder && when != cda::RecordContext::NEVER) ctx = recorder();
+  if (recorder && c.when != cda::RecordContext::NEVER) c.stack = recorder();  // no lock held
+  return c;
+}
+
+void torch_allocator::note_alloc(void* p, std::size_t n, int device, cudaStream_t stream,
+                                 const alloc_context& ctx) {
   if (has_release_context_.load(std::memory_order_relaxed)) forget_release_context_when_done();
   if (history_enabled_.load()) {
     std::lock_guard<std::mutex> lock(history_mu_);
-    live_[p] = live_block{ctx, n, device, stream};
+    live_[p] = live_block{ctx.stack, n, device, stream};
   }
   emit(cda::TraceEntry(cda::TraceEntry::ALLOC, static_cast<c10::DeviceIndex>(device),
                        reinterpret_cast<std::uintptr_t>(p), n, stream, {0, 0},
                        c10::getApproximateTime(),
-                       when >= cda::RecordContext::ALLOC ? ctx : nullptr));
+                       ctx.when >= cda::RecordContext::ALLOC ? ctx.stack : nullptr));
 }
 void torch_allocator::note_free(void* p) {
   live_block b;

@@ -60,11 +60,12 @@ bool is_true(const std::string& key, const std::string& value) {
 }
 
 // Keys that concern pinned host memory or PyTorch's own lock around cudaMalloc: nothing of
-// streamsafe's device allocator to change.
+// streamsafe's device allocator to change. Only keys PyTorch 2.11's parser knows (it refuses
+// pinned_use_host_register, for one, and so does streamsafe).
 bool host_only(const std::string& key) {
   return key == "release_lock_on_cudamalloc" || key == "pinned_use_cuda_host_register" ||
-         key == "pinned_num_register_threads" || key == "pinned_use_host_register" ||
-         key == "pinned_use_background_threads" || key == "pinned_reserve_segment_size_mb";
+         key == "pinned_num_register_threads" || key == "pinned_use_background_threads" ||
+         key == "pinned_reserve_segment_size_mb";
 }
 
 }  // namespace
