@@ -133,3 +133,33 @@ TEST_CASE("empty_cache in wait mode waits for a recorded stream's kernel, then r
   CHECK(s.dev.fault_count() == 0);
   s.alloc.check_invariants();
 }
+
+TEST_CASE(
+    "empty_cache in defer mode: once the pending block retires, reclaim releases its memory and "
+    "nothing that was cached after the empty_cache",
+    "[core][pending][release]") {
+  const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
+  const bool worker = GENERATE(false, true);
+  INFO(to_string(backend) << ", release worker " << (worker ? "on" : "off"));
+  scene s(backend, empty_cache_mode::defer, worker);
+  const std::uint64_t hold = s.free_while_side_reads(0);
+  s.alloc.empty_cache();  // the block is pending the side kernel: marked, not released
+  // Cached after the empty_cache, on another stream: PyTorch's allocator would keep it.
+  void* q = s.alloc.allocate(64 * MiB, s.other);
+  s.dev.launch(s.other, 10, {writes(q, 64 * MiB)}, "later work");
+  s.alloc.deallocate(q);
+  s.dev.open(hold);
+  s.dev.run_until_idle();
+  const std::int64_t before = s.alloc.stats().reserved_bytes.current;
+  s.alloc.reclaim();
+  if (worker) REQUIRE(s.alloc.wait_for_release_worker_idle(5s));
+  const std::int64_t after = s.alloc.stats().reserved_bytes.current;
+  CHECK(before - after >= static_cast<std::int64_t>(k_bytes));  // the retired block's memory
+  CHECK(after >= static_cast<std::int64_t>(64 * MiB));          // q's stays cached
+  void* again = s.alloc.allocate(64 * MiB, s.other);            // and serves the next request
+  CHECK(s.alloc.stats().reserved_bytes.current == after);
+  s.alloc.deallocate(again);
+  s.dev.run_until_idle();
+  CHECK(s.dev.fault_count() == 0);
+  s.alloc.check_invariants();
+}

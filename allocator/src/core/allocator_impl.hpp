@@ -277,6 +277,8 @@ struct caching_allocator::impl : detail::allocator_state {
   release_batch collect_releasable_locked(bool released_graphs_only = false,
                                           const tag_id* only_tag = nullptr)
       STREAMSAFE_REQUIRES(mu_);
+  void collect_segment_locked(release_batch& batch, segment* seg, bool released_graphs_only,
+                              const tag_id* only_tag) STREAMSAFE_REQUIRES(mu_);
   void record_fence_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   bool fence_done_locked(const release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   release_batch take_safe_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);

@@ -69,6 +69,7 @@ void caching_allocator::impl::note_use_locked(segment* seg, stream_handle stream
 
 void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) {
   st.pending.erase(b);
+  if (b->release_after) st.retired_after_empty_cache.push_back(b->seg->base);
   b->release_after = false;
   trace(trace_action::free_completed, b->addr, b->size, b->seg->stream);
   for (auto& e : b->events) {

@@ -163,21 +163,26 @@ bool caching_allocator::impl::whole_chunk_run(const segment* seg, std::uintptr_t
 caching_allocator::impl::release_batch caching_allocator::impl::collect_releasable_locked(
     bool released_graphs_only, const tag_id* only_tag) {
   release_batch batch;
-  for (auto& [base, seg] : streams_.segments) {
-    stream_state& owner = state_of(*seg->owner);
-    if (owner.graph != 0 && !owner.graph_released) continue;  // a graph that may still replay
-    if (released_graphs_only && owner.graph == 0) continue;
-    if (seg->paused) continue;  // sleep.cpp: pause and resume own its mapping
-    if (only_tag && seg->owner->tag != *only_tag) continue;
-    detail::lock_guard<stream_lock> slk(owner.mu);
-    if (!seg->expandable) {
-      if (!seg->first->next && seg->first->state == block_state::free)
-        detach_whole_segment_locked(batch, seg);
-      continue;
-    }
-    if (detach_free_chunks_locked(batch, seg, nullptr)) add_fence_streams_locked(batch, seg);
-  }
+  for (auto& [base, seg] : streams_.segments)
+    collect_segment_locked(batch, seg, released_graphs_only, only_tag);
   return batch;
+}
+
+void caching_allocator::impl::collect_segment_locked(release_batch& batch, segment* seg,
+                                                     bool released_graphs_only,
+                                                     const tag_id* only_tag) {
+  stream_state& owner = state_of(*seg->owner);
+  if (owner.graph != 0 && !owner.graph_released) return;  // a graph that may still replay
+  if (released_graphs_only && owner.graph == 0) return;
+  if (seg->paused) return;  // sleep.cpp: pause and resume own its mapping
+  if (only_tag && seg->owner->tag != *only_tag) return;
+  detail::lock_guard<stream_lock> slk(owner.mu);
+  if (!seg->expandable) {
+    if (!seg->first->next && seg->first->state == block_state::free)
+      detach_whole_segment_locked(batch, seg);
+    return;
+  }
+  if (detach_free_chunks_locked(batch, seg, nullptr)) add_fence_streams_locked(batch, seg);
 }
 
 void caching_allocator::impl::restore_batch_locked(release_batch& batch) {
@@ -584,17 +589,30 @@ void caching_allocator::impl::mark_pending_uses_locked() {
 }
 
 // reclaim(): after its events were processed, what the marked blocks that retired left free goes
-// back as empty_cache:defer would (with the rest of the free memory); the mark ends once none of
-// them is pending any more.
+// back as empty_cache:defer would: the free memory of the segments they were in (not memory
+// cached elsewhere since the empty_cache); the mark ends once none of them is pending any more.
 std::size_t caching_allocator::impl::release_after_pending_locked(device_lock& lk) {
   bool still = false;
+  std::vector<std::uintptr_t> bases;
   for (auto& [s, st] : streams_.states) {
     detail::lock_guard<stream_lock> slk(st->mu);
     for (block* b : st->pending) still = still || b->release_after;
+    bases.insert(bases.end(), st->retired_after_empty_cache.begin(),
+                 st->retired_after_empty_cache.end());
+    st->retired_after_empty_cache.clear();
   }
   releases_.release_after_pending = still;
+  if (bases.empty()) return 0;
   prepare_release_locked();
-  release_batch batch = collect_releasable_locked();
+  // Only the segments those blocks were in: memory cached after the empty_cache stays cached,
+  // as after PyTorch's synchronous empty_cache.
+  std::sort(bases.begin(), bases.end());
+  bases.erase(std::unique(bases.begin(), bases.end()), bases.end());
+  release_batch batch;
+  for (std::uintptr_t base : bases) {
+    auto it = streams_.segments.find(base);
+    if (it != streams_.segments.end()) collect_segment_locked(batch, it->second, false, nullptr);
+  }
   return release_collected(lk, batch, empty_cache_mode::defer);
 }
 

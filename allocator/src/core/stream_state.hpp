@@ -64,6 +64,10 @@ struct alignas(64) stream_state {
   // with no event yet (free.cpp: fence_host_frees_locked orders this stream after every known
   // stream once, for all of them).
   pending_list unfenced;
+  // Base addresses of segments where a block that an empty_cache(defer) found pending
+  // (block::release_after) has retired since: the next reclaim() releases their free memory
+  // (release.cpp, release_after_pending_locked), and nothing cached since that empty_cache.
+  std::vector<std::uintptr_t> retired_after_empty_cache;
   stream_stats stats;      // this stream's counters (summed by caching_allocator::stats)
   block* spare = nullptr;  // recycled block objects (linked through next)
   // Pooled events of this stream's pending blocks, reused under this lock alone (no trip to
