@@ -1,8 +1,10 @@
 // Reserved bytes by pool kind (small_pool, large_pool) follow the segments that hold the memory,
 // on the simulated device: memory queued for release in one kind's pool and reclaimed by a pool
 // of the other kind (expandable: mapped again at the new pool's address, reclaim.cpp) counts in
-// the kind where it is mapped now, and every byte goes back in the kind it counts in.
+// the kind where it is mapped now, and every byte goes back in the kind it counts in, whether
+// the new address goes first (a release, a pause) or the old one.
 #include "support/sim_fixture.hpp"
+#include "support/tagged_blocks.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -18,9 +20,10 @@ std::string name_of(backend_kind b) {
   return b == backend_kind::expandable ? "expandable" : "cuda_malloc";
 }
 
-// Each kind's reserved bytes: not negative, at least its allocated bytes, adding up to every
-// pool's; and the invariant check (each kind's reserved bytes and segments against the segments).
-void check_kinds(sim_env& env, const char* step) {
+// Each kind's reserved bytes: not negative, at least its allocated bytes (unless a paused tag's
+// blocks hold no memory), adding up to every pool's; and the invariant check (each kind's reserved
+// bytes and segments against the segments).
+void check_kinds(sim_env& env, const char* step, bool paused = false) {
   INFO(step);
   const statistics s = env.alloc.stats();
   const std::int64_t small = s.small_pool.reserved_bytes.current;
@@ -28,8 +31,8 @@ void check_kinds(sim_env& env, const char* step) {
   INFO("reserved: all " << s.reserved_bytes.current << ", small " << small << ", large " << large
                         << "; allocated: small " << s.small_pool.allocated_bytes.current
                         << ", large " << s.large_pool.allocated_bytes.current);
-  CHECK(small >= s.small_pool.allocated_bytes.current);
-  CHECK(large >= s.large_pool.allocated_bytes.current);
+  CHECK(small >= (paused ? 0 : s.small_pool.allocated_bytes.current));
+  CHECK(large >= (paused ? 0 : s.large_pool.allocated_bytes.current));
   CHECK(small + large == s.reserved_bytes.current);
   CHECK(s.small_pool.reserved_bytes.allocated + s.large_pool.reserved_bytes.allocated ==
         s.reserved_bytes.allocated);
@@ -110,4 +113,51 @@ TEST_CASE(
     check_reserved(env, 0, 0);
     CHECK(env.dev.fault_count() == 0);
   }
+}
+
+TEST_CASE(
+    "Reserved bytes by pool kind: a pause that unmaps memory the other kind's queued address "
+    "still maps leaves that memory in the queued address's kind",
+    "[core][statistics][sleep][expandable]") {
+  sim_env env(sleep_options(fence_scope::all_streams, empty_cache_mode::defer));
+  const stream_handle s = env.dev.create_stream();
+  const stream_handle u = env.dev.create_stream();
+
+  // A large block's memory queued for release, its fence complete, the queue not passed yet.
+  void* b = env.alloc.allocate(MiB + 512, s);
+  env.dev.launch(s, 10, {writes(b, MiB + 512, 0x22)}, "use b");
+  env.alloc.deallocate(b);
+  env.alloc.empty_cache();
+  env.dev.run_until_idle();
+  check_reserved(env, 0, 2 * MiB);
+
+  // A tagged small block on u reclaims it (mapped again, its large address still queued).
+  void* c = nullptr;
+  {
+    tag_scope kv("kinds.kv");
+    c = env.alloc.allocate(512 * KiB, u);
+  }
+  CHECK(env.dev.counters().aliases == 1);
+  check_reserved(env, 2 * MiB, 0);
+  check_kinds(env, "a tagged small block on u");
+
+  // The pause unmaps the small address first: the memory is the queued large address's again,
+  // and goes back in the large kind when that address is unmapped.
+  env.alloc.pause("kinds.kv", pause_mode::discard, empty_cache_mode::wait);
+  check_kinds(env, "paused", true);
+  check_reserved(env, 0, 2 * MiB);
+  env.alloc.reclaim();
+  check_kinds(env, "the queue passed", true);
+  check_reserved(env, 0, 0);
+
+  env.alloc.resume("kinds.kv");  // new memory at c's address: small
+  check_reserved(env, 2 * MiB, 0);
+  check_kinds(env, "resumed");
+  env.alloc.deallocate(c);
+  env.alloc.empty_cache("kinds.kv");
+  env.dev.run_until_idle();
+  env.alloc.reclaim();
+  check_kinds(env, "all released");
+  check_reserved(env, 0, 0);
+  CHECK(env.dev.fault_count() == 0);
 }
