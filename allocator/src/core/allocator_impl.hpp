@@ -155,7 +155,8 @@ struct caching_allocator::impl : detail::allocator_state {
                                 std::size_t fresh) STREAMSAFE_REQUIRES(mu_);
   void commit_alias_locked(pool& p, block* target, const std::vector<queued_run>& chosen,
                            std::size_t aliased, std::size_t fresh) STREAMSAFE_REQUIRES(mu_);
-  std::size_t unghost_locked(std::uintptr_t addr, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
+  std::size_t unghost_locked(std::uintptr_t addr, std::size_t bytes, bool small)
+      STREAMSAFE_REQUIRES(mu_);
   std::size_t drop_ghost_locked(block* b) STREAMSAFE_REQUIRES(mu_);
   // ---- allocate.cpp: the allocation order ----------------------------------------------------
   block* find_block_locked(stream_state& st, pool& p, std::size_t rounded, bool grow = true)

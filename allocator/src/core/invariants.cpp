@@ -3,13 +3,15 @@
 // Checked: the segments (blocks tile them; each block in the one place its state allows: free
 // lists, quick cache, active map, pending list, a release batch), the pools' free lists and
 // unmapped sets, the quick caches, the active maps, the pending lists, the segments being
-// released, the frees held by a graph capture, and the statistics against the blocks.
+// released, the frees held by a graph capture, and the statistics against the blocks (reserved
+// bytes and segments for every pool and for each kind, small and large).
 // Locks: the device lock and every stream lock, held for the whole check.
 #include "allocator_impl.hpp"
 #include "format.hpp"
 #include "size_classes.hpp"
 
 #include <algorithm>
+#include <array>
 #include <unordered_map>
 
 namespace streamsafe {
@@ -27,11 +29,21 @@ namespace {
 // What the walk of the segments found, against what the other structures hold.
 struct caching_allocator::impl::census {
   std::int64_t reserved_bytes = 0, allocated_bytes = 0, active_bytes = 0;  // from the blocks
-  std::int64_t stat_allocated_bytes = 0, stat_active_bytes = 0;            // from the statistics
+  // By pool kind (detail::kind_of: small, large; [k_all] unused): mapped bytes and segments.
+  std::array<std::int64_t, detail::k_kinds> kind_reserved_bytes{}, kind_segments{};
+  std::int64_t stat_allocated_bytes = 0, stat_active_bytes = 0;  // from the statistics
   std::size_t free_blocks = 0, active_blocks = 0, pending_blocks = 0, quick_cached_blocks = 0,
               held_blocks = 0;
   std::size_t free_list_blocks = 0, quick_cache_blocks = 0, pending_list_blocks = 0,
               active_map_blocks = 0;
+
+  // A segment's mapped bytes, in every pool and in its kind.
+  void count_segment(const segment* seg) noexcept {
+    const auto mapped = static_cast<std::int64_t>(seg->mapped_bytes);
+    reserved_bytes += mapped;
+    kind_reserved_bytes[detail::kind_of(seg->small)] += mapped;
+    ++kind_segments[detail::kind_of(seg->small)];
+  }
 };
 
 // A block's state against where it is.
@@ -69,7 +81,11 @@ void caching_allocator::impl::check_block_locked(const block* b, census& c) cons
     case block_state::releasing:
       if (in_pool || in_mapped) fail("releasing block in a free pool");
       // An address of memory another pool reclaimed (reclaim.cpp): counted there.
-      if (b->aliased) c.reserved_bytes -= bytes - static_cast<std::int64_t>(b->ghost_owned);
+      if (b->aliased) {
+        const std::int64_t elsewhere = bytes - static_cast<std::int64_t>(b->ghost_owned);
+        c.reserved_bytes -= elsewhere;
+        c.kind_reserved_bytes[detail::kind_of(seg->small)] -= elsewhere;
+      }
       break;
     case block_state::quick_cached:
       if (in_pool || in_mapped)
@@ -106,7 +122,7 @@ void caching_allocator::impl::check_segment_locked(std::uintptr_t key, const seg
     fail("mapped bytes of segment " + hex(seg->base) + " disagree");
   if (seg->paused_bytes != 0 && !seg->paused)
     fail("segment " + hex(seg->base) + " has paused bytes but is not paused");
-  c.reserved_bytes += static_cast<std::int64_t>(seg->mapped_bytes);
+  c.count_segment(seg);
 }
 
 // A pool's free lists, unmapped set and quick cache.
@@ -166,7 +182,7 @@ void caching_allocator::impl::check_releasing_segments_locked(census& c) const {
     if (seg->expandable || seg->first->next || seg->first->state != block_state::releasing)
       fail("segment " + hex(seg->base) +
            " out of the segment map is not a whole segment being released");
-    c.reserved_bytes += static_cast<std::int64_t>(seg->mapped_bytes);
+    c.count_segment(seg);
   }
 }
 
@@ -190,6 +206,23 @@ void caching_allocator::impl::check_census_locked(const census& c) const {
   if (c.reserved_bytes != stats_.reserved_bytes.current)
     fail("reserved bytes statistic " + std::to_string(stats_.reserved_bytes.current) +
          " disagrees with segments " + std::to_string(c.reserved_bytes));
+  std::int64_t segments = 0;
+  for (const bool small : {true, false}) {
+    const std::size_t k = detail::kind_of(small);
+    const pool_statistics& ks = detail::kind_stats(stats_, k);
+    const char* kind = small ? "small" : "large";
+    if (c.kind_reserved_bytes[k] != ks.reserved_bytes.current)
+      fail(std::string(kind) + " pool reserved bytes statistic " +
+           std::to_string(ks.reserved_bytes.current) + " disagrees with its segments " +
+           std::to_string(c.kind_reserved_bytes[k]));
+    if (c.kind_segments[k] != ks.segment.current)
+      fail(std::string(kind) + " pool segment statistic " + std::to_string(ks.segment.current) +
+           " disagrees with its segments " + std::to_string(c.kind_segments[k]));
+    segments += c.kind_segments[k];
+  }
+  if (segments != stats_.segment.current)
+    fail("segment statistic " + std::to_string(stats_.segment.current) +
+         " disagrees with the segments " + std::to_string(segments));
   if (c.allocated_bytes != c.stat_allocated_bytes)
     fail("allocated bytes statistic disagrees with blocks");
   if (c.active_bytes != c.stat_active_bytes) fail("active bytes statistic disagrees with blocks");

@@ -268,6 +268,8 @@ void caching_allocator::impl::commit_alias_locked(pool& p, block* target,
     c.b->ghost_owned = 0;
     c.b->alias_at = at;
     releases_.ghosts.emplace(at, std::make_pair(c.b->size, c.b));
+    // The memory counts where it is mapped now: in p's kind (a ghost counts only ghost_owned).
+    detail::move_reserved(stats_, c.b->seg->small, p.small, static_cast<std::int64_t>(c.b->size));
     at += c.b->size;
   }
   const std::size_t total = aliased + fresh;
@@ -317,9 +319,11 @@ block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rou
   return best_fit(p, rounded);
 }
 
-// A new address's [addr, addr + bytes) goes back to the driver: the bytes of it still mapped
-// at a ghost (the old address of reclaimed memory) become that ghost's to give back.
-std::size_t caching_allocator::impl::unghost_locked(std::uintptr_t addr, std::size_t bytes) {
+// A new address's [addr, addr + bytes), in a segment of kind `small`, goes back to the driver:
+// the bytes of it still mapped at a ghost (the old address of reclaimed memory) become that
+// ghost's to give back, counted in the ghost's kind from now on.
+std::size_t caching_allocator::impl::unghost_locked(std::uintptr_t addr, std::size_t bytes,
+                                                    bool small) {
   if (releases_.ghosts.empty()) return 0;
   const std::uintptr_t end = addr + bytes;
   std::size_t held = 0;
@@ -337,6 +341,8 @@ std::size_t caching_allocator::impl::unghost_locked(std::uintptr_t addr, std::si
     const std::uintptr_t cut_hi = std::min(hi, end);
     held += cut_hi - cut_lo;
     ghost->ghost_owned += cut_hi - cut_lo;
+    detail::move_reserved(stats_, small, ghost->seg->small,
+                          static_cast<std::int64_t>(cut_hi - cut_lo));
     it = releases_.ghosts.erase(it);  // the parts of the entry outside the range stay
     if (lo < cut_lo) releases_.ghosts.emplace(lo, std::make_pair(cut_lo - lo, ghost));
     if (cut_hi < hi)

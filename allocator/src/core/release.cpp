@@ -331,7 +331,8 @@ std::size_t caching_allocator::impl::account_release_locked(block* b, bool relea
     return 0;
   }
   // Memory still mapped at an address queued for release (reclaim.cpp) is not back yet.
-  const std::size_t bytes = b->size - (seg->expandable ? unghost_locked(b->addr, b->size) : 0);
+  const std::size_t bytes = b->size -
+                            (seg->expandable ? unghost_locked(b->addr, b->size, seg->small) : 0);
   detail::sub_reserved(stats_, seg->small, static_cast<std::int64_t>(bytes));
   note_headroom_locked();
   stats_.bytes_released += bytes;

@@ -202,7 +202,7 @@ std::size_t caching_allocator::impl::unmap_paused_locked(
       std::size_t ghosted = 0;  // still mapped at an address queued for release (reclaim.cpp)
       for (std::size_t r = before[i]; r < ps.runs_unmapped; ++r) {
         stats_.num_device_free += forget_chunks(seg, ps.runs[r].first, ps.runs[r].second);
-        ghosted += unghost_locked(ps.runs[r].first, ps.runs[r].second);
+        ghosted += unghost_locked(ps.runs[r].first, ps.runs[r].second, seg->small);
         retire_exports_in_locked(ps.runs[r].first, ps.runs[r].second);  // ipc.cpp
       }
       detail::sub_reserved(stats_, seg->small, static_cast<std::int64_t>(bytes - ghosted));

@@ -45,6 +45,20 @@ inline void sub_reserved(statistics& s, bool small, std::int64_t bytes) noexcept
   s.reserved_bytes.decrease(bytes);
   kind_stats(s, kind_of(small)).reserved_bytes.decrease(bytes);
 }
+// Reserved bytes that stay mapped but now count in the other kind: memory of a queued block that
+// a pool of the other kind reclaimed by mapping it again (reclaim.cpp), or back from there to
+// the queued block when the new address goes (unghost_locked). Every pool's counter and the
+// kinds' allocated and freed totals stay (no driver call; small + large == all for them); the
+// receiving kind's peak follows its current value.
+inline void move_reserved(statistics& s, bool from_small, bool to_small,
+                          std::int64_t bytes) noexcept {
+  if (from_small == to_small) return;
+  stat& from = kind_stats(s, kind_of(from_small)).reserved_bytes;
+  stat& to = kind_stats(s, kind_of(to_small)).reserved_bytes;
+  from.current -= bytes;
+  to.current += bytes;
+  if (to.current > to.peak) to.peak = to.current;
+}
 inline void add_segment(statistics& s, bool small) noexcept {
   s.segment.increase(1);
   kind_stats(s, kind_of(small)).segment.increase(1);
