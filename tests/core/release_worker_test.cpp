@@ -98,6 +98,16 @@ struct worker_env {
       : dev(c), alloc(std::make_unique<caching_allocator>(watch, o)) {}
   std::int64_t reserved() const { return alloc->stats().reserved_bytes.current; }
   bool settle() { return alloc->wait_for_release_worker_idle(5s); }
+  // 64 MiB on s, read by a kernel of s that runs 1000 us (an optimizer tail), freed, and
+  // empty_cache in defer mode: the memory waits in the release queue behind that kernel.
+  void queue_behind_tail(stream_handle s) {
+    void* p = alloc->allocate(64 * MiB, s);
+    dev.launch(s, 1000, {reads(p, 64 * MiB)}, "optimizer tail");
+    alloc->deallocate(p);
+    CHECK(alloc->empty_cache() == 0);  // queued behind the running kernel
+    REQUIRE(settle());
+    REQUIRE(alloc->pending_release_bytes() >= 64 * MiB);
+  }
 };
 
 }  // namespace
@@ -422,12 +432,7 @@ TEST_CASE(
   INFO(to_string(backend) << ", release_worker " << to_string(mode));
   worker_env env(worker_options(backend, mode));
   const auto s = env.dev.create_stream();
-  void* p = env.alloc->allocate(64 * MiB, s);
-  env.dev.launch(s, 1000, {reads(p, 64 * MiB)}, "optimizer tail");
-  env.alloc->deallocate(p);
-  CHECK(env.alloc->empty_cache() == 0);  // queued behind the running kernel
-  REQUIRE(env.settle());
-  REQUIRE(env.alloc->pending_release_bytes() >= 64 * MiB);
+  env.queue_behind_tail(s);
   const auto maps_before = env.dev.counters().maps + env.dev.counters().segment_allocs;
   SECTION("the same stream: the queued memory serves it, nothing more is reserved") {
     void* q = env.alloc->allocate(64 * MiB, s);
@@ -469,12 +474,7 @@ TEST_CASE(
   const auto s = env.dev.create_stream();
   const auto s2 = env.dev.create_stream();
   void* q = env.alloc->allocate(8 * MiB, s2);  // live through the empty_cache
-  void* p = env.alloc->allocate(64 * MiB, s);
-  env.dev.launch(s, 1000, {reads(p, 64 * MiB)}, "optimizer tail");
-  env.alloc->deallocate(p);
-  CHECK(env.alloc->empty_cache() == 0);  // queued behind the running kernel
-  REQUIRE(env.settle());
-  REQUIRE(env.alloc->pending_release_bytes() >= 64 * MiB);
+  env.queue_behind_tail(s);
   env.alloc->deallocate(q);  // cached after the empty_cache: not queued, finish_releases leaves it
   const std::int64_t cached_q = env.reserved() - static_cast<std::int64_t>(64 * MiB);
   REQUIRE(cached_q >= static_cast<std::int64_t>(8 * MiB));

@@ -618,7 +618,8 @@ class torch_allocator final : public cca::CUDAAllocator {
   };
   alloc_context gather_alloc_context();
   // The allocation context of this thread's malloc in progress, for the segment events it causes
-  // (note_segment); nested scopes restore the outer one.
+  // (note_segment); nested scopes restore the outer one. A null context leaves the thread's
+  // state alone (no history: the allocation path touches no thread-local).
   class segment_context_scope {
    public:
     explicit segment_context_scope(const alloc_context* c) noexcept;
@@ -629,7 +630,8 @@ class torch_allocator final : public cca::CUDAAllocator {
 
    private:
     static thread_local const alloc_context* current_;
-    const alloc_context* outer_;
+    const alloc_context* outer_ = nullptr;
+    bool set_ = false;
   };
   void note_alloc(void* p, std::size_t n, int device, cudaStream_t stream,
                   const alloc_context& ctx);

@@ -19,10 +19,14 @@ thread_local const torch_allocator::alloc_context*
     torch_allocator::segment_context_scope::current_ = nullptr;
 
 torch_allocator::segment_context_scope::segment_context_scope(const alloc_context* c) noexcept
-    : outer_(current_) {
+    : set_(c != nullptr) {
+  if (!set_) return;
+  outer_ = current_;
   current_ = c;
 }
-torch_allocator::segment_context_scope::~segment_context_scope() { current_ = outer_; }
+torch_allocator::segment_context_scope::~segment_context_scope() {
+  if (set_) current_ = outer_;
+}
 const torch_allocator::alloc_context* torch_allocator::segment_context_scope::current() noexcept {
   return current_;
 }
