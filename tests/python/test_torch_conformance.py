@@ -153,18 +153,22 @@ def test_mempool_with_its_own_allocator(ss):
     assert allocated() == before
 
 
-@contextlib.contextmanager
-def _cap_above_reserved(ss, extra_bytes):
-    """set_per_process_memory_fraction to what stays reserved once the cache is emptied, plus
-    extra_bytes; the fraction as before on exit. Yields the device's total memory."""
-    torch.cuda.empty_cache()
-    # In defer mode memory_reserved() still counts what empty_cache() queued until the release
-    # worker gives it back: the cap must start from what stays reserved.
+def _settle(ss):
+    """Waits (up to 10 s) until nothing empty_cache() queued is left behind a fence."""
     deadline = time.monotonic() + 10
     while ss.pending_release_bytes() and time.monotonic() < deadline:
         ss.reclaim()
         time.sleep(0.001)
     assert ss.pending_release_bytes() == 0
+
+
+@contextlib.contextmanager
+def _cap_above_reserved(ss, extra_bytes):
+    """set_per_process_memory_fraction to what stays reserved once the cache is emptied, plus
+    extra_bytes; the fraction as before on exit. Yields the device's total memory."""
+    torch.cuda.empty_cache()
+    # Memory behind a pending fence is still reserved: the cap starts from what stays reserved.
+    _settle(ss)
     _, total = torch.cuda.mem_get_info()
     fraction0 = torch.cuda.get_per_process_memory_fraction()
     torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + extra_bytes) / total)
@@ -244,6 +248,36 @@ def test_caching_allocator_disabled_goes_to_cuda_malloc(ss):
     p = torch._C._cuda_cudaCachingAllocator_raw_alloc(MiB, stream)
     assert torch.cuda.memory_stats()["requested_bytes.all.allocated"] == start + MiB
     torch._C._cuda_cudaCachingAllocator_raw_delete(p)
+
+
+def test_reserved_read_right_after_empty_cache_on_an_idle_device(ss):
+    """Read at once after empty_cache() (defer mode) on an idle device, memory_reserved() counts
+    none of what that call queued: every fence has completed, so the statistics read finishes
+    those releases first. A cap set from it then holds as after PyTorch's synchronous
+    empty_cache() (4 GiB queued, some 200 driver unmaps, would still be in flight otherwise)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    _settle(ss)
+    held = torch.cuda.memory_reserved()
+    xs = [torch.ones(64 * MiB, dtype=torch.uint8, device="cuda") for _ in range(64)]
+    del xs
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    assert reserved == held, (reserved - held) / MiB
+    assert ss.pending_release_bytes() == 0
+    # The cap a program derives from that read: two 40 MiB tensors fit in 100 MiB, a third does not.
+    _, total = torch.cuda.mem_get_info()
+    fraction0 = torch.cuda.get_per_process_memory_fraction()
+    torch.cuda.set_per_process_memory_fraction((reserved + 100 * MiB) / total)
+    try:
+        a = torch.ones(40 * MiB, dtype=torch.uint8, device="cuda")
+        b = torch.ones(40 * MiB, dtype=torch.uint8, device="cuda")
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.ones(40 * MiB, dtype=torch.uint8, device="cuda")
+        del a, b
+    finally:
+        torch.cuda.set_per_process_memory_fraction(fraction0)
 
 
 def test_count_peaks_not_below_current(ss):

@@ -235,16 +235,14 @@ class torch_allocator final : public cca::CUDAAllocator {
     std::lock_guard<std::mutex> lock(base_mu_);
     stats_base_[static_cast<std::size_t>(device)] = s;
   }
-  // Memory that empty_cache() queued and whose fence has already completed goes back to the
-  // driver first (never waiting on a fence), so that the new peak starts from the memory held
-  // after the release, as after PyTorch's synchronous empty_cache(); memory still behind a fence
-  // stays reserved and may lower the current value below the new peak later.
+  // The new peak starts from the memory held once every release whose fence has completed is
+  // done (device_stats, torch_mempool.cpp); memory still behind a fence stays reserved and may
+  // lower the current value below the new peak later.
   void resetPeakStats(c10::DeviceIndex device) override {
     check_device(device);
-    if (streamsafe::caching_allocator* a = ss_->find_device_allocator(device)) {
-      guarded("reset_peak_memory_stats", [&] { (void)a->reclaim(); });
+    finish_ready_releases(device, "reset_peak_memory_stats", /*only_when_queued=*/false);
+    if (streamsafe::caching_allocator* a = ss_->find_device_allocator(device))
       a->reset_peak_stats();
-    }
     for (const std::shared_ptr<pool_instance>& inst : instances())
       if (streamsafe::caching_allocator* a = inst->alloc->find_device_allocator(device))
         a->reset_peak_stats();
@@ -570,7 +568,16 @@ class torch_allocator final : public cca::CUDAAllocator {
   std::vector<std::shared_ptr<pool_instance>> instances();
   std::shared_ptr<pool_instance> make_instance(MempoolId_t id, int device,
                                                std::shared_ptr<cca::CUDAAllocator> allocator);
+  // Statistics of the device summed over the main allocator and each MemPool's. Releases that
+  // empty_cache() queued (defer mode) and whose fences have completed are finished first, on the
+  // calling thread and never waiting on a fence, so that reserved read right after an
+  // empty_cache() on an idle device is what stays held, as after PyTorch's synchronous
+  // empty_cache(). Memory behind a pending fence is still reserved (it is still mapped).
   streamsafe::statistics device_stats(c10::DeviceIndex device);
+  // only_when_queued: skip an allocator with nothing queued (the statistics read); otherwise
+  // reclaim() runs anyway, which also gives back what blocks that an empty_cache(defer) found
+  // pending other streams' work held, once those uses completed.
+  void finish_ready_releases(c10::DeviceIndex device, const char* what, bool only_when_queued);
   // caching_allocator_enable(False): cudaMalloc / cudaFree pass-through (torch_mempool.cpp).
   void* uncached_malloc(std::size_t n, c10::DeviceIndex device);
   bool uncached_free(void* ptr);

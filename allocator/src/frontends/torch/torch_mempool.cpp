@@ -234,7 +234,19 @@ std::vector<std::shared_ptr<torch_allocator::pool_instance>> torch_allocator::in
   return instances_;
 }
 
+void torch_allocator::finish_ready_releases(c10::DeviceIndex device, const char* what,
+                                            bool only_when_queued) {
+  auto finish = [&](streamsafe::caching_allocator* a) {
+    if (a && (!only_when_queued || a->pending_release_bytes() != 0))
+      guarded(what, [&] { (void)a->reclaim(); });
+  };
+  finish(ss_->find_device_allocator(device));
+  for (const auto& inst : instances())
+    if (inst->device == device) finish(inst->alloc->find_device_allocator(device));
+}
+
 streamsafe::statistics torch_allocator::device_stats(c10::DeviceIndex device) {
+  finish_ready_releases(device, "memory_stats", /*only_when_queued=*/true);
   streamsafe::statistics s = ss_->stats(device);
   for (const auto& inst : instances()) {
     if (inst->device != device) continue;
