@@ -9,8 +9,13 @@
 #
 # PEER_DIR: the folder holding torch_memory_tests.py (default .device-deps/peer, else
 # ../shared/peer). OUT_DIR: where each run's log goes (default $OUT if set, else /tmp/peer_suite).
-# Per run timeout: PEER_TIMEOUT seconds (default 200); PEER_RUNS picks the runs. Exit status 0 when every run completed
-# (whatever the tests said); the comparison is the output.
+# Per run timeout: PEER_TIMEOUT seconds (default 200); PEER_RUNS picks the runs (pytorch,
+# pytorch_expandable, streamsafe_cuda_malloc, streamsafe_expandable; default all but
+# pytorch_expandable). pytorch_expandable is PyTorch's allocator with expandable_segments:True, the
+# control for streamsafe's expandable backend: the suite's `expandable_segments` flag stays false,
+# so tests that assert the cudaMalloc segment counts fail there too. PEER_K selects tests (pytest
+# -k) to run them in another order or alone. Exit status 0 when every run completed (whatever the
+# tests said); the comparison is the output.
 set -u
 peer=${1:-}
 if [ -z "$peer" ]; then
@@ -31,7 +36,7 @@ run() {  # run NAME [ENV...]
   shift
   echo "== peer suite: $name ($*)"
   (cd "$work" && env "$@" timeout "$timeout_s" python3 -m pytest -q -rA -p no:cacheprovider \
-    --timeout 90 test_cuda.py) >"$out/$name.log" 2>&1
+    --timeout 90 test_cuda.py ${PEER_K:+-k "$PEER_K"}) >"$out/$name.log" 2>&1
   echo "   exit $? ; $(grep -E '^(=+ )?[0-9]+ (passed|failed)' "$out/$name.log" | tail -1)"
   grep -E '^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) ' "$out/$name.log" |
     sed -E 's/^([A-Z]+) test_cuda.py::([^ ]+).*/\2 \1/' | sort -u >"$out/$name.results"
@@ -41,41 +46,49 @@ run() {  # run NAME [ENV...]
 for r in ${PEER_RUNS:-pytorch streamsafe_cuda_malloc streamsafe_expandable}; do
   case $r in
     pytorch) run pytorch ;;
+    pytorch_expandable) run "$r" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ;;
     streamsafe_cuda_malloc) run "$r" STREAMSAFE_INSTALL=1 STREAMSAFE_ALLOC_CONF=backend:cuda_malloc ;;
     streamsafe_expandable) run "$r" STREAMSAFE_INSTALL=1 STREAMSAFE_ALLOC_CONF=backend:expandable ;;
-    *) echo "peer_suite: unknown run $r (pytorch, streamsafe_cuda_malloc, streamsafe_expandable)"; exit 2 ;;
+    *) echo "peer_suite: unknown run $r (pytorch, pytorch_expandable, streamsafe_cuda_malloc," \
+         "streamsafe_expandable)"; exit 2 ;;
   esac
 done
 
 python3 - "$out" <<'EOF'
 import os, sys
 out = sys.argv[1]
-runs = ["pytorch", "streamsafe_cuda_malloc", "streamsafe_expandable"]
+runs = ["pytorch", "pytorch_expandable", "streamsafe_cuda_malloc", "streamsafe_expandable"]
 res = {}
 for r in runs:
-    d = {}
     path = os.path.join(out, r + ".results")
     if os.path.exists(path):
+        d = {}
         for line in open(path):
             parts = line.split()
             if len(parts) == 2:
                 d[parts[0]] = parts[1]
-    res[r] = d
-tests = sorted(set().union(*[set(d) for d in res.values()]))
+        res[r] = d
+shown = [r for r in runs if r in res]
+tests = sorted(set().union(*[set(d) for d in res.values()])) if res else []
 w = max([len(t) for t in tests] + [10])
 print()
-print(f"{'test':<{w}}  {'pytorch':<8} {'ss cuda_malloc':<14} {'ss expandable':<14}")
+print(f"{'test':<{w}}  " + " ".join(f"{r:<22}" for r in shown))
 for t in tests:
-    print(f"{t:<{w}}  {res['pytorch'].get(t, '-'):<8} {res['streamsafe_cuda_malloc'].get(t, '-'):<14} "
-          f"{res['streamsafe_expandable'].get(t, '-'):<14}")
-for r in runs:
+    print(f"{t:<{w}}  " + " ".join(f"{res[r].get(t, '-'):<22}" for r in shown))
+for r in shown:
     d = res[r]
     print(f"{r}: {sum(v == 'PASSED' for v in d.values())} passed, "
           f"{sum(v in ('FAILED', 'ERROR') for v in d.values())} failed")
-native = {t for t, v in res["pytorch"].items() if v == "PASSED"}
-for r in runs[1:]:
+# Each streamsafe run against PyTorch's allocator, and the expandable one also against PyTorch's
+# expandable segments when that control ran.
+pairs = [("pytorch", "streamsafe_cuda_malloc"), ("pytorch", "streamsafe_expandable"),
+         ("pytorch_expandable", "streamsafe_expandable")]
+for base, r in pairs:
+    if base not in res or r not in res:
+        continue
+    native = {t for t, v in res[base].items() if v == "PASSED"}
     lost = sorted(t for t in native if res[r].get(t) != "PASSED")
-    print(f"\npasses with PyTorch's allocator, not with {r} ({len(lost)}):")
+    print(f"\npasses with {base}, not with {r} ({len(lost)}):")
     for t in lost:
         print("  " + t)
 EOF
