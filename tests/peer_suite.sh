@@ -9,13 +9,23 @@
 #
 # PEER_DIR: the folder holding torch_memory_tests.py (default .device-deps/peer, else
 # ../shared/peer). OUT_DIR: where each run's log goes (default $OUT if set, else /tmp/peer_suite).
-# Per run timeout: PEER_TIMEOUT seconds (default 200); PEER_RUNS picks the runs (pytorch,
-# pytorch_expandable, streamsafe_cuda_malloc, streamsafe_expandable; default all but
-# pytorch_expandable). pytorch_expandable is PyTorch's allocator with expandable_segments:True, the
-# control for streamsafe's expandable backend: the suite's `expandable_segments` flag stays false,
-# so tests that assert the cudaMalloc segment counts fail there too. PEER_K selects tests (pytest
-# -k) to run them in another order or alone. Exit status 0 when every run completed (whatever the
-# tests said); the comparison is the output.
+# Per run timeout: PEER_TIMEOUT seconds (default 200). PEER_RUNS picks the runs, in order (default
+# pytorch streamsafe_cuda_malloc streamsafe_expandable):
+#   pytorch                     PyTorch's allocator as configured (the suite's baseline)
+#   streamsafe_cuda_malloc      streamsafe, backend:cuda_malloc
+#   streamsafe_expandable       streamsafe, backend:expandable
+#   pytorch_expandable          PyTorch's allocator with expandable_segments:True, the suite as it is:
+#                               its expandable_segments flag stays false, so the tests that assert
+#                               the cudaMalloc segment counts and sizes fail there too
+#   pytorch_expandable_flag     the same in PyTorch's own expandable mode (its
+#   streamsafe_expandable_flag  test_cuda_expandable_segments.py): the suite's flag true, which turns
+#                               those assertions into the expandable counts; and streamsafe's
+#                               expandable backend under the same flag
+# The flag runs add a conftest.py beside the copy that sets PYTORCH_CUDA_ALLOC_CONF before the
+# suite is imported and the suite's EXPANDABLE_SEGMENTS to true. PEER_K selects tests (pytest -k),
+# to run them alone or in another order. The comparison reads every run's results in OUT_DIR,
+# earlier calls' too. Exit status 0 when every run completed (whatever the tests
+# said); the comparison is the output.
 set -u
 peer=${1:-}
 if [ -z "$peer" ]; then
@@ -31,9 +41,26 @@ cp "$peer/torch_memory_tests.py" "$work/test_cuda.py"
 export PYTHONPATH="$peer${PYTHONPATH:+:$PYTHONPATH}"
 timeout_s=${PEER_TIMEOUT:-200}
 
+# The suite's expandable mode, as PyTorch's own expandable run sets it (flag runs only).
+flag_conftest() {
+  cat >"$work/conftest.py" <<'PY'
+import os
+os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and hasattr(module, "EXPANDABLE_SEGMENTS"):
+            module.EXPANDABLE_SEGMENTS = True
+PY
+}
+
 run() {  # run NAME [ENV...]
   local name=$1
   shift
+  rm -f "$work/conftest.py"
+  case $name in *_flag) flag_conftest ;; esac
   echo "== peer suite: $name ($*)"
   (cd "$work" && env "$@" timeout "$timeout_s" python3 -m pytest -q -rA -p no:cacheprovider \
     --timeout 90 test_cuda.py ${PEER_K:+-k "$PEER_K"}) >"$out/$name.log" 2>&1
@@ -42,22 +69,23 @@ run() {  # run NAME [ENV...]
     sed -E 's/^([A-Z]+) test_cuda.py::([^ ]+).*/\2 \1/' | sort -u >"$out/$name.results"
 }
 
-# PEER_RUNS: which runs, in order (default all three).
 for r in ${PEER_RUNS:-pytorch streamsafe_cuda_malloc streamsafe_expandable}; do
   case $r in
     pytorch) run pytorch ;;
-    pytorch_expandable) run "$r" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ;;
+    pytorch_expandable | pytorch_expandable_flag) run "$r" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ;;
     streamsafe_cuda_malloc) run "$r" STREAMSAFE_INSTALL=1 STREAMSAFE_ALLOC_CONF=backend:cuda_malloc ;;
-    streamsafe_expandable) run "$r" STREAMSAFE_INSTALL=1 STREAMSAFE_ALLOC_CONF=backend:expandable ;;
-    *) echo "peer_suite: unknown run $r (pytorch, pytorch_expandable, streamsafe_cuda_malloc," \
-         "streamsafe_expandable)"; exit 2 ;;
+    streamsafe_expandable | streamsafe_expandable_flag)
+      run "$r" STREAMSAFE_INSTALL=1 STREAMSAFE_ALLOC_CONF=backend:expandable ;;
+    *) echo "peer_suite: unknown run $r (pytorch, pytorch_expandable, pytorch_expandable_flag," \
+         "streamsafe_cuda_malloc, streamsafe_expandable, streamsafe_expandable_flag)"; exit 2 ;;
   esac
 done
 
 python3 - "$out" <<'EOF'
 import os, sys
 out = sys.argv[1]
-runs = ["pytorch", "pytorch_expandable", "streamsafe_cuda_malloc", "streamsafe_expandable"]
+runs = ["pytorch", "pytorch_expandable", "pytorch_expandable_flag", "streamsafe_cuda_malloc",
+        "streamsafe_expandable", "streamsafe_expandable_flag"]
 res = {}
 for r in runs:
     path = os.path.join(out, r + ".results")
@@ -72,9 +100,9 @@ shown = [r for r in runs if r in res]
 tests = sorted(set().union(*[set(d) for d in res.values()])) if res else []
 w = max([len(t) for t in tests] + [10])
 print()
-print(f"{'test':<{w}}  " + " ".join(f"{r:<22}" for r in shown))
+print(f"{'test':<{w}}  " + " ".join(f"{r:<26}" for r in shown))
 for t in tests:
-    print(f"{t:<{w}}  " + " ".join(f"{res[r].get(t, '-'):<22}" for r in shown))
+    print(f"{t:<{w}}  " + " ".join(f"{res[r].get(t, '-'):<26}" for r in shown))
 for r in shown:
     d = res[r]
     print(f"{r}: {sum(v == 'PASSED' for v in d.values())} passed, "
@@ -82,7 +110,8 @@ for r in shown:
 # Each streamsafe run against PyTorch's allocator, and the expandable one also against PyTorch's
 # expandable segments when that control ran.
 pairs = [("pytorch", "streamsafe_cuda_malloc"), ("pytorch", "streamsafe_expandable"),
-         ("pytorch_expandable", "streamsafe_expandable")]
+         ("pytorch_expandable", "streamsafe_expandable"),
+         ("pytorch_expandable_flag", "streamsafe_expandable_flag")]
 for base, r in pairs:
     if base not in res or r not in res:
         continue
