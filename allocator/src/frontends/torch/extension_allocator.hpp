@@ -576,7 +576,8 @@ class torch_allocator final : public cca::CUDAAllocator {
   streamsafe::statistics device_stats(c10::DeviceIndex device);
   // only_when_queued: skip an allocator with nothing queued (the statistics read); otherwise
   // reclaim() runs anyway, which also gives back what blocks that an empty_cache(defer) found
-  // pending other streams' work held, once those uses completed.
+  // pending other streams' work held, once those uses completed. A failed release is a warning
+  // (the memory stays queued and counted), never an error of the read.
   void finish_ready_releases(c10::DeviceIndex device, const char* what, bool only_when_queued);
   // caching_allocator_enable(False): cudaMalloc / cudaFree pass-through (torch_mempool.cpp).
   void* uncached_malloc(std::size_t n, c10::DeviceIndex device);
