@@ -240,12 +240,14 @@ class torch_allocator final : public cca::CUDAAllocator {
   // lower the current value below the new peak later.
   void resetPeakStats(c10::DeviceIndex device) override {
     check_device(device);
-    finish_ready_releases(device, "reset_peak_memory_stats", /*only_when_queued=*/false);
-    if (streamsafe::caching_allocator* a = ss_->find_device_allocator(device))
+    auto reset = [&](streamsafe::caching_allocator* a) {
+      if (!a) return;
+      finish_ready_releases(a, "reset_peak_memory_stats");
       a->reset_peak_stats();
+    };
+    reset(ss_->find_device_allocator(device));
     for (const std::shared_ptr<pool_instance>& inst : instances())
-      if (streamsafe::caching_allocator* a = inst->alloc->find_device_allocator(device))
-        a->reset_peak_stats();
+      reset(inst->alloc->find_device_allocator(device));
   }
 
   // ---- CUDAAllocator -------------------------------------------------------------------
@@ -574,11 +576,10 @@ class torch_allocator final : public cca::CUDAAllocator {
   // empty_cache() on an idle device is what stays held, as after PyTorch's synchronous
   // empty_cache(). Memory behind a pending fence is still reserved (it is still mapped).
   streamsafe::statistics device_stats(c10::DeviceIndex device);
-  // only_when_queued: skip an allocator with nothing queued (the statistics read); otherwise
-  // reclaim() runs anyway, which also gives back what blocks that an empty_cache(defer) found
-  // pending other streams' work held, once those uses completed. A failed release is a warning
-  // (the memory stays queued and counted), never an error of the read.
-  void finish_ready_releases(c10::DeviceIndex device, const char* what, bool only_when_queued);
+  // a->reclaim() (null: nothing), which also gives back what blocks that an empty_cache(defer)
+  // found pending other streams' work held, once those uses completed. A failed release is a
+  // warning (the memory stays queued and counted), never an error of the read.
+  void finish_ready_releases(streamsafe::caching_allocator* a, const char* what);
   // caching_allocator_enable(False): cudaMalloc / cudaFree pass-through (torch_mempool.cpp).
   void* uncached_malloc(std::size_t n, c10::DeviceIndex device);
   bool uncached_free(void* ptr);

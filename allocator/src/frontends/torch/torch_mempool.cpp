@@ -234,28 +234,37 @@ std::vector<std::shared_ptr<torch_allocator::pool_instance>> torch_allocator::in
   return instances_;
 }
 
-void torch_allocator::finish_ready_releases(c10::DeviceIndex device, const char* what,
-                                            bool only_when_queued) {
-  auto finish = [&](streamsafe::caching_allocator* a) {
-    if (!a || (only_when_queued && a->pending_release_bytes() == 0)) return;
-    try {
-      (void)a->reclaim();
-    } catch (const std::exception& e) {
-      // A failed driver call leaves the memory queued and counted (nothing lost); the read goes on.
-      TORCH_WARN("streamsafe: ", what, ": finishing releases: ", e.what());
-    }
-  };
-  finish(ss_->find_device_allocator(device));
-  for (const auto& inst : instances())
-    if (inst->device == device) finish(inst->alloc->find_device_allocator(device));
+void torch_allocator::finish_ready_releases(streamsafe::caching_allocator* a, const char* what) {
+  if (!a) return;
+  try {
+    (void)a->reclaim();
+  } catch (const std::exception& e) {
+    // A failed driver call leaves the memory queued and counted (nothing lost); the read goes on.
+    TORCH_WARN("streamsafe: ", what, ": finishing releases: ", e.what());
+  }
 }
 
+namespace {
+// Bytes queued for release or being given back (pending_release_bytes), from the statistics.
+bool releases_queued(const streamsafe::statistics& s) {
+  return s.release_queued_bytes + s.release_worker_bytes != 0;
+}
+}  // namespace
+
 streamsafe::statistics torch_allocator::device_stats(c10::DeviceIndex device) {
-  finish_ready_releases(device, "memory_stats", /*only_when_queued=*/true);
+  // The common case (nothing queued) reads each allocator's statistics once, as before.
   streamsafe::statistics s = ss_->stats(device);
+  if (releases_queued(s)) {
+    finish_ready_releases(ss_->find_device_allocator(device), "memory_stats");
+    s = ss_->stats(device);
+  }
   for (const auto& inst : instances()) {
     if (inst->device != device) continue;
-    const streamsafe::statistics x = inst->alloc->stats(device);
+    streamsafe::statistics x = inst->alloc->stats(device);
+    if (releases_queued(x)) {
+      finish_ready_releases(inst->alloc->find_device_allocator(device), "memory_stats");
+      x = inst->alloc->stats(device);
+    }
     // Every pool, then each kind (small_pool, large_pool).
     for (auto [sk, xk] :
          {std::pair<streamsafe::pool_statistics*, const streamsafe::pool_statistics*>{&s, &x},
