@@ -9,23 +9,28 @@
 #
 # PEER_DIR: the folder holding torch_memory_tests.py (default .device-deps/peer, else
 # ../shared/peer). OUT_DIR: where each run's log goes (default $OUT if set, else /tmp/peer_suite).
-# Per run timeout: PEER_TIMEOUT seconds (default 200). PEER_RUNS picks the runs, in order (default
-# pytorch streamsafe_cuda_malloc streamsafe_expandable):
+# Per run timeout: PEER_TIMEOUT seconds (default 200; a run takes 150-250 s on an H100). PEER_RUNS
+# picks the runs, in order (default pytorch streamsafe_cuda_malloc streamsafe_expandable):
 #   pytorch                     PyTorch's allocator as configured (the suite's baseline)
 #   streamsafe_cuda_malloc      streamsafe, backend:cuda_malloc
-#   streamsafe_expandable       streamsafe, backend:expandable
-#   pytorch_expandable          PyTorch's allocator with expandable_segments:True, the suite as it is:
-#                               its expandable_segments flag stays false, so the tests that assert
-#                               the cudaMalloc segment counts and sizes fail there too
-#   pytorch_expandable_flag     the same in PyTorch's own expandable mode (its
-#   streamsafe_expandable_flag  test_cuda_expandable_segments.py): the suite's flag true, which turns
-#                               those assertions into the expandable counts; and streamsafe's
-#                               expandable backend under the same flag
-# The flag runs add a conftest.py beside the copy that sets PYTORCH_CUDA_ALLOC_CONF before the
+#   streamsafe_expandable       streamsafe, backend:expandable; the suite's expandable_segments flag
+#                               is false, so its graph-pool tests assert cudaMalloc segment counts
+#   pytorch_expandable          PyTorch's allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True;
+#                               torch 2.11's test utilities read that variable, so the suite's flag
+#                               is true here (the results equal pytorch_expandable_flag's)
+#   pytorch_expandable_flag     the suite in PyTorch's own expandable mode (its
+#   streamsafe_expandable_flag  test_cuda_expandable_segments.py): the flag true, which turns those
+#                               assertions into the expandable counts; and streamsafe's expandable
+#                               backend under the same flag
+# The flag runs add a conftest.py beside their copy that sets PYTORCH_CUDA_ALLOC_CONF before the
 # suite is imported and the suite's EXPANDABLE_SEGMENTS to true. PEER_K selects tests (pytest -k),
-# to run them alone or in another order. The comparison reads every run's results in OUT_DIR,
-# earlier calls' too. Exit status 0 when every run completed (whatever the tests
-# said); the comparison is the output.
+# to run them alone or in another order; PEER_PYTEST_ARGS adds pytest arguments (e.g.
+# --durations=10). PEER_PARALLEL=1 runs the chosen runs at once on the one GPU, each in its own
+# process and folder (four runs took 245 s on an H100 instead of about 700 s; the suite's large
+# allocations are at most half the device, so two of them at the same moment can make a spurious
+# out-of-memory failure: rerun such a test alone with PEER_K). The comparison reads every run's
+# results in OUT_DIR, earlier calls' too. Exit status 0 when every run completed (whatever the
+# tests said); the comparison is the output.
 set -u
 peer=${1:-}
 if [ -z "$peer" ]; then
@@ -34,16 +39,14 @@ fi
 peer=$(cd "$peer" && pwd) || { echo "peer_suite: no folder $peer"; exit 2; }
 out=${2:-${OUT:-/tmp/peer_suite}}
 mkdir -p "$out" ~/.cache
-work=$(mktemp -d /tmp/peer_tc.XXXXXX)
-# The copy must be named test_cuda.py: a few tests assert that recorded stacks name that file.
-cp "$peer/torch_memory_tests.py" "$work/test_cuda.py"
 [ -f "$peer/flamegraph.pl" ] && cp "$peer/flamegraph.pl" ~/.cache/
+tmp=$(mktemp -d /tmp/peer_tc.XXXXXX)  # one folder per run inside
 export PYTHONPATH="$peer${PYTHONPATH:+:$PYTHONPATH}"
 timeout_s=${PEER_TIMEOUT:-200}
 
 # The suite's expandable mode, as PyTorch's own expandable run sets it (flag runs only).
-flag_conftest() {
-  cat >"$work/conftest.py" <<'PY'
+flag_conftest() {  # flag_conftest DIR
+  cat >"$1/conftest.py" <<'PY'
 import os
 os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
@@ -59,27 +62,41 @@ PY
 run() {  # run NAME [ENV...]
   local name=$1
   shift
-  rm -f "$work/conftest.py"
-  case $name in *_flag) flag_conftest ;; esac
+  local work=$tmp/$name
+  mkdir -p "$work"
+  # The copy must be named test_cuda.py: a few tests assert that recorded stacks name that file.
+  cp "$peer/torch_memory_tests.py" "$work/test_cuda.py"
+  case $name in *_flag) flag_conftest "$work" ;; esac
   echo "== peer suite: $name ($*)"
   (cd "$work" && env "$@" timeout "$timeout_s" python3 -m pytest -q -rA -p no:cacheprovider \
-    --timeout 90 test_cuda.py ${PEER_K:+-k "$PEER_K"}) >"$out/$name.log" 2>&1
+    --timeout 90 test_cuda.py ${PEER_K:+-k "$PEER_K"} ${PEER_PYTEST_ARGS:-}) >"$out/$name.log" 2>&1
   echo "   exit $? ; $(grep -E '^(=+ )?[0-9]+ (passed|failed)' "$out/$name.log" | tail -1)"
   grep -E '^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) ' "$out/$name.log" |
     sed -E 's/^([A-Z]+) test_cuda.py::([^ ]+).*/\2 \1/' | sort -u >"$out/$name.results"
 }
 
-for r in ${PEER_RUNS:-pytorch streamsafe_cuda_malloc streamsafe_expandable}; do
-  case $r in
+one() {  # one RUN: the run's settings
+  case $1 in
     pytorch) run pytorch ;;
-    pytorch_expandable | pytorch_expandable_flag) run "$r" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ;;
-    streamsafe_cuda_malloc) run "$r" STREAMSAFE_INSTALL=1 STREAMSAFE_ALLOC_CONF=backend:cuda_malloc ;;
+    pytorch_expandable | pytorch_expandable_flag) run "$1" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ;;
+    streamsafe_cuda_malloc) run "$1" STREAMSAFE_INSTALL=1 STREAMSAFE_ALLOC_CONF=backend:cuda_malloc ;;
     streamsafe_expandable | streamsafe_expandable_flag)
-      run "$r" STREAMSAFE_INSTALL=1 STREAMSAFE_ALLOC_CONF=backend:expandable ;;
-    *) echo "peer_suite: unknown run $r (pytorch, pytorch_expandable, pytorch_expandable_flag," \
-         "streamsafe_cuda_malloc, streamsafe_expandable, streamsafe_expandable_flag)"; exit 2 ;;
+      run "$1" STREAMSAFE_INSTALL=1 STREAMSAFE_ALLOC_CONF=backend:expandable ;;
   esac
+}
+known=" pytorch pytorch_expandable pytorch_expandable_flag streamsafe_cuda_malloc streamsafe_expandable streamsafe_expandable_flag "
+for r in ${PEER_RUNS:-pytorch streamsafe_cuda_malloc streamsafe_expandable}; do
+  case $known in *" $r "*) ;; *) echo "peer_suite: unknown run $r (one of:$known)"; exit 2 ;; esac
 done
+for r in ${PEER_RUNS:-pytorch streamsafe_cuda_malloc streamsafe_expandable}; do
+  if [ "${PEER_PARALLEL:-0}" = 1 ]; then
+    one "$r" &
+    sleep 2  # staggered starts: the CUDA contexts come up one at a time
+  else
+    one "$r"
+  fi
+done
+wait
 
 python3 - "$out" <<'EOF'
 import os, sys
@@ -94,7 +111,9 @@ for r in runs:
         for line in open(path):
             parts = line.split()
             if len(parts) == 2:
-                d[parts[0]] = parts[1]
+                # A test that passed but whose tearDown raised has two lines: the failure wins.
+                if d.get(parts[0]) not in ("FAILED", "ERROR"):
+                    d[parts[0]] = parts[1]
         res[r] = d
 shown = [r for r in runs if r in res]
 tests = sorted(set().union(*[set(d) for d in res.values()])) if res else []
@@ -107,10 +126,11 @@ for r in shown:
     d = res[r]
     print(f"{r}: {sum(v == 'PASSED' for v in d.values())} passed, "
           f"{sum(v in ('FAILED', 'ERROR') for v in d.values())} failed")
-# Each streamsafe run against PyTorch's allocator, and the expandable one also against PyTorch's
-# expandable segments when that control ran.
+# Each streamsafe run against PyTorch's allocator in the same mode of the suite: the default and
+# streamsafe_expandable with the flag false, PyTorch's expandable runs (flag true) with
+# streamsafe_expandable_flag.
 pairs = [("pytorch", "streamsafe_cuda_malloc"), ("pytorch", "streamsafe_expandable"),
-         ("pytorch_expandable", "streamsafe_expandable"),
+         ("pytorch_expandable", "streamsafe_expandable_flag"),
          ("pytorch_expandable_flag", "streamsafe_expandable_flag")]
 for base, r in pairs:
     if base not in res or r not in res:
@@ -121,5 +141,5 @@ for base, r in pairs:
     for t in lost:
         print("  " + t)
 EOF
-rm -rf "$work"
+rm -rf "$tmp"
 exit 0
