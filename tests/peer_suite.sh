@@ -9,7 +9,7 @@
 #
 # PEER_DIR: the folder holding torch_memory_tests.py (default .device-deps/peer, else
 # ../shared/peer). OUT_DIR: where each run's log goes (default $OUT if set, else /tmp/peer_suite).
-# Per run timeout: PEER_TIMEOUT seconds (default 200; a run takes 150-250 s on an H100). PEER_RUNS
+# Per run timeout: PEER_TIMEOUT seconds (default 300; a run takes 150-250 s on an H100). PEER_RUNS
 # picks the runs, in order (default pytorch streamsafe_cuda_malloc streamsafe_expandable):
 #   pytorch                     PyTorch's allocator as configured (the suite's baseline)
 #   streamsafe_cuda_malloc      streamsafe, backend:cuda_malloc
@@ -29,20 +29,38 @@
 # process and folder (four runs took 245 s on an H100 instead of about 700 s; the suite's large
 # allocations are at most half the device, so two of them at the same moment can make a spurious
 # out-of-memory failure: rerun such a test alone with PEER_K). The comparison reads every run's
-# results in OUT_DIR, earlier calls' too. Exit status 0 when every run completed (whatever the
-# tests said); the comparison is the output.
+# results in OUT_DIR, earlier calls' too, comparing only the tests that both runs of a pair ran.
+# Each test has 90 s (pytest-timeout); at PEER_TIMEOUT a run is interrupted and keeps the results
+# of the tests that finished. Skipped tests are not listed. Exit status 0 when every run completed
+# (whatever the tests said; pytest exit 0 or 1), 1 when one did not, 2 for a bad argument; the
+# comparison is the output.
 set -u
 peer=${1:-}
 if [ -z "$peer" ]; then
   if [ -f .device-deps/peer/torch_memory_tests.py ]; then peer=.device-deps/peer; else peer=../shared/peer; fi
 fi
-peer=$(cd "$peer" && pwd) || { echo "peer_suite: no folder $peer"; exit 2; }
+[ -d "$peer" ] || { echo "peer_suite: no folder $peer"; exit 2; }
+peer=$(cd "$peer" && pwd)
+[ -f "$peer/torch_memory_tests.py" ] || { echo "peer_suite: no torch_memory_tests.py in $peer"; exit 2; }
+runs=${PEER_RUNS:-pytorch streamsafe_cuda_malloc streamsafe_expandable}
+known=" pytorch pytorch_expandable pytorch_expandable_flag streamsafe_cuda_malloc streamsafe_expandable streamsafe_expandable_flag "
+seen=" "
+for r in $runs; do
+  case $known in *" $r "*) ;; *) echo "peer_suite: unknown run $r (one of:$known)"; exit 2 ;; esac
+  case $seen in *" $r "*) echo "peer_suite: run $r named twice"; exit 2 ;; esac
+  seen="$seen$r "
+done
 out=${2:-${OUT:-/tmp/peer_suite}}
 mkdir -p "$out" ~/.cache
+# One snapshot test would download flamegraph.pl to ~/.cache; the peer folder carries it.
 [ -f "$peer/flamegraph.pl" ] && cp "$peer/flamegraph.pl" ~/.cache/
 tmp=$(mktemp -d /tmp/peer_tc.XXXXXX)  # one folder per run inside
+# Interrupted or done: stop the runs still going and remove the copies.
+kill_tree() { local c; for c in $(pgrep -P "$1"); do kill_tree "$c"; done; kill "$1" 2>/dev/null; }
+trap 'for j in $(jobs -p); do kill_tree "$j"; done; rm -rf "$tmp"' EXIT
+trap 'exit 130' INT TERM
 export PYTHONPATH="$peer${PYTHONPATH:+:$PYTHONPATH}"
-timeout_s=${PEER_TIMEOUT:-200}
+timeout_s=${PEER_TIMEOUT:-300}
 
 # The suite's expandable mode, as PyTorch's own expandable run sets it (flag runs only).
 flag_conftest() {  # flag_conftest DIR
@@ -68,9 +86,16 @@ run() {  # run NAME [ENV...]
   cp "$peer/torch_memory_tests.py" "$work/test_cuda.py"
   case $name in *_flag) flag_conftest "$work" ;; esac
   echo "== peer suite: $name ($*)"
-  (cd "$work" && env "$@" timeout "$timeout_s" python3 -m pytest -q -rA -p no:cacheprovider \
-    --timeout 90 test_cuda.py ${PEER_K:+-k "$PEER_K"} ${PEER_PYTEST_ARGS:-}) >"$out/$name.log" 2>&1
-  echo "   exit $? ; $(grep -E '^(=+ )?[0-9]+ (passed|failed)' "$out/$name.log" | tail -1)"
+  # SIGINT at the run's limit: pytest stops the test under way and still prints its summary, so
+  # the tests that finished keep their results (--foreground: Ctrl-C reaches pytest too).
+  (cd "$work" && env "$@" timeout --foreground -s INT -k 30 "$timeout_s" python3 -m pytest -q -rA \
+    -p no:cacheprovider --timeout 90 test_cuda.py ${PEER_K:+-k "$PEER_K"} ${PEER_PYTEST_ARGS:-}) \
+    >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "$rc" >"$tmp/$name.rc"
+  local note=""
+  [ "$rc" -ge 2 ] && note=" (did not complete: pytest exit 2-5 is an error of the run, 124 its limit)"
+  echo "== $name: exit $rc$note; $(grep -E '^(=+ )?[0-9]+ (passed|failed)' "$out/$name.log" | tail -1)"
   grep -E '^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) ' "$out/$name.log" |
     sed -E 's/^([A-Z]+) test_cuda.py::([^ ]+).*/\2 \1/' | sort -u >"$out/$name.results"
 }
@@ -84,11 +109,7 @@ one() {  # one RUN: the run's settings
       run "$1" STREAMSAFE_INSTALL=1 STREAMSAFE_ALLOC_CONF=backend:expandable ;;
   esac
 }
-known=" pytorch pytorch_expandable pytorch_expandable_flag streamsafe_cuda_malloc streamsafe_expandable streamsafe_expandable_flag "
-for r in ${PEER_RUNS:-pytorch streamsafe_cuda_malloc streamsafe_expandable}; do
-  case $known in *" $r "*) ;; *) echo "peer_suite: unknown run $r (one of:$known)"; exit 2 ;; esac
-done
-for r in ${PEER_RUNS:-pytorch streamsafe_cuda_malloc streamsafe_expandable}; do
+for r in $runs; do
   if [ "${PEER_PARALLEL:-0}" = 1 ]; then
     one "$r" &
     sleep 2  # staggered starts: the CUDA contexts come up one at a time
@@ -135,11 +156,19 @@ pairs = [("pytorch", "streamsafe_cuda_malloc"), ("pytorch", "streamsafe_expandab
 for base, r in pairs:
     if base not in res or r not in res:
         continue
-    native = {t for t, v in res[base].items() if v == "PASSED"}
-    lost = sorted(t for t in native if res[r].get(t) != "PASSED")
-    print(f"\npasses with {base}, not with {r} ({len(lost)}):")
+    # Only the tests both runs ran (a PEER_K run beside an earlier full one).
+    both = set(res[base]) & set(res[r])
+    native = {t for t in both if res[base][t] == "PASSED"}
+    lost = sorted(t for t in native if res[r][t] != "PASSED")
+    only = len(set(res[base]) ^ set(res[r]))
+    print(f"\npasses with {base}, not with {r} ({len(lost)}"
+          + (f"; {only} tests ran in only one of the two, not compared" if only else "") + "):")
     for t in lost:
         print("  " + t)
 EOF
-rm -rf "$tmp"
-exit 0
+status=0
+for r in $runs; do
+  rc=$(cat "$tmp/$r.rc" 2>/dev/null || echo 124)
+  [ "$rc" -ge 2 ] && status=1
+done
+exit $status
