@@ -56,7 +56,9 @@ mkdir -p "$out" ~/.cache
 [ -f "$peer/flamegraph.pl" ] && cp "$peer/flamegraph.pl" ~/.cache/
 tmp=$(mktemp -d /tmp/peer_tc.XXXXXX)  # one folder per run inside
 # Interrupted or done: stop the runs still going and remove the copies.
+# shellcheck disable=SC2317  # called from the trap
 kill_tree() { local c; for c in $(pgrep -P "$1"); do kill_tree "$c"; done; kill "$1" 2>/dev/null; }
+# shellcheck disable=SC2154  # j is the trap's own loop variable
 trap 'for j in $(jobs -p); do kill_tree "$j"; done; rm -rf "$tmp"' EXIT
 trap 'exit 130' INT TERM
 export PYTHONPATH="$peer${PYTHONPATH:+:$PYTHONPATH}"
@@ -86,8 +88,10 @@ run() {  # run NAME [ENV...]
   cp "$peer/torch_memory_tests.py" "$work/test_cuda.py"
   case $name in *_flag) flag_conftest "$work" ;; esac
   echo "== peer suite: $name ($*)"
+  # PEER_PYTEST_ARGS splits on spaces (several arguments, none with a space inside).
   # SIGINT at the run's limit: pytest stops the test under way and still prints its summary, so
   # the tests that finished keep their results (--foreground: Ctrl-C reaches pytest too).
+  # shellcheck disable=SC2086
   (cd "$work" && env "$@" timeout --foreground -s INT -k 30 "$timeout_s" python3 -m pytest -q -rA \
     -p no:cacheprovider --timeout 90 test_cuda.py ${PEER_K:+-k "$PEER_K"} ${PEER_PYTEST_ARGS:-}) \
     >"$out/$name.log" 2>&1
