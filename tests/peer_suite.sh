@@ -123,11 +123,10 @@ for r in $runs; do
 done
 wait
 
-python3 - "$out" <<'EOF'
+# shellcheck disable=SC2086  # $known: one argument per run name
+python3 - "$out" $known <<'EOF'
 import os, sys
-out = sys.argv[1]
-runs = ["pytorch", "pytorch_expandable", "pytorch_expandable_flag", "streamsafe_cuda_malloc",
-        "streamsafe_expandable", "streamsafe_expandable_flag"]
+out, runs = sys.argv[1], sys.argv[2:]
 res = {}
 for r in runs:
     path = os.path.join(out, r + ".results")
