@@ -5,7 +5,7 @@
 // match to the caller's stream state: that rule stays a convention.
 #pragma once
 
-#include "allocator_state.hpp"
+#include "core/allocator_state.hpp"
 
 #include <streamsafe/core/caching_allocator.hpp>
 #include <streamsafe/core/sleep.hpp>

@@ -19,9 +19,9 @@
 // block.hpp the block and segment invariants. The constructor reads the device's memory, takes
 // no lock (nothing is shared yet); the destructor runs destroy_all (destruction.cpp), which
 // takes the device lock.
-#include "allocator_impl.hpp"
-#include "logging.hpp"
-#include "size_classes.hpp"
+#include "core/allocator_impl.hpp"
+#include "core/blocks/size_classes.hpp"
+#include "core/common/logging.hpp"
 
 #include <algorithm>
 #include <atomic>
