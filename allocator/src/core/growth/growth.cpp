@@ -1,9 +1,10 @@
-// streamsafe core: growth, step 3 of the allocation order (allocate.cpp), and step 4's move of
-// a whole free segment from another stream.
+// streamsafe core: growth's mechanisms: new segments, ranges and chunks, and the move of a whole
+// free segment from another stream. When each is used is the growth policy's choice
+// (growth_policy.cpp, which numbers its steps).
 //
 // cuda_malloc backend: one segment per growth (segment_bytes_for), within limits_.limit_bytes; a
 // growth of a large pool that would raise peak reserved first takes a whole free segment of another
-// stream's large pool (steal_segment_locked, as step 4 does at the memory limit).
+// stream's large pool (steal_segment_locked, as the policy does at the memory limit).
 // expandable backend: reserved address ranges per pool (a first one, and another when a request
 // fits in no hole of those the pool has), chunks mapped into their unmapped blocks as needed
 // (each chunk mapped alone, so that any may later be unmapped alone; segment::chunks). A growth
