@@ -262,7 +262,8 @@ struct caching_allocator::impl : detail::allocator_state {
   void destroy_ipc_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
   void check_ipc_locked() const STREAMSAFE_REQUIRES(mu_);
   void retire_exports_in_locked(std::uintptr_t addr, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
-  // ---- release.cpp: giving memory back behind fences (mu_, and a segment's owner lock) ------
+  // ---- release.cpp, release_collect.cpp, empty_cache.cpp: giving memory back behind fences ---
+  // (mu_, and a segment's owner lock)
   std::vector<stream_handle> fence_streams_locked(const segment* seg) const
       STREAMSAFE_REQUIRES(mu_);
   void add_fence_streams_locked(release_batch& batch, const segment* seg) const
