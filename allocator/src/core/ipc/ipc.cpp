@@ -186,7 +186,7 @@ void caching_allocator::impl::destroy_ipc_locked(device_lock& lk) {
 }
 
 // For check_invariants (invariants.cpp).
-void caching_allocator::impl::check_ipc_locked() const {
+void detail::diagnostics_layer::check_ipc_locked() const {
   auto fail = [](const char* what) {
     throw std::logic_error(std::string("streamsafe: invariant violated: ") + what);
   };

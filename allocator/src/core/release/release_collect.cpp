@@ -3,13 +3,14 @@
 // are detached (state releasing) into a release_batch; the fence's streams follow the fence
 // scope. release.cpp has the rules of a release; empty_cache.cpp calls these. Every function
 // here runs with the device lock (mu_) held.
-#include "core/allocator_impl.hpp"
+#include "core/release/release_collect.hpp"
 
 #include <algorithm>
 
 namespace streamsafe {
 
-std::vector<stream_handle> caching_allocator::impl::fence_streams_locked(const segment* seg) const {
+std::vector<stream_handle> detail::release_collect_layer::fence_streams_locked(
+    const segment* seg) const {
   std::vector<stream_handle> out;
   auto alive =
       [&](stream_handle s) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {  // under mu_, as its caller
@@ -40,15 +41,16 @@ std::vector<stream_handle> caching_allocator::impl::fence_streams_locked(const s
   return out;
 }
 
-void caching_allocator::impl::add_fence_streams_locked(release_batch& batch,
-                                                       const segment* seg) const {
+void detail::release_collect_layer::add_fence_streams_locked(release_batch& batch,
+                                                             const segment* seg) const {
   for (stream_handle s : fence_streams_locked(seg)) {
     if (std::find(batch.streams.begin(), batch.streams.end(), s) == batch.streams.end())
       batch.streams.push_back(s);
   }
 }
 
-void caching_allocator::impl::detach_whole_segment_locked(release_batch& batch, segment* seg) {
+void detail::release_collect_layer::detach_whole_segment_locked(release_batch& batch,
+                                                                segment* seg) {
   block* f = seg->first;
   seg->owner->mapped.erase(f);
   f->state = block_state::releasing;
@@ -58,8 +60,8 @@ void caching_allocator::impl::detach_whole_segment_locked(release_batch& batch, 
 }
 
 // The whole chunks of seg's free mapped blocks but `keep`, detached into batch; true if any.
-bool caching_allocator::impl::detach_free_chunks_locked(release_batch& batch, segment* seg,
-                                                        const block* keep) {
+bool detail::release_collect_layer::detach_free_chunks_locked(release_batch& batch, segment* seg,
+                                                              const block* keep) {
   // The whole chunks inside each free mapped block of an expandable segment (but `keep`) become
   // blocks of state releasing in `batch`; the pieces around them stay free.
   bool took = false;
@@ -86,8 +88,8 @@ bool caching_allocator::impl::detach_free_chunks_locked(release_batch& batch, se
 }
 
 // The chunks wholly inside mapped block b of expandable seg: [lo, hi); false if none.
-bool caching_allocator::impl::whole_chunks_of(const segment* seg, const block* b,
-                                              std::uintptr_t& lo, std::uintptr_t& hi) {
+bool detail::release_collect_layer::whole_chunks_of(const segment* seg, const block* b,
+                                                    std::uintptr_t& lo, std::uintptr_t& hi) {
   // The chunks of a mapped block lie back to back; those wholly inside it form [lo, hi).
   const auto& chunks = seg->chunks;
   const std::uintptr_t end = b->addr + b->size;
@@ -100,8 +102,8 @@ bool caching_allocator::impl::whole_chunks_of(const segment* seg, const block* b
 }
 
 // Forgets seg's chunks in [addr, addr + bytes) after their unmap; returns how many.
-std::size_t caching_allocator::impl::forget_chunks(segment* seg, std::uintptr_t addr,
-                                                   std::size_t bytes) {
+std::size_t detail::release_collect_layer::forget_chunks(segment* seg, std::uintptr_t addr,
+                                                         std::size_t bytes) {
   const auto from = seg->chunks.lower_bound(addr);
   const auto to = seg->chunks.lower_bound(addr + bytes);
   const auto n = static_cast<std::size_t>(std::distance(from, to));
@@ -110,8 +112,8 @@ std::size_t caching_allocator::impl::forget_chunks(segment* seg, std::uintptr_t 
 }
 
 // True when [addr, addr + bytes) is a union of whole mapped chunks of seg.
-bool caching_allocator::impl::whole_chunk_run(const segment* seg, std::uintptr_t addr,
-                                              std::size_t bytes) {
+bool detail::release_collect_layer::whole_chunk_run(const segment* seg, std::uintptr_t addr,
+                                                    std::size_t bytes) {
   const auto first = seg->chunks.find(addr);
   const auto end = seg->chunks.lower_bound(addr + bytes);
   if (first == seg->chunks.end() || end == first) return false;
@@ -120,7 +122,7 @@ bool caching_allocator::impl::whole_chunk_run(const segment* seg, std::uintptr_t
 }
 
 // Free memory that can go back: everything, only released graphs' pools, or only one tag's.
-caching_allocator::impl::release_batch caching_allocator::impl::collect_releasable_locked(
+detail::release_batch detail::release_collect_layer::collect_releasable_locked(
     bool released_graphs_only, const tag_id* only_tag) {
   release_batch batch;
   for (auto& [base, seg] : streams_.segments)
@@ -128,9 +130,9 @@ caching_allocator::impl::release_batch caching_allocator::impl::collect_releasab
   return batch;
 }
 
-void caching_allocator::impl::collect_segment_locked(release_batch& batch, segment* seg,
-                                                     bool released_graphs_only,
-                                                     const tag_id* only_tag) {
+void detail::release_collect_layer::collect_segment_locked(release_batch& batch, segment* seg,
+                                                           bool released_graphs_only,
+                                                           const tag_id* only_tag) {
   stream_state& owner = state_of(*seg->owner);
   if (owner.graph != 0 && !owner.graph_released) return;  // a graph that may still replay
   if (released_graphs_only && owner.graph == 0) return;
