@@ -316,6 +316,7 @@ std::size_t caching_allocator::revoke_exports(void* ptr) {
   return n;
 }
 
+// long: an import opens three resources in order and closes them in reverse on any failure
 imported_block caching_allocator::import_block(const ipc_handle& handle) {
   impl& m = *impl_;
   if (m.inherited()) m.throw_inherited("import_block");

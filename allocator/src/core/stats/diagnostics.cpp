@@ -49,6 +49,7 @@ std::size_t detail::diagnostics_layer::largest_free_locked(const stream_state* h
   return largest;
 }
 
+// long: one message in one stream: PyTorch's form first, then streamsafe's account
 std::string detail::diagnostics_layer::oom_message_locked(std::size_t size, std::size_t rounded,
                                                           stream_handle stream,
                                                           const stream_state* held) {
