@@ -32,27 +32,8 @@ struct caching_allocator::impl : detail::diagnostics_layer {
   impl(device_backend& backend, options opts);  // caching_allocator.cpp
   // ---- streams.cpp (the rest: streams/stream_layer.hpp) ------------------------------------
   void retire_dead_streams_locked() STREAMSAFE_REQUIRES(mu_);
-  // ---- growth.cpp: new segments, mapped chunks, segments moved between streams ---------------
-  block* new_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
-  block* add_segment_locked(pool& p, std::uintptr_t base, std::size_t size, bool mapped)
-      STREAMSAFE_REQUIRES(mu_);
-  // side: 0, or a side stream joined into the capture of p's graph, whose growth maps only into
-  // ranges of its own (segment::side_stream).
-  block* choose_unmapped_locked(const pool& p, std::size_t rounded, std::size_t& map_bytes,
-                                bool within_limit = true, stream_handle side = 0) const
-      STREAMSAFE_REQUIRES(mu_);
-  void reserve_range_locked(pool& p, std::size_t rounded, stream_handle side = 0)
-      STREAMSAFE_REQUIRES(mu_);
-  std::size_t map_chunks_locked(segment* seg, std::uintptr_t addr, std::size_t bytes,
-                                std::size_t chunk, std::size_t fine_from = SIZE_MAX,
-                                std::size_t fine = 0) STREAMSAFE_REQUIRES(mu_);
-  block* expandable_fit_locked(pool& p, std::size_t rounded, stream_handle side = 0)
-      STREAMSAFE_REQUIRES(mu_);
-  block* cut_chunks_locked(block* b, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
-  block* steal_segment_locked(pool& p, std::size_t rounded, bool whole_rule)
-      STREAMSAFE_REQUIRES(mu_);
+  // ---- growth.cpp (the rest: growth/growth_layer.hpp) ---------------------------------------
   block* adopt_dead_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
-  block* move_segment_locked(segment* seg, pool& p) STREAMSAFE_REQUIRES(mu_);
   block* expand_pool_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
                             stream_state& st, pool& p, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_, st.mu);

@@ -2,8 +2,8 @@
 // fit, split and merge of blocks within one pool. impl is built as a chain of layers, each the
 // functions of one concern over the shared state (allocator_state.hpp), each calling only the
 // layers beneath it: this one, then streams/stream_layer.hpp, release/release_collect.hpp,
-// stats/diagnostics_layer.hpp, then the coordinator (allocator_impl.hpp). Every function here
-// needs the lock of the stream that owns the pool.
+// growth/growth_layer.hpp, stats/diagnostics_layer.hpp, then the coordinator
+// (allocator_impl.hpp). Every function here needs the lock of the stream that owns the pool.
 #pragma once
 
 #include "core/allocator_state.hpp"

@@ -30,8 +30,8 @@ namespace streamsafe {
 using detail::hex;
 
 // A new segment of p at `base` as one free block: mapped (cuda_malloc) or not (expandable).
-block* caching_allocator::impl::add_segment_locked(pool& p, std::uintptr_t base, std::size_t size,
-                                                   bool mapped) {
+block* detail::growth_layer::add_segment_locked(pool& p, std::uintptr_t base, std::size_t size,
+                                                bool mapped) {
   auto* seg = new segment;
   seg->base = base;
   seg->size = size;
@@ -54,7 +54,7 @@ block* caching_allocator::impl::add_segment_locked(pool& p, std::uintptr_t base,
   return b;
 }
 
-block* caching_allocator::impl::new_segment_locked(pool& p, std::size_t rounded) {
+block* detail::growth_layer::new_segment_locked(pool& p, std::size_t rounded) {
   const std::size_t size = detail::segment_bytes_for(rounded);
   if (static_cast<std::size_t>(stats_.reserved_bytes.current) + size > limits_.limit_bytes)
     return nullptr;
@@ -70,9 +70,9 @@ block* caching_allocator::impl::new_segment_locked(pool& p, std::size_t rounded)
 }
 
 // Bytes mapped: chunks of `chunk` up to `fine_from` bytes into the range, of `fine` after it.
-std::size_t caching_allocator::impl::map_chunks_locked(segment* seg, std::uintptr_t addr,
-                                                       std::size_t bytes, std::size_t chunk,
-                                                       std::size_t fine_from, std::size_t fine) {
+std::size_t detail::growth_layer::map_chunks_locked(segment* seg, std::uintptr_t addr,
+                                                    std::size_t bytes, std::size_t chunk,
+                                                    std::size_t fine_from, std::size_t fine) {
   // One backend map per chunk, so that any chunk can later be unmapped alone: `chunk` bytes
   // each up to `fine_from` bytes into the range and `fine` bytes each after it, the last one of
   // each part the rest (multiples of the granularity). Out of memory part-way: the
@@ -123,9 +123,9 @@ std::size_t caching_allocator::impl::map_chunks_locked(segment* seg, std::uintpt
 
 // The unmapped block of p to grow into for `rounded` bytes and how many bytes to map there;
 // within_limit false: also when mapping map_bytes would pass the limit (reclaim by alias).
-block* caching_allocator::impl::choose_unmapped_locked(const pool& p, std::size_t rounded,
-                                                       std::size_t& map_bytes, bool within_limit,
-                                                       stream_handle side) const {
+block* detail::growth_layer::choose_unmapped_locked(const pool& p, std::size_t rounded,
+                                                    std::size_t& map_bytes, bool within_limit,
+                                                    stream_handle side) const {
   // Bytes to map if we grow into unmapped block u, reusing a free mapped block just before it:
   // what the request lacks, to the granularity (map_chunks_locked cuts it into chunks). A side
   // stream maps all it needs: the free block before u may still be in use by work it is not
@@ -160,8 +160,7 @@ block* caching_allocator::impl::choose_unmapped_locked(const pool& p, std::size_
 }
 
 // A new reserved range of p, large enough for `rounded` bytes.
-void caching_allocator::impl::reserve_range_locked(pool& p, std::size_t rounded,
-                                                   stream_handle side) {
+void detail::growth_layer::reserve_range_locked(pool& p, std::size_t rounded, stream_handle side) {
   // The address space a range spans scales with the ranges already reserved: the first ones span
   // the limit (any request fits), then limit * 8 / (ranges + 8), never less than the request,
   // so that n ranges take about 8 * limit * (1 + ln(n / 16)) (63 streams' two pools each: about
@@ -209,8 +208,8 @@ void caching_allocator::impl::reserve_range_locked(pool& p, std::size_t rounded,
 }
 
 // long: one fit: the range chosen, the chunk sizes and the mapping share `choice` and `map_bytes`
-block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t rounded,
-                                                      stream_handle side) {
+block* detail::growth_layer::expandable_fit_locked(pool& p, std::size_t rounded,
+                                                   stream_handle side) {
   const std::size_t gran = p.small ? limits_.small_chunk_bytes : limits_.large_chunk_bytes;
   // A pool reserves its first range on its first growth, and another range whenever a request
   // fits in no hole of the ranges it has while the memory under the limit is there: holes left
@@ -277,7 +276,7 @@ block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t round
 
 // b, a run of whole chunks (free or queued), keeps the chunks that cover its first `bytes`; the
 // rest is split off and returned (null: none). b's owner lock held (it guards seg->chunks).
-block* caching_allocator::impl::cut_chunks_locked(block* b, std::size_t bytes) {
+block* detail::growth_layer::cut_chunks_locked(block* b, std::size_t bytes) {
   const segment* seg = b->seg;
   std::uintptr_t cut = b->addr;
   for (auto it = seg->chunks.lower_bound(b->addr); cut - b->addr < bytes && it != seg->chunks.end();
@@ -287,8 +286,7 @@ block* caching_allocator::impl::cut_chunks_locked(block* b, std::size_t bytes) {
 }
 
 // whole_rule: not a segment the whole-segment rule keeps whole for the request.
-block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounded,
-                                                     bool whole_rule) {
+block* detail::growth_layer::steal_segment_locked(pool& p, std::size_t rounded, bool whole_rule) {
   if (opts_.backend == backend_kind::expandable || opts_.release_fence == fence_scope::device)
     return nullptr;
   if (capturing()) return nullptr;
@@ -325,7 +323,7 @@ block* caching_allocator::impl::steal_segment_locked(pool& p, std::size_t rounde
 }
 
 // Moves a whole free segment to p; p's stream waits for every stream that may still touch it.
-block* caching_allocator::impl::move_segment_locked(segment* best, pool& p) {
+block* detail::growth_layer::move_segment_locked(segment* best, pool& p) {
   // The new stream waits, on the device, for every stream that may still touch the segment.
   for (stream_handle s : fence_streams_locked(best)) {
     if (s == p.stream) continue;

@@ -4,7 +4,7 @@
 // the layers beneath (blocks/block_layer.hpp has the chain).
 #pragma once
 
-#include "core/release/release_collect.hpp"
+#include "core/growth/growth_layer.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -12,8 +12,8 @@
 
 namespace streamsafe::detail {
 
-struct diagnostics_layer : release_collect_layer {
-  using release_collect_layer::release_collect_layer;
+struct diagnostics_layer : growth_layer {
+  using growth_layer::growth_layer;
 
   struct census;  // invariants.cpp
   // diagnostics.cpp
