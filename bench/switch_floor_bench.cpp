@@ -110,8 +110,8 @@ void vmm_round_trip(benchmark::State& state) {
     state.counters["release_ms"] = ms(t_release);
     state.counters["in_ms"] = ms(t_create + t_map + t_access);
     state.counters["out_ms"] = ms(t_unmap + t_release);
-    state.counters["us_per_handle"] =
-        (t_create + t_map + t_access + t_unmap + t_release) / rounds / static_cast<double>(n) * 1e6;
+    state.counters["us_per_handle"] = (t_create + t_map + t_access + t_unmap + t_release) / rounds /
+                                      static_cast<double>(n) * 1e6;
   } catch (const std::exception& e) {
     skip_with(state, "switch_floor/vmm", e);
   }
