@@ -10,6 +10,7 @@
 #   full      colocated_rl.py: every row, the numbers of the docs          -> colocated_full.log
 #   hybrid    colocated_rl.py --hybrid: every row, trainer and engine in one process
 #                                                                        -> colocated_hybrid.log
+#   hybrid_quick  colocated_rl.py --quick --hybrid                      -> colocated_hybrid_quick.log
 #   large     colocated_rl.py --large --rows reference,streamsafe,field (about 30 GiB a side)
 #                                                                        -> colocated_large.log
 #   tests     pytest tests/python/test_colocated.py                        -> colocated_tests.log
@@ -70,6 +71,9 @@ for s in $steps; do
               --json "$OUT/colocated_chunks.json" ;;
     full) run "full" 420 "$OUT/colocated_full.log" python3 $ex ${STREAMSAFE_COLOCATED_ROWS:+--rows $STREAMSAFE_COLOCATED_ROWS} \
             --json "$OUT/colocated_full.json" ;;
+    hybrid_quick) run "hybrid, quick" 120 "$OUT/colocated_hybrid_quick.log" python3 $ex --quick --hybrid \
+                    ${STREAMSAFE_COLOCATED_ROWS:+--rows $STREAMSAFE_COLOCATED_ROWS} \
+                    --json "$OUT/colocated_hybrid_quick.json" ;;
     hybrid) run "hybrid" 420 "$OUT/colocated_hybrid.log" python3 $ex --hybrid \
               ${STREAMSAFE_COLOCATED_ROWS:+--rows $STREAMSAFE_COLOCATED_ROWS} --json "$OUT/colocated_hybrid.json" ;;
     large) run "large" 580 "$OUT/colocated_large.log" python3 $ex --large --rows reference,streamsafe,field \
