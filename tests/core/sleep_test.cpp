@@ -740,3 +740,40 @@ TEST_CASE("offload_keep_host: the pinned backup stays between switches, or goes 
   alloc.deallocate(weights);
   alloc.check_invariants();
 }
+
+TEST_CASE("offload_keep_host:False with the release worker: the backup goes back off the caller",
+          "[core][sleep][worker]") {
+  sim::simulated_device dev(sim_config());
+  options o = sleep_options(fence_scope::all_streams, empty_cache_mode::defer);
+  o.release_worker = release_worker_mode::on;
+  o.offload_keep_host = false;
+  caching_allocator alloc(dev, o);
+  const auto s = dev.create_stream();
+  void* weights = nullptr;
+  {
+    tag_scope scope("weights");
+    weights = alloc.allocate(64 * MiB, s);
+  }
+  dev.launch(s, 1, {writes(weights, 64 * MiB, 9)}, "step");
+  alloc.pause("weights", pause_mode::offload);
+  auto until = std::chrono::steady_clock::now() + 5s;
+  while (alloc.tag_status("weights").phase != tag_phase::paused &&
+         std::chrono::steady_clock::now() < until) {
+    dev.run_until_idle();  // the offload copy the worker enqueued
+    std::this_thread::sleep_for(1ms);
+  }
+  REQUIRE(alloc.tag_status("weights").phase == tag_phase::paused);
+  CHECK(dev.host_bytes_in_use() >= 64 * MiB);
+  alloc.resume("weights", s);  // on this thread; the worker frees the backup after the restore
+  until = std::chrono::steady_clock::now() + 5s;
+  while (dev.host_bytes_in_use() > 64 * MiB / 100 && std::chrono::steady_clock::now() < until) {
+    dev.run_until_idle();  // the restore copy
+    std::this_thread::sleep_for(1ms);
+  }
+  CHECK(dev.host_bytes_in_use() <= 64 * MiB / 100);
+  dev.launch(s, 1, {reads(weights, 64 * MiB)}, "use");
+  dev.run_until_idle();
+  CHECK(dev.value_at(addr(weights) + 64 * MiB - 1) == std::optional<std::uint8_t>(9));
+  CHECK(dev.fault_count() == 0);
+  alloc.deallocate(weights);
+}
