@@ -63,7 +63,6 @@ bool caching_allocator::impl::map_resumed_run_locked(segment* seg, std::uintptr_
     }
     add(at, end, false);
   }
-  // Free stretches that shrank below a chunk after merging are already live; merge neighbours.
   std::size_t done = 0;
   bool ok = true;
   for (const stretch& p : parts) {
