@@ -4,7 +4,7 @@
 //                  the constructor, read anywhere without a lock (impl::limits_).
 //   growth_state   what the policy has seen: the high-water mark of reserved bytes it does not
 //                  grow past without giving idle memory back first, and the labels of the idle
-//                  fences (release.cpp: prove_idle_segments_locked). impl::growth_ is
+//                  fences (empty_cache.cpp: prove_idle_segments_locked). impl::growth_ is
 //                  GUARDED_BY(mu_), the device lock.
 #pragma once
 
