@@ -245,6 +245,9 @@ struct caching_allocator::impl : detail::diagnostics_layer {
   void record_pause_fences_locked(std::vector<paused_segment>& segs) STREAMSAFE_REQUIRES(mu_);
   bool resume_segment_locked(tag_state& t, paused_segment& ps, resume_work& w)
       STREAMSAFE_REQUIRES(mu_);
+  bool map_resumed_run_locked(segment* seg, std::uintptr_t addr, std::size_t bytes,
+                              std::size_t chunk) STREAMSAFE_REQUIRES(mu_);
+  void trim_host_locked(device_lock& lk, tag_state* t) STREAMSAFE_REQUIRES(mu_);
   void order_after_restore_locked(resume_work& w, const stream_handle* also)
       STREAMSAFE_REQUIRES(mu_);
   void set_phase_after_resume_locked(tag_state& t, std::vector<paused_segment> kept)
