@@ -165,8 +165,7 @@ TEST_CASE(
   enum class variant { read_running, read_done, freed_on_reader };
   const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
   const empty_cache_mode mode = GENERATE(empty_cache_mode::wait, empty_cache_mode::defer);
-  const variant v =
-      GENERATE(variant::read_running, variant::read_done, variant::freed_on_reader);
+  const variant v = GENERATE(variant::read_running, variant::read_done, variant::freed_on_reader);
   INFO(to_string(backend) << ", empty_cache " << mode_name(mode) << ", variant "
                           << static_cast<int>(v));
   sim::simulated_device dev(sim_config(8 * GiB));
@@ -201,7 +200,11 @@ TEST_CASE(
   const sim::counters after = dev.counters();
   CHECK(host_waits(dev) == host_waits_of(before));
   CHECK(after.segment_allocs == before.segment_allocs);  // the 600 MiB came back, nothing new
-  CHECK(after.bytes_mapped == before.bytes_mapped);
+  // Expandable chunks idle at the request (the read done) go back to the driver before a growth
+  // past the peak and are mapped anew (the corpus-tuned policy, growth_policy.cpp): only memory
+  // still pending must be reused in place.
+  if (backend == backend_kind::cuda_malloc || v != variant::read_done)
+    CHECK(after.bytes_mapped == before.bytes_mapped);
   dev.launch(s, 10, {writes(again, 600 * MiB)}, "reuse");
   alloc.deallocate(again);
   alloc.deallocate(live);

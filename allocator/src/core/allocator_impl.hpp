@@ -119,6 +119,26 @@ struct caching_allocator::impl : detail::allocator_state {
   block* out_of_memory_path_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
                                    stream_state& st, pool& p, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_, st.mu);
+  // One walk of the serve path, every step without a host wait; nullptr: none served.
+  block* serve_without_waiting_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
+                                      stream_state& st, pool& p, std::size_t rounded)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  // The pending blocks of every stream (st's lock held by the caller) retired behind a wait of
+  // their owner stream on their events (never the host); returns their bytes.
+  std::size_t retire_pending_behind_waits_locked(const stream_state& st)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  // Waits (mu_ released inside) until no driver call is giving memory back (ledger_).
+  void wait_for_releases_locked(device_lock& dlk) STREAMSAFE_REQUIRES(mu_);
+  // Gives back idle cache until `bytes` more fit the limit (resume, graph pools): the serve
+  // path's last steps; false when they do not.
+  bool make_room_locked(device_lock& dlk, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
+  bool on_worker_thread_locked() const STREAMSAFE_REQUIRES(mu_);
+  // The serve path's waits made so far in one request, and the next one (false: none left).
+  struct serve_waits {
+    int worker_waits = 0;
+    bool fence_waited = false;
+  };
+  bool serve_wait_locked(device_lock& dlk, serve_waits& w) STREAMSAFE_REQUIRES(mu_);
   block* grow_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);  // a growth
   bool growth_within_peak_locked(const pool& p, std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
   void note_headroom_locked() STREAMSAFE_REQUIRES(mu_);  // headroom_hint_ after reserved changed
@@ -187,6 +207,7 @@ struct caching_allocator::impl : detail::allocator_state {
   bool thread_allocated_here() const noexcept;  // this thread's last allocation was here
   void deallocate_impl(void* ptr, const stream_handle* stream);
   // ---- diagnostics.cpp -----------------------------------------------------------------------
+  detail::ledger_view ledger_view_locked() const STREAMSAFE_REQUIRES(mu_);  // diagnostics.cpp
   std::string oom_message_locked(std::size_t size, std::size_t rounded, stream_handle stream,
                                  const stream_state* held) STREAMSAFE_REQUIRES(mu_);
   std::size_t largest_free_locked(const stream_state* held) const STREAMSAFE_REQUIRES(mu_);
