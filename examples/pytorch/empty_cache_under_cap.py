@@ -16,12 +16,19 @@ headroom is there, under torch.cuda.set_per_process_memory_fraction:
              is freed (not emptied) at the end of the step, so the next step's gradients may be
              carved from it.
   --busy-stream  an unrelated stream runs long matrix products during the step
+  --record-stream  the optimizer runs on a stream of its own: each gradient is read there and
+             freed with g.record_stream(optimizer_stream) while the optimizer's tail still runs;
+             the compute stream waits for the optimizer only after the buffer is written, so the
+             buffer's request meets memory still pending another stream's work
+  --thread   a second Python thread allocates and frees on a stream of its own throughout the step
+             (1 to 2 gradient sizes each, at most 4 alive), as a data loader or a logger would
 
 --scale S multiplies every size (cap, parameters, gradients, buffer) so the run fits any GPU and
 runs fast (--scale 0.125: 8 MiB gradients, a 2 GiB buffer under a 4.375 GiB cap).
 
 Per step it prints: whether the buffer fits (or the OutOfMemoryError), peak reserved
-(max_memory_reserved, reset at the start of every step) against the cap, the time inside
+(max_memory_reserved, reset at the start of every step) against the cap, torch.cuda.memory_stats()'s
+num_ooms at the end of the row (out-of-memory errors the allocator raised, the thread's included), the time inside
 empty_cache(), the time to allocate the buffer, the time until the driver sees the freed memory
 (cudaMemGetInfo polled from the moment empty_cache() returned until the process holds no more
 than its allocated bytes plus a slack, with a timeout), and the step time (host, the compute
@@ -40,6 +47,7 @@ table of every step, then a summary table per row.
 
   python3 examples/pytorch/empty_cache_under_cap.py [--scale 1] [--steps 4] [--busy-stream both]
                                                     [--rows pytorch-default,streamsafe-expandable-defer]
+  python3 examples/pytorch/empty_cache_under_cap.py --record-stream --thread [--scale 0.25]
   python3 examples/pytorch/empty_cache_under_cap.py --child streamsafe-expandable-defer --busy 1
 
 streamsafe must be importable (pip install --no-build-isolation . from the repository, or
@@ -49,8 +57,10 @@ PYTHONPATH=allocator/python with STREAMSAFE_TORCH_EXT_LIB pointing at a built ex
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
+import threading
 import time
 
 RESULT = "RESULT "
@@ -101,6 +111,7 @@ def child(args):
 
     side = torch.cuda.Stream()
     busy = torch.cuda.Stream()
+    opt = torch.cuda.Stream() if args.record_stream else None
     compute = torch.cuda.current_stream()
     # Warm-up: cuBLAS handles and workspaces of both streams, the kernels used below; then the
     # driver's view of this process without the example's memory.
@@ -133,23 +144,69 @@ def child(args):
     def is_oom(e):
         return type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower()
 
+    thread_ooms = [0]
+
+    def thread_body(stop, seed):
+        """The second thread: its own stream, 1-2 gradient sizes per tensor, at most 4 alive."""
+        rng = random.Random(seed)
+        mine = torch.cuda.Stream()
+        held = []
+        with torch.cuda.stream(mine):
+            while not stop.is_set():
+                nbytes = rng.randint(grad_bytes, 2 * grad_bytes) // 4 * 4
+                try:
+                    t = torch.empty(nbytes // 4, device=dev)
+                    t.fill_(1.0)
+                    held.append(t)
+                except RuntimeError as e:
+                    if not is_oom(e):
+                        raise
+                    thread_ooms[0] += 1
+                if len(held) > 4 or (held and rng.random() < 0.3):
+                    held.pop(0)
+                time.sleep(0.0005)
+            held.clear()
+            mine.synchronize()
+
     live = {"g": None}  # the loop variable of the optimizer loop, alive until the next step rebinds it
 
     def run_step(step):
+        """One step; the second thread (--thread) allocates throughout it and is joined after it."""
+        stop, worker = threading.Event(), None
+        if args.thread:
+            worker = threading.Thread(target=thread_body, args=(stop, step), daemon=True)
+        try:
+            return step_body(step, worker)
+        finally:
+            if worker is not None and worker.is_alive():
+                stop.set()
+                worker.join()
+
+    def step_body(step, worker):
         torch.cuda.reset_peak_memory_stats(dev)
         if args.busy:
             with torch.cuda.stream(busy):  # unrelated work, busy for a long time
                 for _ in range(args.busy_matmuls):
                     a @ a
+        if worker is not None:
+            worker.start()
         t0 = time.perf_counter()
         side.wait_stream(compute)
         with torch.cuda.stream(side):  # FSDP2: the reduce-scatter output on its own stream
             grads = [p.mul(1e-3).add_(step) for p in params]
-        compute.wait_stream(side)
-        with torch.no_grad():
-            for p, g in zip(params, grads):  # per-parameter SignSGD, no record_stream
-                p.add_(g.sign(), alpha=-lr)
-                live["g"] = g  # as a plain loop variable would: the last gradient stays alive
+        if opt is not None:
+            opt.wait_stream(side)
+            with torch.no_grad(), torch.cuda.stream(opt):  # the optimizer's own stream
+                for p, g in zip(params, grads):
+                    p.add_(g.sign(), alpha=-lr)
+                    g.record_stream(opt)
+                    live["g"] = g
+        else:
+            compute.wait_stream(side)
+            with torch.no_grad():
+                for p, g in zip(params, grads):  # per-parameter SignSGD, no record_stream
+                    p.add_(g.sign(), alpha=-lr)
+                    live["g"] = g  # as a plain loop variable would: the last gradient stays alive
         del grads, g
         in_use = torch.cuda.memory_allocated(dev) - allocated_base  # read outside the timed calls
         t1 = time.perf_counter()
@@ -169,6 +226,8 @@ def child(args):
         t3 = time.perf_counter()
         if buf is not None:
             buf.fill_(1)
+        if opt is not None:
+            compute.wait_stream(opt)  # the next step's forward reads the updated parameters
         compute.synchronize()
         t4 = time.perf_counter()
         # Then poll until this process holds no more than it has allocated (plus the slack), or
@@ -222,7 +281,12 @@ def child(args):
         checksum = float(sum(float(p.double().sum()) for p in params))
     except Exception as e:  # a fault (the context may be gone): report what was measured
         outcome = "fault: " + one_line(e, 200)
+    try:
+        num_ooms = int(torch.cuda.memory_stats(dev).get("num_ooms", 0))
+    except Exception:  # the context may be gone after a fault
+        num_ooms = None
     r = dict(row=args.child, label=label, busy=args.busy, outcome=outcome, checksum=checksum, steps=steps,
+             num_ooms=num_ooms, thread_ooms=thread_ooms[0],
              cap=cap, device_total=total, fraction=fraction, grad_bytes=grad_bytes, params=args.params,
              buffer_bytes=buffer_bytes, slack=slack, torch=torch.__version__,
              config=sst.config() if sst is not None else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "(default)"))
@@ -297,7 +361,10 @@ def parent(args):
     print(f"# The seed under a memory cap (scale {args.scale})\n")
     print(f"Cap {cap_gib:.3f} GiB (set_per_process_memory_fraction); {args.params} x "
           f"{args.grad_mib * args.scale:g} MiB parameters and gradients per step (gradients on a side stream), "
-          f"per-parameter SignSGD on the compute stream without record_stream, `del`, `empty_cache()`, then at "
+          + ("per-parameter SignSGD on an optimizer stream, each gradient freed with record_stream to it, "
+             if args.record_stream else "per-parameter SignSGD on the compute stream without record_stream, ")
+          + ("a second thread allocating on its own stream, " if args.thread else "")
+          + f"`del`, `empty_cache()`, then at "
           f"once a {args.buffer_gib * args.scale:g} GiB buffer; {args.steps} steps; busy stream: "
           f"{args.busy_matmuls} bf16 {busy_size(args)}^2 matrix products per step. Times in ms. 'driver settled': "
           f"from empty_cache()'s return until cudaMemGetInfo shows the process holding at most its allocated "
@@ -321,7 +388,8 @@ def parent(args):
                    "--scale", str(args.scale), "--cap-gib", str(args.cap_gib), "--params", str(args.params),
                    "--grad-mib", str(args.grad_mib), "--buffer-gib", str(args.buffer_gib), "--steps", str(args.steps),
                    "--busy-matmuls", str(args.busy_matmuls), "--busy-n", str(args.busy_n),
-                   "--settle-timeout-ms", str(args.settle_timeout_ms), "--settle-slack-mib", str(args.settle_slack_mib)]
+                   "--settle-timeout-ms", str(args.settle_timeout_ms), "--settle-slack-mib", str(args.settle_slack_mib),
+                   "--record-stream", str(int(args.record_stream)), "--thread", str(int(args.thread))]
             t0 = time.time()
             r, stdout, stderr = None, "", ""
             timeout = args.timeout
@@ -377,16 +445,19 @@ def parent(args):
             seen.add((r["row"], r["busy"]))
             print(f"- {r['label']}, busy {r['busy']}, step {s['step']}: {s['oom']}")
     print("\n<!-- summary -->")
-    print(f"\n### The seed under a {cap_gib:g} GiB cap (scale {args.scale}, {args.steps} steps)\n")
-    print(f"| allocator | busy stream | buffer fits | peak reserved GiB (cap {cap_gib:.2f}) | empty_cache ms | "
+    extra = "".join([", record_stream to the optimizer's stream" if args.record_stream else "",
+                     ", a second allocating thread" if args.thread else ""])
+    print(f"\n### The seed under a {cap_gib:g} GiB cap (scale {args.scale}, {args.steps} steps{extra})\n")
+    print(f"| allocator | busy stream | buffer fits | peak reserved GiB (cap {cap_gib:.2f}) | num_ooms | empty_cache ms | "
           f"buffer alloc ms | driver sees the memory free after | step ms | outcome |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         peak = max((s["peak_reserved"] for s in r["steps"]), default=None)
         peak_text = "-" if peak is None else f"{peak / GIB:.2f}"
         if peak is not None and peak > r.get("cap", float("inf")):
             peak_text = f"**{peak_text}** (over the cap)"
-        print(f"| {r['label']} | {'yes' if r['busy'] else 'no'} | {fits_text(r)} | {peak_text} | "
+        ooms = "-" if r.get("num_ooms") is None else str(r["num_ooms"])
+        print(f"| {r['label']} | {'yes' if r['busy'] else 'no'} | {fits_text(r)} | {peak_text} | {ooms} | "
               f"{fmt_range([s['empty_cache_ms'] for s in r['steps']], 2)} | "
               f"{fmt_range([s['buffer_ms'] for s in r['steps']], 1)} | {settle_text(r, args.settle_timeout_ms)} | "
               f"{fmt_range([s['step_ms'] for s in r['steps']], 0)} | {one_line(r['outcome'], 80)} |")
@@ -402,6 +473,10 @@ def main():
     ap.add_argument("--busy", type=int, default=0, help="(child) 1: the unrelated busy stream runs")
     ap.add_argument("--busy-stream", default="both", choices=["off", "on", "both"],
                     help="rows without, with, or both without and with the busy stream (default both)")
+    ap.add_argument("--record-stream", type=int, nargs="?", const=1, default=0,
+                    help="the optimizer on its own stream, gradients freed with record_stream to it")
+    ap.add_argument("--thread", type=int, nargs="?", const=1, default=0,
+                    help="a second Python thread allocating and freeing on its own stream")
     ap.add_argument("--rows", default="", help="comma-separated rows (default: all): " + ", ".join(ROWS))
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies every size (default 1: the H200 sizes)")
     ap.add_argument("--cap-gib", type=float, default=35.0, help="the memory cap before --scale (default 35)")
