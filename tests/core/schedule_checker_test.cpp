@@ -64,13 +64,14 @@ struct tally {
     }
   }
 
-  void report(const char* what, double seconds) const {
+  // `unit`: what one run is (an interleaving, or a run of threads at once).
+  void report(const char* what, double seconds, const char* unit = "interleavings") const {
     std::string kinds;
     for (const auto& [k, n] : by_kind) kinds += " " + k + ":" + std::to_string(n);
     std::fprintf(stderr,
-                 "schedule checker, %s: %zu interleavings, %zu steps in %.1f s; out_of_memory "
+                 "schedule checker, %s: %zu %s, %zu steps in %.1f s; out_of_memory "
                  "%zu (%zu judged, %zu not judged); violations:%s\n",
-                 what, runs, steps, seconds, ooms, oom_judged, inconclusive,
+                 what, runs, unit, steps, seconds, ooms, oom_judged, inconclusive,
                  kinds.empty() ? " none" : kinds.c_str());
   }
 
@@ -152,7 +153,7 @@ TEST_CASE("threads running at once keep the allocator's promise",
     const config c = config::from_seed(seed, 2, 8);
     t.add(run_free(c, 80));
   });
-  t.report("free-running", elapsed_since(start));
+  t.report("free-running", elapsed_since(start), "runs");
   CHECK(t.runs > 0);
   t.require_clean();
 }

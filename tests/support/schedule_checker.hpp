@@ -40,6 +40,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <functional>
@@ -840,9 +841,20 @@ inline run_result run_free(const config& c, std::size_t steps) {
   std::mutex mu;
   std::optional<violation> failure;
   std::atomic<bool> stop{false};
+  std::atomic<bool> threads_done{false};
   std::thread clock([&] {
     std::mt19937_64 g(c.seed + 7);
-    while (!stop.load()) {
+    const auto start = std::chrono::steady_clock::now();
+    while (!threads_done.load()) {
+      // A watchdog too: a deadlock must not hang CI.
+      if (std::chrono::steady_clock::now() - start > std::chrono::seconds(120)) {
+        std::fprintf(stderr,
+                     "\nSCHEDULE CHECKER: free-running threads did not finish within "
+                     "120 s (a hang)\n%s\n",
+                     c.to_string().c_str());
+        std::fflush(stderr);
+        std::abort();
+      }
       w.device().advance(g() % 300);
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
@@ -868,7 +880,7 @@ inline run_result run_free(const config& c, std::size_t steps) {
     });
   }
   for (auto& t : threads) t.join();
-  stop.store(true);
+  threads_done.store(true);
   clock.join();
   if (!failure) {
     try {
