@@ -39,7 +39,8 @@ SOURCE_EXTENSIONS = (".cpp", ".hpp", ".h", ".cu", ".cuh")
 TEXT_EXTENSIONS = (".md", ".cpp", ".hpp", ".h", ".c", ".cu", ".cuh", ".py", ".sh", ".txt",
                    ".cmake", ".toml", ".yml", ".yaml", ".in")
 LAYER, TOPIC, HARDWARE, CASES, SPEED = "layer", "topic", "hardware", "field cases", "speed"
-ORDER = [HARDWARE, LAYER, TOPIC, CASES, SPEED]
+MARKS = "marks"  # Catch2's own tags, such as [!shouldfail]
+ORDER = [HARDWARE, LAYER, TOPIC, CASES, SPEED, MARKS]
 
 
 class Checker:
@@ -206,7 +207,7 @@ class Checker:
                 cls = m.group(1).strip()
             if cls not in ORDER:
                 continue
-            for t in re.findall(r"`\[([a-z0-9-]+)\]`", line):
+            for t in re.findall(r"`\[(!?[a-z0-9-]+)\]`", line):
                 tags.setdefault(t, (cls, n))
         return tags
 
@@ -282,7 +283,7 @@ class Checker:
                 ranks = [ORDER.index(c) for c in classes]
                 if ranks != sorted(ranks):
                     self.problem(f, line, f"tags {tag_string} are not in the documented order "
-                                 "(hardware, layer, topic, cases, speed)")
+                                 "(hardware, layer, topic, cases, speed, marks)")
                 if ("gpu" in tags) != gpu_file:
                     where = "a file not named *_gpu.cpp / *_gpu_test.cpp" if not gpu_file else \
                         "a _gpu file but lacks [gpu]"
