@@ -123,10 +123,10 @@ struct caching_allocator::impl : detail::allocator_state {
   block* serve_without_waiting_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
                                       stream_state& st, pool& p, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_, st.mu);
-  // The pending blocks of every stream (st's lock held by the caller) retired behind a wait of
-  // their owner stream on their events (never the host); returns their bytes.
-  std::size_t retire_pending_behind_waits_locked(const stream_state& st)
-      STREAMSAFE_REQUIRES(mu_, st.mu);
+  block* serve_against_whole_rule_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
+  // The pending blocks of every stream (held: the stream whose lock the caller holds, or null)
+  // retired behind a wait of their owner stream on their events (never the host); their bytes.
+  std::size_t retire_pending_behind_waits_locked(const stream_state* held) STREAMSAFE_REQUIRES(mu_);
   // Waits (mu_ released inside) until no driver call is giving memory back (ledger_).
   void wait_for_releases_locked(device_lock& dlk) STREAMSAFE_REQUIRES(mu_);
   // Gives back idle cache until `bytes` more fit the limit (resume, graph pools): the serve

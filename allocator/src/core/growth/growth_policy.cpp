@@ -30,13 +30,13 @@
 //      takes, without a host wait, p's free and pending memory and a growth within the limit;
 //      other streams' free memory (step 6); every stream's pending memory, retired behind a wait
 //      of its owner stream on its events; the idle cache of every pool, given back to make
-//      room (what is busy is queued behind its fence, in either empty_cache mode); queued memory
-//      and another stream's whole free segment against the whole-segment rule. Between walks,
+//      room (what is busy is queued behind its fence, in either empty_cache mode). Between walks,
 //      the waits in the order of their cost: the release worker's pass, the driver calls giving
 //      memory back (the ledger's "being released"), then once a host wait on the queued fences
 //      (defer: bounded by k_oom_fence_wait_us, a stream held by a collective that waits for this
 //      thread ends the wait, never the process: K8; wait: exactly the fences, as empty_cache()
-//      waits). Then nullptr: the caller throws out_of_memory.
+//      waits). Then, with no wait left, queued memory and another stream's whole free segment
+//      against the whole-segment rule; then nullptr: the caller throws out_of_memory.
 //      resume() and a graph pool's growth make room with the same steps (make_room_locked).
 // Before any growth, memory being released by a driver call is waited for (a driver call,
 // never a fence): the peak never counts it beside memory that took its place on the device.
@@ -484,21 +484,22 @@ bool caching_allocator::impl::on_worker_thread_locked() const {
 
 void caching_allocator::impl::wait_for_releases_locked(device_lock& dlk) {
   // The release's own thread never waits here: it is in no allocation while its calls run.
-  driver_calls_.done.wait(
-      dlk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS { return ledger_.releasing_bytes() == 0; });
+  driver_calls_.done.wait(dlk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+    return ledger_.releasing_elsewhere_bytes() == 0;
+  });
 }
 
-std::size_t caching_allocator::impl::retire_pending_behind_waits_locked(const stream_state& st) {
+std::size_t caching_allocator::impl::retire_pending_behind_waits_locked(const stream_state* held) {
   if (capturing()) return 0;  // a stream wait on an outside event breaks a capture
   std::size_t bytes = 0;
   std::vector<block*> blocks;
   for (auto& [s, other] : streams_.states) {
     if (other->pending.empty()) continue;
     if (other->graph != 0 && !other->graph_released) continue;  // a graph's private pool
-    // st's lock is the caller's: its pending blocks of every pool (take_pending_locked took
+    // held's lock is the caller's: its pending blocks of every pool (take_pending_locked took
     // only one of the request's pool) free whole segments for the steps that follow.
     std::unique_lock<stream_lock> olk(other->mu, std::defer_lock);
-    if (other.get() != &st) olk.lock();
+    if (other.get() != held) olk.lock();
     blocks.clear();
     for (block* b : other->pending) {
       // A block with no events yet (releases_.unfenced) has nothing to wait on.
@@ -519,24 +520,23 @@ std::size_t caching_allocator::impl::retire_pending_behind_waits_locked(const st
   if (bytes != 0) {
     detail::log().debug(
         "device {}: {} bytes pending other streams' work retired behind stream waits to serve a "
-        "request on stream {}",
-        backend_.device(), bytes, hex(st.handle));
+        "request",
+        backend_.device(), bytes);
   }
   return bytes;
 }
 
 // Steps that need no host wait, in the serve path's order: p's free and pending memory and a
 // growth within the limit; other streams' free memory (whole segments, or chunks by alias);
-// pending memory (every stream's, every pool's) behind stream waits on its events; idle cache given
-// back to make room (what is busy is queued behind its fence, never waited for); queued memory, the
-// whole-segment rule giving way.
+// pending memory (every stream's, every pool's) behind stream waits on its events; idle cache
+// given back to make room (what is busy is queued behind its fence, never waited for).
 block* caching_allocator::impl::serve_without_waiting_locked(device_lock& dlk,
                                                              detail::unique_lock<stream_lock>& slk,
                                                              stream_state& st, pool& p,
                                                              std::size_t rounded) {
   block* b = find_block_locked(st, p, rounded, true);
   if (!b) b = take_from_other_pools_locked(slk, st, p, rounded);
-  if (!b && retire_pending_behind_waits_locked(st) != 0) {
+  if (!b && retire_pending_behind_waits_locked(&st) != 0) {
     b = find_block_locked(st, p, rounded, true);
     if (!b) b = take_from_other_pools_locked(slk, st, p, rounded);
   }
@@ -547,14 +547,21 @@ block* caching_allocator::impl::serve_without_waiting_locked(device_lock& dlk,
     if (capturing()) return nullptr;  // the caller allocates for the capture instead
     b = find_block_locked(st, p, rounded, true);
   }
-  if (!b && !releases_.deferred.empty()) {
+  return b;
+}
+
+// The serve path's last step, once no wait is left: what could not go back serves the request
+// after all, the whole-segment rule giving way: queued memory, then another stream's whole free
+// segment.
+block* caching_allocator::impl::serve_against_whole_rule_locked(pool& p, std::size_t rounded) {
+  block* b = nullptr;
+  if (!releases_.deferred.empty()) {
     b = reclaim_in_place_locked(p, rounded, false);
     if (!b)
       b = opts_.backend == backend_kind::expandable ? reclaim_by_alias_locked(p, rounded)
                                                     : reclaim_segment_locked(p, rounded, false);
   }
-  if (!b) b = steal_segment_locked(p, rounded, false);
-  return b;
+  return b ? b : steal_segment_locked(p, rounded, false);
 }
 
 // The serve path's waits, in the order of their cost, one per call (mu_ held, no stream lock;
@@ -573,7 +580,7 @@ bool caching_allocator::impl::serve_wait_locked(device_lock& dlk, serve_waits& w
     wait_for_worker_locked(dlk, nullptr);
     return true;
   }
-  if (ledger_.releasing_bytes() != 0 && !on_worker_thread_locked()) {
+  if (ledger_.releasing_elsewhere_bytes() != 0) {
     wait_for_releases_locked(dlk);
     return true;
   }
@@ -610,7 +617,8 @@ block* caching_allocator::impl::out_of_memory_path_locked(device_lock& dlk,
     drop_stream_lock(slk, st);
     const bool waited = serve_wait_locked(dlk, w);
     retake_stream_lock(slk, st);
-    if (!waited) return nullptr;
+    if (capturing()) return nullptr;
+    if (!waited) return serve_against_whole_rule_locked(p, rounded);
   }
 }
 
@@ -624,6 +632,7 @@ bool caching_allocator::impl::make_room_locked(device_lock& dlk, std::size_t byt
   };
   serve_waits w;
   while (!fits() && !capturing()) {
+    retire_pending_behind_waits_locked(nullptr);
     release_cached(dlk, empty_cache_mode::defer);
     if (fits() || capturing() || !serve_wait_locked(dlk, w)) break;
   }
@@ -639,9 +648,15 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
   bool stop = false;
   block* b = reclaim_queued_first_locked(dlk, slk, st, p, rounded, &stop);
   if (stop) return nullptr;
-  if (!b && ledger_.releasing_bytes() != 0) {
-    // Memory being released: its driver calls end before any growth, so that the peak never
-    // counts those bytes beside new memory that took their place on the device (the ledger).
+  const bool own_limit = opts_.memory_limit_bytes != 0 || opts_.memory_fraction > 0;
+  if (!b && ledger_.releasing_elsewhere_bytes() != 0 && !own_limit &&
+      static_cast<std::size_t>(stats_.reserved_bytes.current) + rounded >
+          static_cast<std::size_t>(stats_.reserved_bytes.peak)) {
+    // Memory being released, and no limit of the allocator's own (a cap the backend enforces,
+    // as the PyTorch extension's memory fraction): its driver calls end before a growth past
+    // the peak, so that the peak never counts those bytes beside new memory that took their
+    // place on the device (the ledger). Under the allocator's limit the growth counts them and
+    // goes on beside them: no wait.
     drop_stream_lock(slk, st);
     wait_for_releases_locked(dlk);
     retake_stream_lock(slk, st);
