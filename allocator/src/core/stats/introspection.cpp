@@ -197,6 +197,13 @@ memory_snapshot caching_allocator::snapshot() const {
     ss.pool = seg->small ? snapshot_pool::small : snapshot_pool::large;
     ss.expandable = seg->expandable;
     ss.paused_bytes = seg->paused_bytes;
+    // An address of queued memory another pool reclaimed (reclaim.cpp) holds only what it owns
+    // again (ghost_owned); the rest is counted at the other address (as check_invariants does).
+    for (const block* b = seg->first; b; b = b->next) {
+      if (b->state == block_state::releasing && b->aliased)
+        ss.aliased_bytes += b->size - b->ghost_owned;
+    }
+    ss.mapped_bytes -= ss.aliased_bytes;
     if (seg->owner->tag != 0) ss.tag = tag_name(seg->owner->tag);
     ss.graph_pool = state_of(*seg->owner).graph;
     for (const block* b = seg->first; b; b = b->next) {
