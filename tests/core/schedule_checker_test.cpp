@@ -173,7 +173,7 @@ void replay_strictly(std::uint64_t seed) {
 }  // namespace
 
 TEST_CASE("a cuda_malloc schedule in defer mode is served from memory pending other streams",
-          "[core][oracle][schedules][!shouldfail]") {
+          "[core][oracle][schedules]") {
   replay_strictly(102);  // allocate(39130112): kept 74 MiB + 38 MiB new, limit 128 MiB
 }
 
@@ -183,6 +183,6 @@ TEST_CASE("an expandable schedule in defer mode is served from memory pending ot
 }
 
 TEST_CASE("a resume under the limit is served from cached memory",
-          "[core][oracle][schedules][expandable][sleep][!shouldfail]") {
+          "[core][oracle][schedules][expandable][sleep]") {
   replay_strictly(106);  // resume: kept 150 MiB + 82 MiB paused, limit 256 MiB
 }
