@@ -21,8 +21,9 @@ std::atomic<std::uint64_t> next_allocator_id{
 }  // namespace
 
 caching_allocator::impl::impl(device_backend& backend, options opts)
-    : allocator_state(backend, opts,
-                      {next_allocator_id.fetch_add(1), current_fork_generation(), current_pid()}) {
+    : diagnostics_layer(
+          backend, opts,
+          {next_allocator_id.fetch_add(1), current_fork_generation(), current_pid()}) {
   std::size_t free_bytes = 0;
   backend_.memory_info(free_bytes, limits_.device_total_bytes);
   limits_.limit_bytes = limits_.device_total_bytes;
