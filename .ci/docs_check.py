@@ -15,8 +15,9 @@ The rules, as CONTRIBUTING.md ("Docs and tags that CI checks") states them:
           file's folder; a bare file name (`growth.cpp`) names a file somewhere in the tree.
           Left out: URLs, anchors, globs and placeholders (`*`, `<name>`, `{a,b}`, `NAME`,
           `...`), absolute paths, and build outputs (`build/...`, `build-*/...`).
-  options Every key of the option table `k_options` in allocator/src/core/options.cpp has a
-          row in the configuration table of docs/observability.md, and every row names a key.
+  options Every key of the option table `k_options` in allocator/src/core/options/options.cpp
+          has a row in the configuration table of docs/observability.md, and every row names a
+          key.
   tags    Every tag of a TEST_CASE / TEMPLATE_TEST_CASE in tests/**/*.cpp is in CONTRIBUTING's
           tag list (a case id [Kn] is a heading of docs/cases.md); each case carries exactly
           one layer tag, its tags in the documented order; a case carries [gpu] exactly when
@@ -154,7 +155,7 @@ class Checker:
     # ---- options ------------------------------------------------------------------------------
 
     def check_options(self):
-        src, ref = "allocator/src/core/options.cpp", "docs/observability.md"
+        src, ref = "allocator/src/core/options/options.cpp", "docs/observability.md"
         if src not in self.files or ref not in self.files:
             self.problem(src if src not in self.files else ref, 1, "missing: the options check "
                          "reads the table k_options and its reference table")

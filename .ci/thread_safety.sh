@@ -2,7 +2,7 @@
 # CI: the lock contracts checked by the compiler. Builds the host-only tree (core, simulated
 # device, host tests) with clang and -Wthread-safety -Werror (preset thread-safety): a function
 # marked REQUIRES(lock) called without it, or a GUARDED_BY member touched without its lock, fails
-# the build (src/core/thread_annotations.hpp).
+# the build (src/core/common/thread_annotations.hpp).
 #   bash .ci/thread_safety.sh   (build directory: build-thread-safety/)
 set -euo pipefail
 cd "$(dirname "$0")/.."

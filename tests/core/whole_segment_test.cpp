@@ -1,7 +1,8 @@
 // The whole-segment rule of the cuda_malloc backend (options::whole_segment_split_ratio,
-// allocator/src/core/segment_fit.hpp) on the simulated device: a wholly free segment far larger
-// than a large request stays whole for a request of its own size; remainders of split segments
-// and segments close in size still serve any request; at the memory limit the rule gives way.
+// allocator/src/core/blocks/segment_fit.hpp) on the simulated device: a wholly free segment far
+// larger than a large request stays whole for a request of its own size; remainders of split
+// segments and segments close in size still serve any request; at the memory limit the rule gives
+// way.
 #include "support/sim_fixture.hpp"
 #include "support/whole_segments.hpp"
 

@@ -38,8 +38,8 @@ TREE = {
 
 ## Other
 """,
-    "docs/design.md": "The table: `allocator/src/core/options.cpp`, `src/core/options.cpp` "
-                      "(from allocator/), `core/options.hpp` (an include path).\n",
+    "docs/design.md": "The table: `allocator/src/core/options/options.cpp`, "
+                      "`src/core/options/options.cpp` (from allocator/), `core/options.hpp` (an include path).\n",
     "docs/observability.md": """# Observability
 
 ## Configuration
@@ -52,9 +52,9 @@ TREE = {
 ## Logging
 """,
     "docs/cases.md": "# Cases\n\n## K1 - a case\n",
-    "allocator/README.md": "`src/core/options.cpp`, `include/streamsafe/core/options.hpp`\n",
+    "allocator/README.md": "`src/core/options/options.cpp`, `include/streamsafe/core/options.hpp`\n",
     "allocator/include/streamsafe/core/options.hpp": "#pragma once\n",
-    "allocator/src/core/options.cpp": """const option_spec k_options[] = {
+    "allocator/src/core/options/options.cpp": """const option_spec k_options[] = {
     {"backend", "choice", "cuda_malloc, expandable",
      [](options& o, std::string_view v) {}},
     {"memory_fraction", "number", "", nullptr},
@@ -107,9 +107,9 @@ class DocsCheckTest(unittest.TestCase):
                         "README.md:1: links to `docs/gone.md`, which does not exist")
 
     def test_undocumented_key(self):
-        src = TREE["allocator/src/core/options.cpp"].replace(
+        src = TREE["allocator/src/core/options/options.cpp"].replace(
             "};", '    {"planted_key", "number", "", nullptr},\n};')
-        self.fails_with({"allocator/src/core/options.cpp": src},
+        self.fails_with({"allocator/src/core/options/options.cpp": src},
                         "option key `planted_key` is not in the configuration table")
 
     def test_documented_key_that_does_not_exist(self):

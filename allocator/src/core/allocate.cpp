@@ -16,11 +16,11 @@
 //      free blocks again, then the growth policy: growth_policy.cpp, expand_pool_locked, which
 //      reclaims queued memory, grows, gives idle memory back before a growth past the peak and
 //      runs the out-of-memory retry; nullptr from it is out_of_memory.
-#include "allocator_impl.hpp"
-#include "format.hpp"
-#include "logging.hpp"
-#include "size_classes.hpp"
-#include "stream_cache.hpp"
+#include "core/allocator_impl.hpp"
+#include "core/blocks/size_classes.hpp"
+#include "core/common/format.hpp"
+#include "core/common/logging.hpp"
+#include "core/streams/stream_cache.hpp"
 
 #include <stdexcept>
 #include <string>

@@ -5,7 +5,7 @@
 // match to the caller's stream state: that rule stays a convention.
 #pragma once
 
-#include "allocator_state.hpp"
+#include "core/allocator_state.hpp"
 
 #include <streamsafe/core/caching_allocator.hpp>
 #include <streamsafe/core/sleep.hpp>
@@ -94,16 +94,16 @@ struct caching_allocator::impl : detail::allocator_state {
   block* expand_pool_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
                             stream_state& st, pool& p, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_, st.mu);
-  // The steps of expand_pool_locked (growth_policy.cpp), in its order:
-  // 1. queued memory first; *stop: a capture began while it waited
+  // The steps of expand_pool_locked (growth_policy.cpp numbers them), in its order:
+  // queued memory first; *stop: a capture began while it waited
   block* reclaim_queued_first_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
                                      stream_state& st, pool& p, std::size_t rounded, bool* stop)
       STREAMSAFE_REQUIRES(mu_, st.mu);
-  // 2-4. headroom under the peak, a pending block, completed releases
+  // headroom under the peak, a pending block, completed releases
   block* grow_within_peak_or_pending_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
                                             stream_state& st, pool& p, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_, st.mu);
-  // 5. a growth, idle memory making room past the peak (the next two)
+  // a growth, idle memory making room past the peak (the next two)
   block* grow_making_room_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
                                  stream_state& st, pool& p, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_, st.mu);
@@ -113,7 +113,7 @@ struct caching_allocator::impl : detail::allocator_state {
   block* grow_after_refused_segments_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
                                             stream_state& st, pool& p, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_, st.mu);
-  // 6. at the limit; 7. the out-of-memory path
+  // at the limit; the out-of-memory path
   block* take_from_other_pools_locked(detail::unique_lock<stream_lock>& slk, stream_state& st,
                                       pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_, st.mu);
   block* out_of_memory_path_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,

@@ -25,18 +25,18 @@
 // clang checks these rules (-Wthread-safety, thread_annotations.hpp).
 #pragma once
 
-#include "capture_state.hpp"
-#include "driver_calls.hpp"
-#include "event_pool.hpp"
-#include "growth_state.hpp"
-#include "ipc_registry.hpp"
-#include "release_queue.hpp"
-#include "release_worker.hpp"
-#include "runtime_settings.hpp"
-#include "sleep_state.hpp"
-#include "statistics_state.hpp"
-#include "stream_state.hpp"
-#include "thread_annotations.hpp"
+#include "core/capture/capture_state.hpp"
+#include "core/common/driver_calls.hpp"
+#include "core/common/thread_annotations.hpp"
+#include "core/events/event_pool.hpp"
+#include "core/growth/growth_state.hpp"
+#include "core/ipc/ipc_registry.hpp"
+#include "core/options/runtime_settings.hpp"
+#include "core/release/release_queue.hpp"
+#include "core/release/release_worker.hpp"
+#include "core/sleep/sleep_state.hpp"
+#include "core/stats/statistics_state.hpp"
+#include "core/streams/stream_state.hpp"
 
 #include <streamsafe/core/caching_allocator.hpp>
 

@@ -1,27 +1,12 @@
 // streamsafe core: construction and destruction of the caching allocator.
 //
-// The allocator's code is split by concern, each file opening with what it does and its locks:
-//   streams.cpp      the stream states and the threads' stream caches
-//   events.cpp       the event pool, cross-stream ordering, the pending list
-//   blocks.cpp       fit, split and merge of blocks within a pool
-//   growth.cpp       new segments, mapped chunks, segments moved between streams
-//   allocate.cpp     the allocation order (fast path, slow path)
-//   free.cpp         deallocate and record_stream
-//   release.cpp      giving memory back behind fences; release_worker.cpp its thread
-//   destruction.cpp  destroy_all; capture.cpp graph captures; fork.cpp a forked child
-//   tags.cpp, sleep.cpp, wake.cpp  tagged pools, pause and resume; ipc.cpp export and import
-//   diagnostics.cpp  out-of-memory and invalid-pointer errors
-//   introspection.cpp stats, snapshot, find_block; invariants.cpp check_invariants
-// State: allocator_state.hpp holds one member per concern, each a type of its own header with
-// its lock rule (stream_state.hpp, event_pool.hpp, release_queue.hpp, release_worker.hpp,
-// capture_state.hpp, sleep_state.hpp, ipc_registry.hpp, driver_calls.hpp, growth_state.hpp,
-// statistics_state.hpp), and the lock order; allocator_impl.hpp declares impl's functions;
-// block.hpp the block and segment invariants. The constructor reads the device's memory, takes
-// no lock (nothing is shared yet); the destructor runs destroy_all (destruction.cpp), which
+// The map of the core's files, one row each, is allocator/README.md; allocator_state.hpp holds
+// the state, one member per concern, and the lock order. The constructor reads the device's memory,
+// takes no lock (nothing is shared yet); the destructor runs destroy_all (destruction.cpp), which
 // takes the device lock.
-#include "allocator_impl.hpp"
-#include "logging.hpp"
-#include "size_classes.hpp"
+#include "core/allocator_impl.hpp"
+#include "core/blocks/size_classes.hpp"
+#include "core/common/logging.hpp"
 
 #include <algorithm>
 #include <atomic>

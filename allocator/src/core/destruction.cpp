@@ -4,8 +4,8 @@
 // event go back to the backend, and the host bookkeeping is deleted in every case, also after a
 // failed driver call (logged). Runs with no other thread in the allocator; takes mu_, the stream
 // locks and the event pool's lock (a leaf) in that order.
-#include "allocator_impl.hpp"
-#include "logging.hpp"
+#include "core/allocator_impl.hpp"
+#include "core/common/logging.hpp"
 
 #include <algorithm>
 #include <vector>

@@ -12,7 +12,7 @@
 // nothing (empty_cache and reclaim return 0), and the destructor leaks the host bookkeeping
 // rather than read state a parent thread may have been changing at the fork. An allocator made
 // in the child is its own and works normally.
-#include "allocator_impl.hpp"
+#include "core/allocator_impl.hpp"
 
 #include <pthread.h>
 

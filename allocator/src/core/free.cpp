@@ -11,10 +11,10 @@
 // Locks: the fast path takes only the lock of the stream this thread allocated from last; the
 // slow path takes the device lock (mu_), which finds the owner and sees destroyed streams'
 // tombstones, then the owner's stream lock.
-#include "allocator_impl.hpp"
-#include "logging.hpp"
-#include "per_thread_stream.hpp"
-#include "stream_cache.hpp"
+#include "core/allocator_impl.hpp"
+#include "core/common/logging.hpp"
+#include "core/streams/per_thread_stream.hpp"
+#include "core/streams/stream_cache.hpp"
 
 #include <algorithm>
 

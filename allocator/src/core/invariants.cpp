@@ -6,9 +6,9 @@
 // released, the frees held by a graph capture, and the statistics against the blocks (reserved
 // bytes and segments for every pool and for each kind, small and large).
 // Locks: the device lock and every stream lock, held for the whole check.
-#include "allocator_impl.hpp"
-#include "format.hpp"
-#include "size_classes.hpp"
+#include "core/allocator_impl.hpp"
+#include "core/blocks/size_classes.hpp"
+#include "core/common/format.hpp"
 
 #include <algorithm>
 #include <array>

@@ -38,7 +38,7 @@
 #pragma once
 
 #include <streamsafe/sim/simulated_device.hpp>
-#include "core/format.hpp"
+#include "core/common/format.hpp"
 
 #include <streamsafe/core/errors.hpp>
 

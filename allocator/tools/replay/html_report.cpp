@@ -5,7 +5,7 @@
 // segment map lays the drawn part of each segment end to end, in address order, over rows of a
 // fixed byte span (a nice value chosen so the map has about 24 rows); a block crossing a row
 // end continues on the next row. Every piece of text that comes from the input is escaped.
-#include "core/format.hpp"
+#include "core/common/format.hpp"
 
 #include "html_report.hpp"
 

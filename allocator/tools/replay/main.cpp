@@ -5,7 +5,7 @@
 //
 // Single-threaded; all the work is in streamsafe_replay_lib (trace_reader, replay,
 // html_report), this file only parses the command line and prints.
-#include "core/format.hpp"
+#include "core/common/format.hpp"
 
 #include "html_report.hpp"
 #include "repeat.hpp"

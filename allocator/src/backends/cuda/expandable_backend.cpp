@@ -1,6 +1,6 @@
 // streamsafe: expandable_backend (see expandable_backend.hpp). The chunk table is guarded by
 // mutex_, held only around table reads and updates, never across a driver call.
-#include "core/format.hpp"
+#include "core/common/format.hpp"
 
 #include <streamsafe/backends/capture_mode.hpp>
 #include <streamsafe/backends/cuda_check.hpp>

@@ -9,8 +9,8 @@
 // replacement of the allocator; the allocator itself is published through an atomic pointer
 // and used without this lock. Replaced allocators (and simulated platforms) are retired, never
 // destroyed, so that a thread still holding one cannot see it freed.
-#include "core/ipc_wire.hpp"
-#include "core/logging.hpp"
+#include "core/common/logging.hpp"
+#include "core/ipc/ipc_wire.hpp"
 
 #include <streamsafe/streamsafe.h>
 #include <streamsafe/core/errors.hpp>

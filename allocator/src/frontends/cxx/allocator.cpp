@@ -6,8 +6,8 @@
 // device in use it is that device's allocator; with several, the first whose find_block()
 // knows the pointer (current device first). A pointer no allocator knows is diagnosed by the
 // allocators themselves (double free, interior pointer, foreign pointer).
-#include "core/format.hpp"
-#include "core/logging.hpp"
+#include "core/common/format.hpp"
+#include "core/common/logging.hpp"
 
 #include <streamsafe/backends/cuda_check.hpp>
 #include <streamsafe/backends/cuda_malloc_backend.hpp>

@@ -8,7 +8,7 @@
 // last and held only around table operations. No lock is held across a host-blocking call.
 #pragma once
 
-#include "core/logging.hpp"
+#include "core/common/logging.hpp"
 #include "preload_backend.hpp"
 #include "real_cuda.hpp"
 

@@ -36,7 +36,7 @@
 #include <c10/util/Exception.h>
 #include <torch/headeronly/version.h>
 
-#include "core/format.hpp"
+#include "core/common/format.hpp"
 
 #include <streamsafe/core/errors.hpp>
 #include <streamsafe/core/ipc.hpp>

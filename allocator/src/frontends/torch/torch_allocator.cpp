@@ -21,8 +21,8 @@
 // once.
 //
 // Thread safety: every function may be called from any thread; the last-error text is per thread.
-#include "core/format.hpp"
-#include "core/logging.hpp"
+#include "core/common/format.hpp"
+#include "core/common/logging.hpp"
 
 #include <streamsafe/core/errors.hpp>
 #include <streamsafe/core/snapshot.hpp>

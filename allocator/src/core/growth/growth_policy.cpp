@@ -1,0 +1,534 @@
+// streamsafe core: the growth policy, in one place (as RMM keeps its pool's expand_pool).
+//
+// expand_pool_locked is its one entry point, called by allocate_slow once the fast path found
+// nothing (no cached block of the pool fits). Every decision of when to grow, when to take back
+// cached or queued memory, when a block may be split, and what goes back to the driver before a
+// growth is made here; the mechanisms live elsewhere: growth.cpp (segments, ranges, chunks, the
+// move of a whole segment), reclaim.cpp (taking queued memory back), release.cpp (fences,
+// batches, driver calls), events.cpp (pending blocks). The order, for `rounded` bytes of pool p
+// on stream s:
+//   1. Queued memory first. Memory queued for release (empty_cache in defer mode, a pause, step
+//      5 below) is still mapped and counted as reserved: the pool's own queued blocks go back
+//      to it in place; another pool's are reclaimed by a wait of s on their release fence (a
+//      whole cudaMalloc segment moves to p; expandable chunks are mapped again into p's range,
+//      no new memory). Never a host wait.
+//   2. Free headroom: a growth that does not raise peak reserved (memory given back earlier)
+//      and stays within the limit goes first, rather than a block still pending another
+//      stream's work, whose reuse would order s behind that work.
+//   3. A pending block of p, behind a stream wait on its events (K9).
+//   4. (release worker off) queued releases whose fences completed go back (never waiting).
+//   5. A growth. One that would raise peak reserved first makes room from idle memory, never
+//      waiting on the host: cuda_malloc gives back the whole free segments that the
+//      whole-segment rule refuses to the request (proven idle ones at once, the rest behind a
+//      fence, queued); expandable queues the idle chunks of every pool (large pools only for a
+//      small request) up to the growth's excess and reclaims them by alias, as in step 1. A
+//      cudaMalloc growth past the peak takes another stream's whole free segment that fits and
+//      that the rule would not keep whole, before a new one. No growth passes the limit.
+//   6. At the limit: a whole free segment of another stream (the rule kept), or (expandable)
+//      the free chunks of every pool, queued and reclaimed by alias.
+//   7. Out of memory: the cache of every stream and pool is released in the empty_cache mode
+//      (wait: the host waits on exactly the fences; defer: what is safe now goes back, the rest
+//      is queued), then queued memory is reclaimed ignoring the whole-segment rule, then a whole
+//      free segment of another stream is split after all; with the release worker, a wait for
+//      its pass and its release in flight; in defer mode, a host wait on the queued fences
+//      bounded by k_oom_fence_wait_us (a stream held by a collective that waits for this
+//      thread ends the wait, never the process: K8). Then nullptr: the caller throws
+//      out_of_memory.
+// Steps 1-5 never wait on GPU work; step 1 may wait for the release worker's driver calls in
+// flight when mapping anew beside them would raise the peak. Locks: mu_ and s's lock held on entry
+// and on return; s's lock is dropped around the steps that take other streams' locks, release or
+// wait.
+#include "core/allocator_impl.hpp"
+#include "core/blocks/segment_fit.hpp"
+#include "core/blocks/size_classes.hpp"
+#include "core/common/format.hpp"
+#include "core/common/logging.hpp"
+
+#include <algorithm>
+#include <chrono>
+
+namespace streamsafe {
+
+namespace {
+struct pending_event_copy {
+  event_handle event;
+};
+// How long the out-of-memory path of empty_cache:defer waits on the host for queued release
+// fences before it gives up (a bound, not a hang, K8): a step's tail of kernels.
+constexpr std::uint64_t k_oom_fence_wait_us = 1000000;
+// Idle bytes below which a growth past the peak is not worth a release fence (one event per
+// stream): PyTorch's large segment, the default chunk.
+constexpr std::size_t k_min_idle_release_bytes = detail::k_large_segment_bytes;
+
+// slk, the caller's lock of st.mu, dropped and retaken: the analysis follows st.mu through these
+// (it cannot tie a lock object passed by reference to the mutex it holds).
+void drop_stream_lock(detail::unique_lock<stream_lock>& slk, detail::stream_state& st)
+    STREAMSAFE_RELEASE(st.mu) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+  slk.unlock();
+}
+void retake_stream_lock(detail::unique_lock<stream_lock>& slk, detail::stream_state& st)
+    STREAMSAFE_ACQUIRE(st.mu) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+  slk.lock();
+}
+
+}  // namespace
+
+// ---- headroom ---------------------------------------------------------------------------------
+
+// True when p can grow for `rounded` bytes without raising peak reserved, within the limit.
+bool caching_allocator::impl::growth_within_peak_locked(const pool& p, std::size_t rounded) const {
+  std::size_t bytes = 0;
+  if (opts_.backend == backend_kind::expandable) {
+    const block* choice = p.expandable ? choose_unmapped_locked(p, rounded, bytes, false) : nullptr;
+    if (!choice) bytes = detail::round_up(rounded, limits_.small_chunk_bytes);
+  } else {
+    bytes = detail::segment_bytes_for(rounded);
+  }
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+  return reserved + bytes <= std::min(limits_.limit_bytes, reserved_high_water_locked());
+}
+
+// headroom_hint_ after reserved bytes changed: the fast path reads it without mu_.
+void caching_allocator::impl::note_headroom_locked() {
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+  const std::size_t top = std::min(limits_.limit_bytes, reserved_high_water_locked());
+  headroom_hint_.store(top > reserved ? top - reserved : 0, std::memory_order_relaxed);
+}
+
+// ---- growth -----------------------------------------------------------------------------------
+
+block* caching_allocator::impl::grow_locked(pool& p, std::size_t rounded) {
+  block* b = nullptr;
+  if (opts_.backend == backend_kind::expandable) {
+    b = expandable_fit_locked(p, rounded);
+  } else if ((b = adopt_dead_segment_locked(p, rounded)) == nullptr) {
+    // A new large segment past peak reserved while another stream's large pool holds a whole
+    // free segment that fits (and that the whole-segment rule would not keep whole for this
+    // request: a few small blocks must not pin it): it moves to p behind an event wait.
+    if (!p.small && static_cast<std::size_t>(stats_.reserved_bytes.current) +
+                            detail::segment_bytes_for(rounded) >
+                        reserved_high_water_locked())
+      b = steal_segment_locked(p, rounded, true);
+    if (!b) b = new_segment_locked(p, rounded);
+    // At the memory limit the whole-segment rule gives way: split the best fit rather than fail.
+    if (!b && opts_.whole_segment_split_ratio != 0) b = fit_ignoring_whole_rule(p, rounded);
+  }
+  note_headroom_locked();
+  return b;
+}
+
+bool caching_allocator::impl::growth_raises_peak_with_refused_locked(const pool& p,
+                                                                     std::size_t rounded) const {
+  if (opts_.backend == backend_kind::expandable)
+    return expandable_growth_raises_peak_locked(p, rounded);
+  if (p.small || opts_.whole_segment_split_ratio == 0) return false;
+  // Below the peak growth costs nothing; at the limit the rule gives way (find_block_locked).
+  const std::size_t grown = static_cast<std::size_t>(stats_.reserved_bytes.current) +
+                            detail::segment_bytes_for(rounded);
+  if (grown <= reserved_high_water_locked() || grown > limits_.limit_bytes) return false;
+  // Worth the driver calls only when the idle segments are a good part of the growth.
+  std::size_t idle = 0;
+  p.mapped.for_each([&](const block* b) { idle += idle_at_growth(b, rounded) ? b->size : 0; });
+  return idle >= detail::segment_bytes_for(rounded) / detail::k_idle_release_divisor;
+}
+
+// Bytes a growth of p for `rounded` bytes maps beyond peak reserved (0: none), and the free
+// mapped block it extends (null: none).
+std::size_t caching_allocator::impl::expandable_growth_excess_locked(const pool& p,
+                                                                     std::size_t rounded,
+                                                                     const block** extended) const {
+  std::size_t map_bytes = 0;
+  const block* choice = p.expandable ? choose_unmapped_locked(p, rounded, map_bytes, false)
+                                     : nullptr;
+  *extended = nullptr;
+  if (!choice) {
+    map_bytes = detail::round_up(rounded, limits_.small_chunk_bytes);  // a fresh range
+  } else if (const block* prev = choice->prev;
+             prev && prev->state == block_state::free && prev->mapped) {
+    *extended = prev;
+  }
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+  const std::size_t peak = std::min(limits_.limit_bytes, reserved_high_water_locked());
+  return reserved + map_bytes > peak ? reserved + map_bytes - peak : 0;
+}
+
+bool caching_allocator::impl::expandable_growth_raises_peak_locked(const pool& p,
+                                                                   std::size_t rounded) const {
+  const block* extended = nullptr;
+  if (expandable_growth_excess_locked(p, rounded, &extended) == 0) return false;
+  // Reserved but not allocated, less the block the growth extends and what is queued already:
+  // an upper bound of the whole free chunks elsewhere (other pools' blocks are not looked at
+  // without their locks).
+  std::int64_t allocated = 0;
+  for (auto& [s, state] : streams_.states) allocated += state->mirror.allocated_total();
+  const std::int64_t idle = stats_.reserved_bytes.current - allocated -
+                            static_cast<std::int64_t>(extended ? extended->size : 0) -
+                            static_cast<std::int64_t>(queued_release_bytes_locked());
+  return idle >= static_cast<std::int64_t>(k_min_idle_release_bytes);
+}
+
+bool caching_allocator::impl::wants_collection_locked(std::size_t rounded) const {
+  const double gc = runtime_.garbage_collection_threshold.load(std::memory_order_relaxed);
+  if (gc <= 0 && opts_.max_cached_bytes == 0) return false;
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+  if (gc > 0 && static_cast<double>(reserved + detail::segment_bytes_for(rounded)) >
+                    gc * static_cast<double>(limits_.limit_bytes)) {
+    return true;
+  }
+  if (opts_.max_cached_bytes != 0) {
+    std::int64_t allocated = 0;
+    for (auto& [s, state] : streams_.states) allocated += state->mirror.allocated_total();
+    const auto cached = static_cast<std::int64_t>(reserved) - allocated;
+    if (cached > static_cast<std::int64_t>(opts_.max_cached_bytes)) return true;
+  }
+  return false;
+}
+
+// ---- idle memory before a growth --------------------------------------------------------------
+
+// mu_ held, no stream lock: free chunks of every expandable pool but `keep`, up to `bytes`,
+// smallest first, detached, fenced and queued; returns the bytes.
+std::size_t caching_allocator::impl::queue_idle_chunks_locked(const block* keep, bool large_only,
+                                                              std::size_t bytes) {
+  if (capturing() || bytes == 0 || opts_.release_fence == fence_scope::device) return 0;
+  // A small-pool growth (2 MiB chunks) takes only large pools' free chunks, as they are: walking
+  // and flushing the small pools for 2 MiB made random_allocations (10,000 live small blocks)
+  // several times slower.
+  if (!large_only) prepare_release_locked();
+  // Every whole free chunk run is detached; the smallest are kept, chunk by chunk, up to
+  // `bytes` (the least likely to serve a later request, and no more than the growth needs), and
+  // the rest is merged back into its pool.
+  release_batch all;
+  for (auto& [base, seg] : streams_.segments) {
+    stream_state& owner = state_of(*seg->owner);
+    if (!seg->expandable || seg->paused || (large_only && seg->small) ||
+        (owner.graph != 0 && !owner.graph_released))
+      continue;  // sleep.cpp owns a paused segment's mapping
+    detail::lock_guard<stream_lock> slk(owner.mu);
+    detach_free_chunks_locked(all, seg, keep);
+  }
+  std::stable_sort(all.blocks.begin(), all.blocks.end(),
+                   [](const block* a, const block* b) { return a->size < b->size; });
+  release_batch chosen;
+  release_batch rest;
+  for (block* b : all.blocks) {
+    if (chosen.bytes >= bytes) {
+      rest.blocks.push_back(b);
+      continue;
+    }
+    // Of the last run taken, only the chunks that cover what is lacking.
+    const std::size_t lacking = bytes - chosen.bytes;
+    if (b->size > lacking) {
+      detail::lock_guard<stream_lock> slk(state_of(*b->seg->owner).mu);  // guards seg->chunks
+      if (block* after = cut_chunks_locked(b, lacking)) rest.blocks.push_back(after);
+    }
+    chosen.blocks.push_back(b);
+    chosen.bytes += b->size;
+    add_fence_streams_locked(chosen, b->seg);
+  }
+  restore_batch_locked(rest);
+  if (chosen.blocks.empty()) return 0;
+  try {
+    record_fence_locked(chosen);  // waited on by the device only (reclaim.cpp), never the host
+  } catch (const std::exception& e) {
+    restore_batch_locked(chosen);
+    detail::log().debug("device {}: fencing idle chunks before a growth failed: {}",
+                        backend_.device(), e.what());
+    return 0;
+  }
+  const std::size_t queued = chosen.bytes;
+  detail::log().debug("device {}: {} bytes of idle chunks queued to be reclaimed by a growth",
+                      backend_.device(), queued);
+  queue_batch_locked(chosen);
+  if (worker_usable_locked() && ensure_worker_locked()) {
+    worker_.kick_now();
+  }
+  return queued;
+}
+
+// mu_ held, st's lock not: gives back st's whole free large segments that the whole-segment
+// rule refuses to a request of `rounded` bytes (before a growth that would raise the peak).
+std::size_t caching_allocator::impl::release_refused_segments(device_lock& lk, stream_state& st,
+                                                              std::size_t rounded) {
+  release_batch batch;   // behind a fence recorded now
+  release_batch proven;  // proven idle (prove_idle_segments_locked): no fence needed
+  {
+    detail::lock_guard<stream_lock> slk(st.mu);
+    pool& p = st.large_pool;
+    flush_quick_locked(p);
+    // Proofs come from allocate_slow's prove_idle_segments_locked, one growth earlier.
+    // cudaFree waits for the whole device: proven or not, only while every stream is idle. The
+    // release worker, when on, makes every release (release_collected hands it over).
+    const bool direct = !worker_releases_locked(empty_cache_mode::defer) &&
+                        !free_segment_would_block_locked();
+    std::vector<segment*> refused;
+    p.mapped.for_each([&](block* b) {
+      if (idle_at_growth(b, rounded)) refused.push_back(b->seg);
+    });
+    for (segment* seg : refused) {
+      const bool is_proven = direct && seg->first->idle_fence == detail::k_idle_proven;
+      detach_whole_segment_locked(is_proven ? proven : batch, seg);
+    }
+  }
+  if (batch.blocks.empty() && proven.blocks.empty()) return 0;
+  detail::log().debug(
+      "device {}: releasing {} bytes of whole free segments refused to a {}-byte request before "
+      "growing ({} bytes proven idle)",
+      backend_.device(), batch.bytes + proven.bytes, rounded, proven.bytes);
+  std::size_t released = 0;
+  if (!proven.blocks.empty()) released += release_batch_memory(lk, proven);
+  // Opportunistic: never waits, in either mode; what is busy is queued behind its fence.
+  if (!batch.blocks.empty()) released += release_collected(lk, batch, empty_cache_mode::defer);
+  return released;
+}
+
+// ---- the out-of-memory path's last wait -------------------------------------------------------
+
+// Defer mode, last resort of the out-of-memory path: a host wait (mu_ dropped), bounded, on
+// every queued release fence; true when they all completed.
+bool caching_allocator::impl::wait_queued_fences_locked(device_lock& dlk) {
+  if (releases_.deferred.empty() || capturing() || opts_.release_fence == fence_scope::device)
+    return false;
+  // A copy of the events to wait on without mu_ (their batches stay queued; a batch finished
+  // meanwhile only makes the wait shorter), and the tombstones pinned meanwhile.
+  std::vector<pending_event_copy> waits;
+  for (const release_batch& batch : releases_.deferred) {
+    if (batch.device_sync) return false;
+    for (const auto& e : batch.fence) waits.push_back({e.event});
+  }
+  for (const auto& t : streams_.tombstones) waits.push_back({t.event});
+  const std::size_t queued = releases_.deferred_bytes;
+  bool done = true;
+  {
+    const auto start = std::chrono::steady_clock::now();
+    std::uint64_t left_us = k_oom_fence_wait_us;
+    driver_call_scope in_flight(driver_calls_, dlk);
+    for (const auto& w : waits) {
+      if (!backend_.synchronize_event_for(w.event, left_us)) {
+        done = false;
+        break;
+      }
+      const auto spent = static_cast<std::uint64_t>(
+          std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() -
+                                                                start)
+              .count());
+      left_us = spent >= k_oom_fence_wait_us ? 0 : k_oom_fence_wait_us - spent;
+    }
+    in_flight.relock();
+    stats_.fence_waits += waits.size();
+    stats_.fence_wait_ns += static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                             start)
+            .count());
+  }
+  detail::log().debug("device {}: out of memory: {} on the release fences of {} queued bytes",
+                      backend_.device(), done ? "waited" : "gave up waiting", queued);
+  return done;
+}
+
+// ---- a retry of the search (the pool may have changed while its lock was dropped) ----------
+
+block* caching_allocator::impl::find_block_locked(stream_state& st, pool& p, std::size_t rounded,
+                                                  bool grow) {
+  if (!st.pending.empty()) process_events_locked(st);
+  if (block* b = take_cached_fit_locked(p, rounded)) return b;
+  // Free headroom under the peak goes before a block pending another stream's work
+  // (growth_policy.cpp).
+  const bool headroom = growth_within_peak_locked(p, rounded);
+  if (headroom && grow) {
+    if (block* b = grow_locked(p, rounded)) return b;
+  }
+  if (block* b = take_pending_locked(st, p, rounded)) return b;
+  return grow && !headroom ? grow_locked(p, rounded) : nullptr;
+}
+
+// ---- the entry point --------------------------------------------------------------------------
+
+// 1. Queued memory first: p's own in place, another pool's behind a wait on its fence. *stop:
+// a capture began while it waited for the release worker (the caller allocates for it instead).
+block* caching_allocator::impl::reclaim_queued_first_locked(device_lock& dlk,
+                                                            detail::unique_lock<stream_lock>& slk,
+                                                            stream_state& st, pool& p,
+                                                            std::size_t rounded, bool* stop) {
+  if (releases_.deferred.empty()) return nullptr;
+  const bool expandable = opts_.backend == backend_kind::expandable;
+  block* b = reclaim_in_place_locked(p, rounded);
+  bool in_flight = false;  // the release worker is giving memory back right now
+  if (!b && expandable) b = reclaim_by_alias_locked(p, rounded, true, &in_flight);
+  if (!b && !expandable) b = reclaim_segment_locked(p, rounded, true);
+  if (in_flight) {  // that release ends (driver calls, never a fence wait), then once more
+    drop_stream_lock(slk, st);
+    wait_for_worker_locked(dlk, nullptr);
+    retake_stream_lock(slk, st);
+    if (capturing()) {
+      *stop = true;
+      return nullptr;
+    }
+    b = reclaim_by_alias_locked(p, rounded, true);
+  }
+  return b;
+}
+
+// 2-4. Free headroom under the peak, then a pending block of p behind a stream wait, then (no
+// release worker) queued releases whose fences completed go back (never waiting).
+block* caching_allocator::impl::grow_within_peak_or_pending_locked(
+    device_lock& dlk, detail::unique_lock<stream_lock>& slk, stream_state& st, pool& p,
+    std::size_t rounded) {
+  block* b = nullptr;
+  if (growth_within_peak_locked(p, rounded)) b = grow_locked(p, rounded);
+  if (!b) b = take_pending_locked(st, p, rounded);
+  // A refused segment queued at one growth would otherwise stay reserved through the next.
+  if (!b && !releases_.deferred.empty() && !worker_releases_locked(opts_.empty_cache)) {
+    drop_stream_lock(slk, st);
+    finish_deferred(dlk, false);
+    retake_stream_lock(slk, st);
+    b = find_block_locked(st, p, rounded, false);
+  }
+  return b;
+}
+
+// 5, expandable, past the peak: idle chunks queued behind a fence; those whose fence streams
+// are idle now go back to the driver (measured on the corpus: mapping them again instead keeps
+// their old addresses, and what they later give back, in the queue), the rest are reclaimed
+// behind a device-side wait.
+block* caching_allocator::impl::grow_from_idle_chunks_locked(device_lock& dlk,
+                                                             detail::unique_lock<stream_lock>& slk,
+                                                             stream_state& st, pool& p,
+                                                             std::size_t rounded) {
+  const block* keep = nullptr;
+  const std::size_t excess = expandable_growth_excess_locked(p, rounded, &keep);
+  drop_stream_lock(slk, st);
+  queue_idle_chunks_locked(keep, p.small, excess);
+  try {
+    release_completed_locked(dlk, true);
+  } catch (const std::exception& e) {
+    detail::log().warn("device {}: giving idle chunks back before growing failed: {}",
+                       backend_.device(), e.what());
+  }
+  retake_stream_lock(slk, st);
+  block* b = reclaim_by_alias_locked(p, rounded);
+  return b ? b : find_block_locked(st, p, rounded, true);
+}
+
+// 5, cuda_malloc, past the peak: the whole free segments the whole-segment rule refuses go
+// back first (opportunistic: a failed release leaves its memory in the pool).
+block* caching_allocator::impl::grow_after_refused_segments_locked(
+    device_lock& dlk, detail::unique_lock<stream_lock>& slk, stream_state& st, pool& p,
+    std::size_t rounded) {
+  drop_stream_lock(slk, st);
+  try {
+    release_refused_segments(dlk, st, rounded);
+  } catch (const std::exception& e) {
+    detail::log().warn("device {}: giving refused whole segments back before growing failed: {}",
+                       backend_.device(), e.what());
+  }
+  retake_stream_lock(slk, st);
+  return find_block_locked(st, p, rounded, true);  // the pool may have changed meanwhile
+}
+
+// 5. A growth; past the peak, idle memory makes room first (never a host wait). Then (no
+// release worker) queued releases whose fences completed go back and the search runs again.
+block* caching_allocator::impl::grow_making_room_locked(device_lock& dlk,
+                                                        detail::unique_lock<stream_lock>& slk,
+                                                        stream_state& st, pool& p,
+                                                        std::size_t rounded) {
+  const bool expandable = opts_.backend == backend_kind::expandable;
+  if (!p.small && !expandable && opts_.whole_segment_split_ratio != 0)
+    prove_idle_segments_locked(st, p);  // K12: an idle fence ahead of the next growth
+  block* b = nullptr;
+  if (!growth_raises_peak_with_refused_locked(p, rounded)) {
+    b = grow_locked(p, rounded);
+  } else if (expandable) {
+    b = grow_from_idle_chunks_locked(dlk, slk, st, p, rounded);
+  } else {
+    b = grow_after_refused_segments_locked(dlk, slk, st, p, rounded);
+  }
+  if (!b && !releases_.deferred.empty() && !worker_releases_locked(opts_.empty_cache)) {
+    drop_stream_lock(slk, st);
+    finish_deferred(dlk, false);
+    retake_stream_lock(slk, st);
+    b = find_block_locked(st, p, rounded, true);
+  }
+  return b;
+}
+
+// 6. At the limit: another stream's whole free segment, or every pool's free chunks.
+block* caching_allocator::impl::take_from_other_pools_locked(detail::unique_lock<stream_lock>& slk,
+                                                             stream_state& st, pool& p,
+                                                             std::size_t rounded) {
+  if (block* b = steal_segment_locked(p, rounded, true)) return b;
+  if (opts_.backend != backend_kind::expandable) return nullptr;
+  const block* keep = nullptr;
+  const std::size_t excess = expandable_growth_excess_locked(p, rounded, &keep);
+  drop_stream_lock(slk, st);
+  queue_idle_chunks_locked(keep, false, excess);
+  retake_stream_lock(slk, st);
+  return reclaim_by_alias_locked(p, rounded);
+}
+
+// 7. Out of memory: the cache of every stream and pool is released in the empty_cache mode and
+// the search runs again; then the waits for the release worker and (defer) the queued fences;
+// then queued memory and another stream's whole free segment against the whole-segment rule.
+block* caching_allocator::impl::out_of_memory_path_locked(device_lock& dlk,
+                                                          detail::unique_lock<stream_lock>& slk,
+                                                          stream_state& st, pool& p,
+                                                          std::size_t rounded) {
+  const bool worker = worker_releases_locked(opts_.empty_cache);
+  ++stats_.num_alloc_retries;
+  // empty_cache:wait waits (host, no lock held) on exactly the fence events; empty_cache:defer
+  // never blocks the host here: it releases what is safe now and queues the rest (case K8: a
+  // fenced stream may run a collective that waits for work this thread has yet to enqueue).
+  drop_stream_lock(slk, st);
+  release_cached(dlk, opts_.empty_cache);
+  retake_stream_lock(slk, st);
+  block* b = find_block_locked(st, p, rounded, true);
+  if (!b && worker && (!releases_.deferred.empty() || worker_release_in_flight_locked())) {
+    // Wait (no lock held) for a pass of the release worker over what was just queued and for
+    // its release in flight, then retry. Never waits on a fence.
+    drop_stream_lock(slk, st);
+    wait_for_worker_locked(dlk, nullptr);
+    retake_stream_lock(slk, st);
+    if (capturing()) return nullptr;  // the caller allocates for the capture instead
+    b = find_block_locked(st, p, rounded, true);
+  }
+  if (!b && opts_.empty_cache == empty_cache_mode::defer && !releases_.deferred.empty()) {
+    // The last wait: on the host, bounded, for the queued fences; then what they free goes back.
+    drop_stream_lock(slk, st);
+    const bool waited = wait_queued_fences_locked(dlk);
+    if (waited && worker) {
+      wait_for_worker_locked(dlk, nullptr);
+    } else if (waited) {
+      finish_deferred(dlk, false);
+    }
+    retake_stream_lock(slk, st);
+    if (capturing()) return nullptr;
+    if (waited) b = find_block_locked(st, p, rounded, true);
+  }
+  // What could not go back serves the request after all: queued memory, then another stream's
+  // whole free segment, the whole-segment rule giving way.
+  if (!b && !releases_.deferred.empty()) {
+    b = reclaim_in_place_locked(p, rounded, false);
+    if (!b)
+      b = opts_.backend == backend_kind::expandable ? reclaim_by_alias_locked(p, rounded)
+                                                    : reclaim_segment_locked(p, rounded, false);
+  }
+  if (!b) b = steal_segment_locked(p, rounded, false);
+  return b;
+}
+
+// Every way to serve `rounded` bytes from p once the fast path found nothing, in the order at
+// the top of this file; nullptr: out of memory (or a capture began while it waited: the caller
+// checks). mu_ and st's lock held on entry and return; slk is dropped around releases and waits.
+block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
+                                                   detail::unique_lock<stream_lock>& slk,
+                                                   stream_state& st, pool& p, std::size_t rounded) {
+  bool stop = false;
+  block* b = reclaim_queued_first_locked(dlk, slk, st, p, rounded, &stop);
+  if (stop) return nullptr;
+  if (!b) b = grow_within_peak_or_pending_locked(dlk, slk, st, p, rounded);
+  if (!b) b = grow_making_room_locked(dlk, slk, st, p, rounded);
+  if (!b) b = take_from_other_pools_locked(slk, st, p, rounded);
+  return b ? b : out_of_memory_path_locked(dlk, slk, st, p, rounded);
+}
+
+}  // namespace streamsafe
