@@ -623,11 +623,17 @@ class world {
         growth_guard guard(*this);
         const memory_snapshot snap = alloc_->snapshot();
         const oracle_verdict v = oracle_resume_from_snapshot(snap, cfg_.limit_bytes, t.tag);
+        // The device's whole chunks too (with chunks above 2 MiB the snapshot's granules
+        // count less).
+        const oracle_verdict d = rec_.verdict(live_ranges(), cfg_.backend, cfg_.limit_bytes,
+                                              v.new_bytes);
         try {
           alloc_->resume(t.tag);
         } catch (const out_of_memory& e) {
-          return judge_oom(guard, v.could_serve,
-                           "resume(" + t.tag + "): " + v.to_string() + "; " + describe(snap), e);
+          return judge_oom(guard, v.could_serve && d.could_serve,
+                           "resume(" + t.tag + "): snapshot: " + v.to_string() +
+                               "; device: " + d.to_string() + "; " + describe(snap),
+                           e);
         }
         t.tag_paused = alloc_->tag_status(t.tag).phase != tag_phase::active;
         return t.tag_paused ? "ok (not active yet)" : "ok";
