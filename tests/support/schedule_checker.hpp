@@ -357,7 +357,8 @@ class world {
       const std::size_t dev_kept = rec_.kept_bytes(live_ranges());
       if (snap_kept > dev_kept)
         fail("oracle", "the snapshot keeps " + std::to_string(snap_kept) +
-                           " bytes, the device only " + std::to_string(dev_kept));
+                           " bytes, the device only " + std::to_string(dev_kept) + "; " +
+                           active_not_live(snap));
       if (cfg_.backend == backend_kind::cuda_malloc || cfg_.chunk_bytes == 2 * MiB) {
         if (held_.empty() && snap_kept != dev_kept)
           fail("oracle", "the snapshot keeps " + std::to_string(snap_kept) + " bytes, the device " +
@@ -531,6 +532,26 @@ class world {
     j.could = (s.fits_growth() && d.fits_growth()) || s.fits_free_block;
     j.why = "snapshot: " + s.to_string() + "; device: " + d.to_string() + "; " + describe(snap);
     return j;
+  }
+
+  // The snapshot's active blocks that the program does not hold (for messages).
+  std::string active_not_live(const memory_snapshot& snap) {
+    const auto live = live_ranges();
+    std::ostringstream os;
+    os << "active blocks the program does not hold:";
+    std::size_t n = 0;
+    for (const auto& seg : snap.segments) {
+      for (const auto& b : seg.blocks) {
+        if (b.state != snapshot_block_state::active) continue;
+        bool held = false;
+        for (const auto& [a, size] : live) held = held || (a == b.address);
+        if (held || ++n > 8) continue;
+        os << " " << b.address << "+" << b.size_bytes << " (stream " << b.stream << ", segment of "
+           << seg.size_bytes << ")";
+      }
+    }
+    if (n == 0) os << " none (the device's segments differ)";
+    return os.str();
   }
 
   // Reserved split by state, for messages.
