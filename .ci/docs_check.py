@@ -24,6 +24,11 @@ The rules, as CONTRIBUTING.md ("Docs and tags that CI checks") states them:
           its file name ends in _gpu.cpp or _gpu_test.cpp; every listed topic is used.
   issues  No source, test, script or doc but CHANGELOG.md names an issue number: the word
           issue followed by a number, a number after '#' in prose, a fixme tag with a number.
+  map     Every file under allocator/src has a row in a table of allocator/README.md whose first
+          cell names it (`src/core/blocks/block.hpp`).
+  sizes   A core header (allocator/src/core/**/*.hpp) has at most 300 lines, a core .cpp 600.
+  long    A function of the core has at most 60 lines, from its first line to its closing
+          brace, unless the line before it says why: `// long: <reason>`.
 """
 
 import argparse
@@ -40,7 +45,112 @@ TEXT_EXTENSIONS = (".md", ".cpp", ".hpp", ".h", ".c", ".cu", ".cuh", ".py", ".sh
                    ".cmake", ".toml", ".yml", ".yaml", ".in")
 LAYER, TOPIC, HARDWARE, CASES, SPEED = "layer", "topic", "hardware", "field cases", "speed"
 MARKS = "marks"  # Catch2's own tags, such as [!shouldfail]
+CORE = "allocator/src/core/"
+HEADER_LINES, SOURCE_LINES, FUNCTION_LINES = 300, 600, 60
 ORDER = [HARDWARE, LAYER, TOPIC, CASES, SPEED, MARKS]
+
+
+# ---- a C++ function-extent scanner (for the `long` rule) --------------------------------------
+
+
+def strip_code(text):
+    """`text` with comments, string and character literals and preprocessor lines blanked out,
+    newlines kept, so that offsets and line numbers are the source's."""
+    out, i, n, line_start = [], 0, len(text), True
+    while i < n:
+        c = text[i]
+        if line_start and c in " \t":
+            out.append(c)
+            i += 1
+            continue
+        j = None
+        if line_start and c == "#":  # a preprocessor line and its continuations
+            j = i
+            while j < n and text[j] != "\n":
+                j += 2 if text[j] == "\\" else 1
+            j = min(j, n)
+        elif text.startswith("//", i):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+        else:
+            raw = re.match(r'R"([^()\\ ]{0,16})\(', text[i:i + 20])
+            if raw and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")):
+                end = text.find(")" + raw.group(1) + '"', i + raw.end())
+                j = n if end < 0 else end + len(raw.group(1)) + 2
+            elif c == "'" and 0 < i < n - 1 and text[i - 1].isalnum() and text[i + 1].isalnum():
+                j = i + 1  # a digit separator: 1'000'000
+            elif c in "\"'":
+                j = i + 1
+                while j < n and text[j] not in (c, "\n"):
+                    j += 2 if text[j] == "\\" else 1
+                j = min(j + 1, n)
+        line_start = c == "\n"
+        if j is None:
+            out.append(c)
+            i += 1
+        else:
+            out.append(re.sub(r"[^\n]", " ", text[i:j]))
+            line_start = text[j - 1] == "\n" if j > i else line_start
+            i = j
+    return "".join(out)
+
+
+SCOPE_HEAD = re.compile(r"^(template\s*<.*>\s*)?(inline\s+)?(namespace|class|struct|union|enum|"
+                        r"extern)\b", re.S)
+ACCESS = re.compile(r"^\s*(public|private|protected)\s*:\s*")
+# What may follow a function's parameter list before its body: qualifiers, a trailing return
+# type, annotation macros (STREAMSAFE_REQUIRES(mu_)).
+TRAILER = re.compile(r"(\s+|\bconst\b|\bnoexcept\b(\s*\([^()]*\))?|\boverride\b|\bfinal\b|"
+                     r"\bmutable\b|&&?|\b[A-Z][A-Z0-9_]*\b(\s*\([^()]*\))?|->[^;{}()]*)$")
+
+
+def is_function_head(head):
+    h = ACCESS.sub("", head).strip()
+    if not h or SCOPE_HEAD.match(h) or re.match(r"(if|for|while|switch|catch|do|else|try)\b", h):
+        return False
+    if re.search(r"\)\s*(noexcept\s*)?:\s*[\w:<>]+\s*[({]", h):  # a constructor's initializers
+        return True
+    prev = None
+    while prev != h:
+        prev, h = h, TRAILER.sub("", h)
+    return h.endswith(")")
+
+
+def function_extents(text):
+    """(first line, last line, name) of each function body that is not inside another function:
+    free functions, member functions defined in or out of their class, lambdas at namespace
+    scope. The first line is the first line of the declaration (template line included)."""
+    code = strip_code(text)
+    stack, head_start, found, start, name = [], 0, [], 0, "?"
+    for i, c in enumerate(code):
+        if c == ";" and (not stack or stack[-1] == "scope"):
+            head_start = i + 1
+        elif c == "{":
+            if stack and stack[-1] != "scope":  # inside a body or an initializer
+                stack.append("block" if stack[-1] in ("function", "block") else "init")
+                continue
+            head = code[head_start:i]
+            if is_function_head(head):
+                stack.append("function")
+                access = ACCESS.match(head)
+                start = head_start + (access.end() if access else len(head) - len(head.lstrip()))
+                names = re.findall(r"([~\w:]+)\s*\(", head)
+                name = names[0] if names else "?"
+            elif SCOPE_HEAD.match(ACCESS.sub("", head).strip()):
+                stack.append("scope")
+                head_start = i + 1
+            else:
+                stack.append("init")
+        elif c == "}" and stack:
+            kind = stack.pop()
+            if kind == "function":
+                found.append((code.count("\n", 0, start) + 1, code.count("\n", 0, i) + 1, name))
+            if kind in ("function", "scope"):
+                head_start = i + 1
+    return found
 
 
 class Checker:
@@ -294,6 +404,57 @@ class Checker:
                 self.problem("CONTRIBUTING.md", n, f"topic tag [{t}] is listed but no test "
                              "carries it")
 
+    # ---- the map of allocator/src ---------------------------------------------------------------
+
+    def check_map(self):
+        """Every file under allocator/src has a row in allocator/README.md's table."""
+        readme = "allocator/README.md"
+        sources = [f for f in self.files if f.startswith("allocator/src/")]
+        if not sources:
+            return
+        if readme not in self.files:
+            self.problem(readme, 1, "missing: it maps every file under allocator/src")
+            return
+        rows = set()
+        for line in self.read(readme).splitlines():
+            if not line.startswith("|"):
+                continue
+            first = line.split("|")[1]
+            for span in re.findall(r"`([^`]+)`", first):
+                span = span.strip()
+                rows.add(span if span.startswith("allocator/") else "allocator/" + span)
+        for f in sources:
+            if f not in rows:
+                self.problem(readme, 1, f"`{f[len('allocator/'):]}` has no row in the map of "
+                             "allocator/src (a table row whose first cell names the file)")
+
+    # ---- the core's sizes -------------------------------------------------------------------
+
+    def core_sources(self):
+        return [f for f in self.files if f.startswith(CORE) and f.endswith((".cpp", ".hpp"))]
+
+    def check_sizes(self):
+        for f in self.core_sources():
+            limit = HEADER_LINES if f.endswith(".hpp") else SOURCE_LINES
+            lines = self.read(f).count("\n")
+            if lines > limit:
+                self.problem(f, limit + 1, f"{lines} lines: a core {os.path.splitext(f)[1]} "
+                             f"file has at most {limit}; split it by concern")
+
+    def check_functions(self):
+        for f in self.core_sources():
+            text = self.read(f)
+            lines = text.splitlines()
+            for first, last, name in function_extents(text):
+                if last - first + 1 <= FUNCTION_LINES:
+                    continue
+                before = lines[first - 2] if first >= 2 else ""
+                if re.search(r"//\s*long:\s*\S", before):
+                    continue
+                self.problem(f, first, f"function `{name}` is {last - first + 1} lines (at most "
+                             f"{FUNCTION_LINES}): split it, or give the reason on the line "
+                             "before it as `// long: <reason>`")
+
     # ---- issue numbers ------------------------------------------------------------------------
 
     ISSUE = re.compile(r"\bissues?\s+#?\d+|\[fixme\d*\]|\bfixme\d+\b|(?:^|[\s(])#\d{1,5}\b(?![-:])",
@@ -322,6 +483,9 @@ class Checker:
         self.check_options()
         self.check_tags()
         self.check_issue_numbers()
+        self.check_map()
+        self.check_sizes()
+        self.check_functions()
         return self.problems
 
 
@@ -335,7 +499,8 @@ def main():
     if problems:
         print(f"docs check: {len(problems)} problem(s)", file=sys.stderr)
         return 1
-    print("docs check: paths, option keys, test tags and issue numbers agree")
+    print("docs check: paths, option keys, test tags, issue numbers, the map of allocator/src "
+          "and the core's sizes agree")
     return 0
 
 

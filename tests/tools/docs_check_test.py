@@ -39,7 +39,8 @@ TREE = {
 ## Other
 """,
     "docs/design.md": "The table: `allocator/src/core/options/options.cpp`, "
-                      "`src/core/options/options.cpp` (from allocator/), `core/options.hpp` (an include path).\n",
+                      "`src/core/options/options.cpp` (from allocator/), `core/options.hpp` "
+                      "(an include path).\n",
     "docs/observability.md": """# Observability
 
 ## Configuration
@@ -52,7 +53,16 @@ TREE = {
 ## Logging
 """,
     "docs/cases.md": "# Cases\n\n## K1 - a case\n",
-    "allocator/README.md": "`src/core/options/options.cpp`, `include/streamsafe/core/options.hpp`\n",
+    "allocator/README.md": "| file | what it owns |\n| --- | --- |\n"
+                           "| `src/core/options/options.cpp` | the options |\n"
+                           "| `src/core/blocks/fit.cpp` | fit |\n\n"
+                           "`include/streamsafe/core/options.hpp`\n",
+    "allocator/src/core/blocks/fit.cpp": """// long: a table read in one pass (planted)
+int table() {
+""" + "  x();\n" * 70 + "}\n" + """struct s {
+  int small() const noexcept { return 1; }
+};
+""",
     "allocator/include/streamsafe/core/options.hpp": "#pragma once\n",
     "allocator/src/core/options/options.cpp": """const option_spec k_options[] = {
     {"backend", "choice", "cuda_malloc, expandable",
@@ -153,6 +163,55 @@ class DocsCheckTest(unittest.TestCase):
                               "docs/design.md:2: names an issue number",
                               ".ci/run:2: names an issue number")
         self.assertNotIn("CHANGELOG.md", out)
+
+
+    def test_file_missing_from_the_map(self):
+        self.fails_with({"allocator/src/core/blocks/pool.hpp": "#pragma once\n"},
+                        "allocator/README.md:1: `src/core/blocks/pool.hpp` has no row in the map")
+
+    def test_core_header_over_300_lines(self):
+        self.fails_with({"allocator/src/core/blocks/big.hpp": "// x\n" * 301,
+                         "allocator/README.md": TREE["allocator/README.md"] +
+                         "\n| `src/core/blocks/big.hpp` | planted |\n"},
+                        "allocator/src/core/blocks/big.hpp:301: 301 lines: a core .hpp file has at "
+                        "most 300")
+
+    def test_core_source_over_600_lines(self):
+        self.fails_with({"allocator/src/core/options/options.cpp":
+                         TREE["allocator/src/core/options/options.cpp"] + "// x\n" * 600},
+                        "allocator/src/core/options/options.cpp:601: ")
+
+    def test_long_function_without_a_reason(self):
+        fit = TREE["allocator/src/core/blocks/fit.cpp"].replace(
+            "// long: a table read in one pass (planted)\n", "// a plain comment\n")
+        self.fails_with({"allocator/src/core/blocks/fit.cpp": fit},
+                        "allocator/src/core/blocks/fit.cpp:2: function `table` is 72 lines (at "
+                        "most 60)")
+
+    def test_function_extents(self):
+        sys.path.insert(0, os.path.dirname(CHECKER))
+        import docs_check  # pylint: disable=import-outside-toplevel
+        text = """namespace a {
+// a comment with { and "
+int f(int x) noexcept STREAMSAFE_REQUIRES(mu_) {
+  auto s = "}{";
+  char c = '}';
+  if (x) {
+    return 1'000;
+  }
+  return [&] { return 2; }();
+}
+struct t : base {
+  t() : x_{1}, y_(2) {
+  }
+  int g() const { return x_; }
+  int x_{0};
+};
+const int k[] = {1, 2};
+}  // namespace a
+"""
+        self.assertEqual(docs_check.function_extents(text),
+                         [(3, 10, "f"), (12, 13, "t"), (14, 14, "g")])
 
 
 if __name__ == "__main__":

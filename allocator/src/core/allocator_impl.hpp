@@ -1,11 +1,12 @@
-// streamsafe core: caching_allocator::impl (internal), one device's allocator: its state is the
-// base, detail::allocator_state (allocator_state.hpp, with the lock order); here its functions,
+// streamsafe core: caching_allocator::impl (internal), one device's allocator: its state is
+// detail::allocator_state (allocator_state.hpp, with the lock order), its lower concerns a chain
+// of layers over that state (blocks/block_layer.hpp names them); here the rest of its functions,
 // grouped by the .cpp file that defines them, where their contracts are stated. Functions that
 // take a pool or a block need the lock of its owner stream (state_of(pool).mu), which clang cannot
 // match to the caller's stream state: that rule stays a convention.
 #pragma once
 
-#include "core/allocator_state.hpp"
+#include "core/stats/diagnostics_layer.hpp"
 
 #include <streamsafe/core/caching_allocator.hpp>
 #include <streamsafe/core/sleep.hpp>
@@ -20,56 +21,17 @@
 
 namespace streamsafe {
 
-struct caching_allocator::impl : detail::allocator_state {
+struct caching_allocator::impl : detail::diagnostics_layer {
   using stream_state = detail::stream_state;
   using release_batch = detail::release_batch;
   using queued_run = detail::queued_run;
   using tag_state = detail::tag_state;
   using paused_segment = detail::paused_segment;
   using resume_work = detail::resume_work;
-  struct census;  // invariants.cpp
 
   impl(device_backend& backend, options opts);  // caching_allocator.cpp
-  // ---- streams.cpp: stream states, keys (a handle, or a per-thread stream's key) -------------
-  stream_state& state_for(stream_handle stream);  // no lock held; may take mu_
-  stream_state& get_or_create_stream_locked(stream_handle stream) STREAMSAFE_REQUIRES(mu_);
-  stream_state& new_state_locked(stream_handle key, stream_handle handle,
-                                 stream_handle cache_key = 0) STREAMSAFE_REQUIRES(mu_);
-  stream_handle key_of(stream_handle stream) const;
-  stream_handle record_event_on(event_handle e, stream_handle key);
-  void stream_wait_on(stream_handle key, event_handle e);
-  bool query_stream_of(stream_handle key);
-  bool stream_capturing(stream_handle key) noexcept;
-  stream_state* owner_locked(const void* ptr) STREAMSAFE_REQUIRES(mu_);
+  // ---- streams.cpp (the rest: streams/stream_layer.hpp) ------------------------------------
   void retire_dead_streams_locked() STREAMSAFE_REQUIRES(mu_);
-  void drop_tombstone_locked(event_handle e) STREAMSAFE_REQUIRES(mu_);
-  stream_state* cached_live_state(stream_handle stream) const;  // this thread's stream cache
-  // ---- events.cpp: the event pool, cross-stream order, the pending list ----------------------
-  event_handle get_event();  // takes the event pool's lock (a leaf)
-  void put_event(event_handle e);
-  event_handle get_event(stream_state& st) STREAMSAFE_REQUIRES(st.mu);  // st's cache first
-  void put_event(stream_state& st, event_handle e) STREAMSAFE_REQUIRES(st.mu);
-  void order_after_locked(stream_handle waiter, stream_handle on) STREAMSAFE_REQUIRES(mu_);
-  void add_use_locked(block* b, stream_handle stream);  // record_stream: b's owner lock held
-  void note_use_locked(segment* seg, stream_handle stream);
-  void retire_pending_locked(stream_state& st, block* b) STREAMSAFE_REQUIRES(st.mu);
-  void process_events_locked(stream_state& st) STREAMSAFE_REQUIRES(st.mu);
-  block* take_pending_locked(stream_state& st, pool& p, std::size_t rounded)
-      STREAMSAFE_REQUIRES(st.mu);
-  // ---- blocks.cpp: fit, split and merge within a pool (its owner stream's lock held) ---------
-  block* new_block(stream_state& st);
-  void recycle_block(stream_state& st, block* b);
-  block* best_fit(pool& p, std::size_t rounded) const;
-  bool split_limit_refuses(const pool& p, const block* b, std::size_t rounded) const noexcept;
-  bool keeps_whole(const block* b, std::size_t rounded) const noexcept;  // segment_fit.hpp
-  bool idle_at_growth(const block* b, std::size_t rounded) const noexcept;
-  block* fit_ignoring_whole_rule(pool& p, std::size_t rounded) const;  // at the memory limit
-  void split_locked(block* b, std::size_t rounded);  // b's remainder, if worth a block
-  block* split_off_locked(block* b, std::size_t offset);
-  block* take_cached_fit_locked(pool& p, std::size_t rounded);  // quick cache, else best fit
-  block* free_block_locked(block* b);         // to its pool, merging free neighbours
-  block* merge_locked(block* lo, block* hi);  // address-adjacent; returns the survivor
-  void flush_quick_locked(pool& p);
   // ---- growth.cpp: new segments, mapped chunks, segments moved between streams ---------------
   block* new_segment_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
   block* add_segment_locked(pool& p, std::uintptr_t base, std::size_t size, bool mapped)
@@ -186,27 +148,6 @@ struct caching_allocator::impl : detail::allocator_state {
   void fence_dead_stream_frees_locked(stream_state& st) STREAMSAFE_REQUIRES(mu_, st.mu);
   bool thread_allocated_here() const noexcept;  // this thread's last allocation was here
   void deallocate_impl(void* ptr, const stream_handle* stream);
-  // ---- diagnostics.cpp -----------------------------------------------------------------------
-  std::string oom_message_locked(std::size_t size, std::size_t rounded, stream_handle stream,
-                                 const stream_state* held) STREAMSAFE_REQUIRES(mu_);
-  std::size_t largest_free_locked(const stream_state* held) const STREAMSAFE_REQUIRES(mu_);
-  [[noreturn]] void throw_out_of_memory_locked(device_lock& dlk,
-                                               detail::unique_lock<stream_lock>* slk,
-                                               std::size_t size, std::size_t rounded,
-                                               stream_handle stream, const stream_state* held,
-                                               const std::string& note) STREAMSAFE_REQUIRES(mu_);
-  [[noreturn]] void throw_invalid_pointer_locked(const void* ptr, const char* what) const
-      STREAMSAFE_REQUIRES(mu_);
-  // ---- invariants.cpp (mu_ and every stream lock held) -------------------------------------
-  void check_block_locked(const block* b, census& c) const STREAMSAFE_REQUIRES(mu_);
-  void check_segment_locked(std::uintptr_t key, const segment* seg, census& c) const
-      STREAMSAFE_REQUIRES(mu_);
-  void check_pool_locked(const pool& p, census& c) const STREAMSAFE_REQUIRES(mu_);
-  void check_stream_locked(const stream_state& st, census& c) const STREAMSAFE_REQUIRES(mu_, st.mu);
-  void check_releasing_segments_locked(census& c) const STREAMSAFE_REQUIRES(mu_);
-  void check_held_frees_locked(const census& c) const STREAMSAFE_REQUIRES(mu_);
-  void check_census_locked(const census& c) const STREAMSAFE_REQUIRES(mu_);
-  void check_dead_streams_locked() const STREAMSAFE_REQUIRES(mu_);
   // ---- capture.cpp ---------------------------------------------------------------------------
   stream_state* graph_state_locked(std::uint64_t graph) STREAMSAFE_REQUIRES(mu_);
   std::uint64_t begin_capture_locked(stream_handle stream, bool detected,
@@ -260,26 +201,9 @@ struct caching_allocator::impl : detail::allocator_state {
   void end_export_locked(std::map<std::uint64_t, detail::ipc_export_record>::iterator it)
       STREAMSAFE_REQUIRES(mu_);
   void destroy_ipc_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
-  void check_ipc_locked() const STREAMSAFE_REQUIRES(mu_);
   void retire_exports_in_locked(std::uintptr_t addr, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
-  // ---- release.cpp: giving memory back behind fences (mu_, and a segment's owner lock) ------
-  std::vector<stream_handle> fence_streams_locked(const segment* seg) const
-      STREAMSAFE_REQUIRES(mu_);
-  void add_fence_streams_locked(release_batch& batch, const segment* seg) const
-      STREAMSAFE_REQUIRES(mu_);
-  void detach_whole_segment_locked(release_batch& batch, segment* seg)
-      STREAMSAFE_REQUIRES(mu_);  // a free cuda_malloc segment
-  static std::size_t forget_chunks(segment* seg, std::uintptr_t addr, std::size_t bytes);
-  static bool whole_chunk_run(const segment* seg, std::uintptr_t addr, std::size_t bytes);
-  static bool whole_chunks_of(const segment* seg, const block* b, std::uintptr_t& lo,
-                              std::uintptr_t& hi);
-  bool detach_free_chunks_locked(release_batch& batch, segment* seg, const block* keep)
-      STREAMSAFE_REQUIRES(mu_);
-  release_batch collect_releasable_locked(bool released_graphs_only = false,
-                                          const tag_id* only_tag = nullptr)
-      STREAMSAFE_REQUIRES(mu_);
-  void collect_segment_locked(release_batch& batch, segment* seg, bool released_graphs_only,
-                              const tag_id* only_tag) STREAMSAFE_REQUIRES(mu_);
+  // ---- release.cpp, empty_cache.cpp: giving memory back behind fences (mu_, and a segment's
+  // owner lock; what is collected: release/release_collect.hpp)
   void record_fence_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   bool fence_done_locked(const release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   release_batch take_safe_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
@@ -340,6 +264,9 @@ struct caching_allocator::impl : detail::allocator_state {
   void record_pause_fences_locked(std::vector<paused_segment>& segs) STREAMSAFE_REQUIRES(mu_);
   bool resume_segment_locked(tag_state& t, paused_segment& ps, resume_work& w)
       STREAMSAFE_REQUIRES(mu_);
+  bool map_resumed_run_locked(segment* seg, std::uintptr_t addr, std::size_t bytes,
+                              std::size_t chunk) STREAMSAFE_REQUIRES(mu_);
+  void trim_host_locked(device_lock& lk, tag_state* t) STREAMSAFE_REQUIRES(mu_);
   void order_after_restore_locked(resume_work& w, const stream_handle* also)
       STREAMSAFE_REQUIRES(mu_);
   void set_phase_after_resume_locked(tag_state& t, std::vector<paused_segment> kept)

@@ -21,8 +21,9 @@ std::atomic<std::uint64_t> next_allocator_id{
 }  // namespace
 
 caching_allocator::impl::impl(device_backend& backend, options opts)
-    : allocator_state(backend, opts,
-                      {next_allocator_id.fetch_add(1), current_fork_generation(), current_pid()}) {
+    : diagnostics_layer(
+          backend, opts,
+          {next_allocator_id.fetch_add(1), current_fork_generation(), current_pid()}) {
   std::size_t free_bytes = 0;
   backend_.memory_info(free_bytes, limits_.device_total_bytes);
   limits_.limit_bytes = limits_.device_total_bytes;
@@ -49,6 +50,9 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
         limits_.large_chunk_bytes,
         detail::round_up(std::max(opts_.expandable_peak_chunk_bytes, limits_.small_chunk_bytes),
                          limits_.small_chunk_bytes));
+    limits_.tag_handle_bytes = std::max(
+        limits_.large_chunk_bytes,
+        detail::round_up(opts_.expandable_tag_handle_bytes, limits_.small_chunk_bytes));
     if (opts_.expandable_peak_chunk_bytes > limits_.large_chunk_bytes) {
       detail::log().warn(
           "expandable_peak_chunk_mb:{} is above expandable_chunk_mb:{}; growths past the "

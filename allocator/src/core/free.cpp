@@ -186,6 +186,7 @@ void caching_allocator::impl::free_found_locked(stream_state& st, block* b,
 }
 
 // b's owner stream lock held (and mu_ when device_locked); see caching_allocator.cpp.
+// long: all or nothing: the two lambdas share the events being recorded and undo them together
 bool caching_allocator::impl::record_use_events_locked(block* b, const stream_handle* stream,
                                                        bool device_locked) {
   // One event per stream that may still use b: its record_stream uses and, for a stream-ordered

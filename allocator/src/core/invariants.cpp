@@ -27,7 +27,7 @@ namespace {
 }  // namespace
 
 // What the walk of the segments found, against what the other structures hold.
-struct caching_allocator::impl::census {
+struct detail::diagnostics_layer::census {
   std::int64_t reserved_bytes = 0, allocated_bytes = 0, active_bytes = 0;  // from the blocks
   // By pool kind (detail::kind_of: small, large; [k_all] unused): mapped bytes and segments.
   std::array<std::int64_t, detail::k_kinds> kind_reserved_bytes{}, kind_segments{};
@@ -47,7 +47,7 @@ struct caching_allocator::impl::census {
 };
 
 // A block's state against where it is.
-void caching_allocator::impl::check_block_locked(const block* b, census& c) const {
+void detail::diagnostics_layer::check_block_locked(const block* b, census& c) const {
   const segment* seg = b->seg;
   const bool in_mapped = detail::free_lists::contains(b);
   const bool in_unmapped = seg->owner->unmapped.count(const_cast<block*>(b)) != 0;
@@ -100,8 +100,8 @@ void caching_allocator::impl::check_block_locked(const block* b, census& c) cons
 }
 
 // A segment's tiling and mapping.
-void caching_allocator::impl::check_segment_locked(std::uintptr_t key, const segment* seg,
-                                                   census& c) const {
+void detail::diagnostics_layer::check_segment_locked(std::uintptr_t key, const segment* seg,
+                                                     census& c) const {
   if (seg->base != key) fail("segment map key differs from its base");
   std::uintptr_t expect = seg->base;
   std::size_t mapped = 0;
@@ -126,7 +126,7 @@ void caching_allocator::impl::check_segment_locked(std::uintptr_t key, const seg
 }
 
 // A pool's free lists, unmapped set and quick cache.
-void caching_allocator::impl::check_pool_locked(const pool& p, census& c) const {
+void detail::diagnostics_layer::check_pool_locked(const pool& p, census& c) const {
   c.free_list_blocks += p.mapped.size() + p.unmapped.size();
   p.mapped.for_each([&](const block* b) {
     if (b->seg->owner != &p || !b->mapped || b->state != block_state::free)
@@ -147,7 +147,7 @@ void caching_allocator::impl::check_pool_locked(const pool& p, census& c) const 
 }
 
 // A stream's pools, active map and counters.
-void caching_allocator::impl::check_stream_locked(const stream_state& st, census& c) const {
+void detail::diagnostics_layer::check_stream_locked(const stream_state& st, census& c) const {
   check_pool_locked(st.small_pool, c);
   check_pool_locked(st.large_pool, c);
   for (const auto& tp : st.tagged) {
@@ -176,7 +176,7 @@ void caching_allocator::impl::check_stream_locked(const stream_state& st, census
     fail("a stream's small and large pool counters do not add up to its total");
 }
 
-void caching_allocator::impl::check_releasing_segments_locked(census& c) const {
+void detail::diagnostics_layer::check_releasing_segments_locked(census& c) const {
   for (const segment* seg :
        releases_.releasing_segments) {  // being freed with mu_ dropped (release.cpp)
     if (seg->expandable || seg->first->next || seg->first->state != block_state::releasing)
@@ -186,7 +186,7 @@ void caching_allocator::impl::check_releasing_segments_locked(census& c) const {
   }
 }
 
-void caching_allocator::impl::check_held_frees_locked(const census& c) const {
+void detail::diagnostics_layer::check_held_frees_locked(const census& c) const {
   for (const auto& h : capture_.held_frees) {
     if (h.b->state != block_state::active || !h.b->free_held)
       fail("a free held during a capture is not an active held block");
@@ -196,7 +196,7 @@ void caching_allocator::impl::check_held_frees_locked(const census& c) const {
 }
 
 // The counts and the statistics agree.
-void caching_allocator::impl::check_census_locked(const census& c) const {
+void detail::diagnostics_layer::check_census_locked(const census& c) const {
   if (c.free_list_blocks != c.free_blocks) fail("pools hold blocks that are not in any segment");
   if (c.quick_cache_blocks != c.quick_cached_blocks)
     fail("quick caches hold blocks that are not in any segment");
@@ -247,7 +247,7 @@ void caching_allocator::check_invariants() const {
 }
 
 // Destroyed and retired stream states.
-void caching_allocator::impl::check_dead_streams_locked() const {
+void detail::diagnostics_layer::check_dead_streams_locked() const {
   // Each state's segment count; destroyed streams are in streams_.states and streams_.dead alike;
   // the tombstone is one event; retired states are out of streams_.states, own nothing, name no
   // stream.

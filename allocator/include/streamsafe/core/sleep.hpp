@@ -14,6 +14,7 @@
 #include <functional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace streamsafe {
 
@@ -24,6 +25,15 @@ using tag_id = std::uint32_t;  // 0: untagged
 tag_id tag_of(std::string_view name);
 // The name of a tag id ("" for 0); throws std::invalid_argument for an id tag_of never returned.
 std::string tag_name(tag_id id);
+
+// A tag the process has named.
+struct tag_info {
+  tag_id id = 0;
+  std::string name;
+};
+// Every tag named so far in the process (by tag_of, tag_scope or process_tag_scope), in id
+// order, ids 1, 2, ...; untagged (0) is not listed. A copy: a tag named later is not in it.
+std::vector<tag_info> list_tags();
 
 // While alive, allocations made on the calling thread belong to the tag (any allocator, any
 // device). Scopes nest; the innermost wins; tag_scope(0) makes allocations untagged again.

@@ -54,7 +54,7 @@ struct alignas(64) block {
   block* next = nullptr;
   block_state state = block_state::free;
   bool mapped = true;
-  // A whole free cudaMalloc segment's idle proof (release.cpp, prove_idle_segments_locked):
+  // A whole free cudaMalloc segment's idle proof (empty_cache.cpp, prove_idle_segments_locked):
   // 0 none, k_idle_proven every use it had has completed (it may go back to the driver without a
   // new fence), else the id of its stream's idle fence still pending. Cleared when allocated.
   std::uint32_t idle_fence = 0;
@@ -65,7 +65,7 @@ struct alignas(64) block {
   block* pending_next = nullptr;
   bool pending_linked = false;
   // pending_free when an empty_cache:defer call could not release it: a later reclaim() gives
-  // back its memory once its events completed (release.cpp, release_after_pending_locked).
+  // back its memory once its events completed (empty_cache.cpp, release_after_pending_locked).
   bool release_after = false;
   // Links of the free list holding this block (free_lists.hpp); free_class < 0 when in none.
   block* free_prev = nullptr;

@@ -4,13 +4,13 @@
 // with the same mapped state never coexist; a free block is in its pool's free lists (mapped)
 // or unmapped set; a quick_cached block is in its pool's quick cache and its stream's active
 // map, in no free list. Every function here needs the lock of the stream that owns the pool.
-#include "core/allocator_impl.hpp"
+#include "core/blocks/block_layer.hpp"
 #include "core/blocks/segment_fit.hpp"
 #include "core/blocks/size_classes.hpp"
 
 namespace streamsafe {
 
-block* caching_allocator::impl::new_block(stream_state& st) {
+block* detail::block_layer::new_block(stream_state& st) {
   if (block* b = st.spare) {
     st.spare = b->next;
     // A fresh block, but the vectors keep their capacity: a recycled block recording a use or
@@ -27,12 +27,12 @@ block* caching_allocator::impl::new_block(stream_state& st) {
   return new block;
 }
 
-void caching_allocator::impl::recycle_block(stream_state& st, block* b) {
+void detail::block_layer::recycle_block(stream_state& st, block* b) {
   b->next = st.spare;
   st.spare = b;
 }
 
-block* caching_allocator::impl::best_fit(pool& p, std::size_t rounded) const {
+block* detail::block_layer::best_fit(pool& p, std::size_t rounded) const {
   block* b = p.mapped.find(rounded);
   if (!b) return nullptr;
   if (runtime_.max_split_size_bytes.load(std::memory_order_relaxed) != 0 &&
@@ -49,8 +49,8 @@ block* caching_allocator::impl::best_fit(pool& p, std::size_t rounded) const {
 }
 
 // max_split_size: b may not be split for a request of `rounded` bytes.
-bool caching_allocator::impl::split_limit_refuses(const pool& p, const block* b,
-                                                  std::size_t rounded) const noexcept {
+bool detail::block_layer::split_limit_refuses(const pool& p, const block* b,
+                                              std::size_t rounded) const noexcept {
   const std::size_t max_split = runtime_.max_split_size_bytes.load(std::memory_order_relaxed);
   if (max_split == 0 || p.small || b->seg->expandable) return false;
   // Oversize blocks are never split, and serve only requests close to their size.
@@ -58,25 +58,25 @@ bool caching_allocator::impl::split_limit_refuses(const pool& p, const block* b,
   return rounded >= max_split && b->size >= rounded + detail::k_large_segment_bytes;
 }
 
-bool caching_allocator::impl::keeps_whole(const block* b, std::size_t rounded) const noexcept {
+bool detail::block_layer::keeps_whole(const block* b, std::size_t rounded) const noexcept {
   return !b->seg->expandable &&
          detail::keeps_segment_whole(b->size, rounded, opts_.whole_segment_split_ratio,
                                      !b->prev && !b->next);
 }
 
 // b is given back before a growth past the peak (segment_fit.hpp's rule).
-bool caching_allocator::impl::idle_at_growth(const block* b, std::size_t rounded) const noexcept {
+bool detail::block_layer::idle_at_growth(const block* b, std::size_t rounded) const noexcept {
   // A whole free segment that the growth for `rounded` leaves unused: too small for it, or kept
   // whole by the rule. Given back before a growth past peak reserved (segment_fit.hpp).
   return !b->prev && !b->next && (b->size < rounded || keeps_whole(b, rounded));
 }
 
-block* caching_allocator::impl::fit_ignoring_whole_rule(pool& p, std::size_t rounded) const {
+block* detail::block_layer::fit_ignoring_whole_rule(pool& p, std::size_t rounded) const {
   block* b = p.mapped.find(rounded);
   return b && !split_limit_refuses(p, b, rounded) ? b : nullptr;
 }
 
-block* caching_allocator::impl::merge_locked(block* lo, block* hi) {
+block* detail::block_layer::merge_locked(block* lo, block* hi) {
   lo->size += hi->size;
   lo->next = hi->next;
   if (hi->next) hi->next->prev = lo;
@@ -84,7 +84,7 @@ block* caching_allocator::impl::merge_locked(block* lo, block* hi) {
   return lo;
 }
 
-block* caching_allocator::impl::free_block_locked(block* b) {
+block* detail::block_layer::free_block_locked(block* b) {
   b->state = block_state::free;
   b->requested = 0;
   b->uses.clear();
@@ -108,7 +108,7 @@ block* caching_allocator::impl::free_block_locked(block* b) {
   return b;
 }
 
-void caching_allocator::impl::split_locked(block* b, std::size_t rounded) {
+void detail::block_layer::split_locked(block* b, std::size_t rounded) {
   const std::size_t remaining = b->size - rounded;
   bool split = (b->seg->expandable || b->seg->small) ? remaining >= detail::k_min_block_bytes
                                                      : remaining > detail::k_small_request_bytes;
@@ -121,7 +121,7 @@ void caching_allocator::impl::split_locked(block* b, std::size_t rounded) {
       split_off_locked(b, rounded));  // merges with a free follower of the same mapped state
 }
 
-block* caching_allocator::impl::split_off_locked(block* b, std::size_t offset) {
+block* detail::block_layer::split_off_locked(block* b, std::size_t offset) {
   block* rest = new_block(state_of(*b->seg->owner));
   rest->addr = b->addr + offset;
   rest->size = b->size - offset;
@@ -136,7 +136,7 @@ block* caching_allocator::impl::split_off_locked(block* b, std::size_t offset) {
   return rest;
 }
 
-block* caching_allocator::impl::take_cached_fit_locked(pool& p, std::size_t rounded) {
+block* detail::block_layer::take_cached_fit_locked(pool& p, std::size_t rounded) {
   // An exact-size block from the quick cache; anything else is a best fit after the quick
   // cache is merged back, so that caching never costs fragmentation.
   if (block* b = p.quick.pop(rounded)) return b;
@@ -144,7 +144,7 @@ block* caching_allocator::impl::take_cached_fit_locked(pool& p, std::size_t roun
   return best_fit(p, rounded);
 }
 
-void caching_allocator::impl::flush_quick_locked(pool& p) {
+void detail::block_layer::flush_quick_locked(pool& p) {
   detail::active_map& parked = state_of(p).active;  // quick_cached blocks stay there while parked
   p.quick.drain([&](block* b) {
     parked.erase(b->addr);

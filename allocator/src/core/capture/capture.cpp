@@ -451,6 +451,54 @@ std::string caching_allocator::impl::capture_note_locked() const {
          "stream is served only from its graph's pool or new device memory";
 }
 
+namespace {
+
+// A released pool's expandable segments with nothing mapped give their address ranges back:
+// each graph's pool reserves a range as large as the memory limit (and one more per side
+// stream that joined its capture), and a loop of graphs would otherwise exhaust the address
+// space.
+// Called before a capture, with mu_ held (release_released_pools_locked).
+// (A template: impl is private to caching_allocator, as in introspection.cpp.)
+template <class Impl>
+void give_back_released_ranges(Impl& m) STREAMSAFE_REQUIRES(m.mu_) {
+  std::vector<segment*> empty;
+  for (auto& [base, seg] : m.streams_.segments) {
+    detail::stream_state& st = state_of(*seg->owner);
+    if (!seg->expandable || seg->paused || st.graph == 0 || !st.graph_released) continue;
+    detail::lock_guard<stream_lock> slk(st.mu);
+    if (seg->mapped_bytes == 0 && !seg->first->next && seg->first->state == block_state::free)
+      empty.push_back(seg);
+  }
+  for (segment* seg : empty) {
+    pool& p = *seg->owner;
+    detail::stream_state& st = state_of(p);
+    detail::lock_guard<stream_lock> slk(st.mu);
+    try {
+      m.backend_.release_address_range(reinterpret_cast<void*>(seg->base), seg->size);
+    } catch (const std::exception& e) {  // opportunistic: the range stays, reusable by nobody
+      detail::log().warn("device {}: giving back a released graph pool's address range failed: {}",
+                         m.backend_.device(), e.what());
+      continue;
+    }
+    p.unmapped.erase(seg->first);
+    m.streams_.segments.erase(seg->base);
+    m.recycle_block(st, seg->first);
+    if (p.expandable == seg) {  // the pool's first range of its own: another, if it has one
+      p.expandable = nullptr;
+      for (auto& [base, other] : m.streams_.segments)
+        if (other->owner == &p && other->expandable && other->side_stream == 0) {
+          p.expandable = other;
+          break;
+        }
+    }
+    detail::sub_segment(m.stats_, seg->small);
+    --st.segments;
+    delete seg;
+  }
+}
+
+}  // namespace
+
 // ---- public interface ---------------------------------------------------------------------------
 
 // Before a capture begins: the free memory of released graphs' pools goes back behind its fence.
@@ -479,45 +527,8 @@ void caching_allocator::impl::release_released_pools_locked(device_lock& lk, str
         backend_.device(), stream, batch.bytes);
     release_collected(lk, batch, opts_.empty_cache);
   }
-  // A released pool's expandable segments with nothing mapped give their address ranges back:
-  // each graph's pool reserves a range as large as the memory limit (and one more per side
-  // stream that joined its capture), and a loop of graphs would otherwise exhaust the address
-  // space.
   if (capturing()) return;  // a capture began while the fence wait had mu_ dropped
-  std::vector<segment*> empty;
-  for (auto& [base, seg] : streams_.segments) {
-    stream_state& st = state_of(*seg->owner);
-    if (!seg->expandable || seg->paused || st.graph == 0 || !st.graph_released) continue;
-    detail::lock_guard<stream_lock> slk(st.mu);
-    if (seg->mapped_bytes == 0 && !seg->first->next && seg->first->state == block_state::free)
-      empty.push_back(seg);
-  }
-  for (segment* seg : empty) {
-    pool& p = *seg->owner;
-    stream_state& st = state_of(p);
-    detail::lock_guard<stream_lock> slk(st.mu);
-    try {
-      backend_.release_address_range(reinterpret_cast<void*>(seg->base), seg->size);
-    } catch (const std::exception& e) {  // opportunistic: the range stays, reusable by nobody
-      detail::log().warn("device {}: giving back a released graph pool's address range failed: {}",
-                         backend_.device(), e.what());
-      continue;
-    }
-    p.unmapped.erase(seg->first);
-    streams_.segments.erase(seg->base);
-    recycle_block(st, seg->first);
-    if (p.expandable == seg) {  // the pool's first range of its own: another, if it has one
-      p.expandable = nullptr;
-      for (auto& [base, other] : streams_.segments)
-        if (other->owner == &p && other->expandable && other->side_stream == 0) {
-          p.expandable = other;
-          break;
-        }
-    }
-    detail::sub_segment(stats_, seg->small);
-    --st.segments;
-    delete seg;
-  }
+  give_back_released_ranges(*this);
 }
 
 std::uint64_t caching_allocator::notify_capture_begin(stream_handle stream) {

@@ -9,35 +9,35 @@
 // it to the back of the list; until then it is never retired or reused.
 // Locks: the _locked functions here need the lock of the stream whose list or block they touch;
 // order_after_locked needs the device lock (mu_); get_event/put_event(e) take the pool's lock.
-#include "core/allocator_impl.hpp"
 #include "core/common/logging.hpp"
+#include "core/streams/stream_layer.hpp"
 
 #include <algorithm>
 
 namespace streamsafe {
 
-event_handle caching_allocator::impl::get_event() {
+event_handle detail::stream_layer::get_event() {
   event_handle e = 0;
   if (events_.take(e)) return e;
   return backend_.create_event();
 }
 
-void caching_allocator::impl::put_event(event_handle e) { events_.put(e); }
+void detail::stream_layer::put_event(event_handle e) { events_.put(e); }
 
-event_handle caching_allocator::impl::get_event(stream_state& st) {
+event_handle detail::stream_layer::get_event(stream_state& st) {
   if (st.event_cache.empty()) return get_event();
   const event_handle e = st.event_cache.back();
   st.event_cache.pop_back();
   return e;
 }
 
-void caching_allocator::impl::put_event(stream_state& st, event_handle e) {
+void detail::stream_layer::put_event(stream_state& st, event_handle e) {
   if (st.event_cache.size() < detail::k_event_cache)
     st.event_cache.push_back(e);  // never reallocates
   else put_event(e);
 }
 
-void caching_allocator::impl::order_after_locked(stream_handle waiter, stream_handle on) {
+void detail::stream_layer::order_after_locked(stream_handle waiter, stream_handle on) {
   // waiter waits, on the device, for the work enqueued on `on` so far (one pooled event).
   event_handle e = get_event();
   try {
@@ -52,7 +52,7 @@ void caching_allocator::impl::order_after_locked(stream_handle waiter, stream_ha
   ++stats_.stream_waits;
 }
 
-void caching_allocator::impl::add_use_locked(block* b, stream_handle stream) {
+void detail::stream_layer::add_use_locked(block* b, stream_handle stream) {
   if (stream != b->seg->stream &&
       std::find(b->uses.begin(), b->uses.end(), stream) == b->uses.end()) {
     b->uses.push_back(stream);
@@ -60,14 +60,14 @@ void caching_allocator::impl::add_use_locked(block* b, stream_handle stream) {
   note_use_locked(b->seg, stream);
 }
 
-void caching_allocator::impl::note_use_locked(segment* seg, stream_handle stream) {
+void detail::stream_layer::note_use_locked(segment* seg, stream_handle stream) {
   if (stream != seg->stream && std::find(seg->used_streams.begin(), seg->used_streams.end(),
                                          stream) == seg->used_streams.end()) {
     seg->used_streams.push_back(stream);
   }
 }
 
-void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) {
+void detail::stream_layer::retire_pending_locked(stream_state& st, block* b) {
   st.pending.erase(b);
   if (b->release_after) st.retired_after_empty_cache.push_back(b->seg->base);
   b->release_after = false;
@@ -84,7 +84,7 @@ void caching_allocator::impl::retire_pending_locked(stream_state& st, block* b) 
   free_block_locked(b);
 }
 
-void caching_allocator::impl::process_events_locked(stream_state& st) {
+void detail::stream_layer::process_events_locked(stream_state& st) {
   if (capturing()) return;  // no event query during a graph capture (capture.cpp)
   st.process_at = st.pending.size() + detail::k_pending_batch;
   if (st.pending.empty()) return;
@@ -134,8 +134,7 @@ void caching_allocator::impl::process_events_locked(stream_state& st) {
   }
 }
 
-block* caching_allocator::impl::take_pending_locked(stream_state& st, pool& p,
-                                                    std::size_t rounded) {
+block* detail::stream_layer::take_pending_locked(stream_state& st, pool& p, std::size_t rounded) {
   if (capturing()) return nullptr;  // a stream wait on an outside event breaks a capture
   block* best = nullptr;
   for (block* b : st.pending) {

@@ -208,6 +208,7 @@ void caching_allocator::impl::reserve_range_locked(pool& p, std::size_t rounded,
   if (!p.expandable && side == 0) p.expandable = seg;
 }
 
+// long: one fit: the range chosen, the chunk sizes and the mapping share `choice` and `map_bytes`
 block* caching_allocator::impl::expandable_fit_locked(pool& p, std::size_t rounded,
                                                       stream_handle side) {
   const std::size_t gran = p.small ? limits_.small_chunk_bytes : limits_.large_chunk_bytes;

@@ -4,7 +4,7 @@
 //                  the constructor, read anywhere without a lock (impl::limits_).
 //   growth_state   what the policy has seen: the high-water mark of reserved bytes it does not
 //                  grow past without giving idle memory back first, and the labels of the idle
-//                  fences (release.cpp: prove_idle_segments_locked). impl::growth_ is
+//                  fences (empty_cache.cpp: prove_idle_segments_locked). impl::growth_ is
 //                  GUARDED_BY(mu_), the device lock.
 #pragma once
 
@@ -22,6 +22,7 @@ struct growth_limits {
   std::size_t small_chunk_bytes = 0;   // expandable small pools: the driver's granularity
   std::size_t large_chunk_bytes = 0;   // expandable large pools: options::expandable_chunk_bytes
   std::size_t peak_chunk_bytes = 0;    // their growths past the high-water mark (growth.cpp)
+  std::size_t tag_handle_bytes = 0;    // resume's largest handle (wake.cpp)
 };
 
 struct growth_state {

@@ -186,7 +186,7 @@ void caching_allocator::impl::destroy_ipc_locked(device_lock& lk) {
 }
 
 // For check_invariants (invariants.cpp).
-void caching_allocator::impl::check_ipc_locked() const {
+void detail::diagnostics_layer::check_ipc_locked() const {
   auto fail = [](const char* what) {
     throw std::logic_error(std::string("streamsafe: invariant violated: ") + what);
   };
@@ -316,6 +316,7 @@ std::size_t caching_allocator::revoke_exports(void* ptr) {
   return n;
 }
 
+// long: an import opens three resources in order and closes them in reverse on any failure
 imported_block caching_allocator::import_block(const ipc_handle& handle) {
   impl& m = *impl_;
   if (m.inherited()) m.throw_inherited("import_block");

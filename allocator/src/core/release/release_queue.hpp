@@ -7,6 +7,7 @@
 
 #include "core/blocks/block.hpp"
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -15,6 +16,22 @@
 #include <vector>
 
 namespace streamsafe::detail {
+
+// Counts n tombstone references for its lifetime (a wait with the device lock dropped).
+class tombstone_pin {
+ public:
+  tombstone_pin(std::atomic<std::int64_t>& refs, std::size_t n)
+      : refs_(refs), n_(static_cast<std::int64_t>(n)) {
+    refs_.fetch_add(n_, std::memory_order_acq_rel);
+  }
+  ~tombstone_pin() { refs_.fetch_sub(n_, std::memory_order_acq_rel); }
+  tombstone_pin(const tombstone_pin&) = delete;
+  tombstone_pin& operator=(const tombstone_pin&) = delete;
+
+ private:
+  std::atomic<std::int64_t>& refs_;
+  std::int64_t n_;
+};
 
 // Memory detached for release, and the fence that must complete first.
 struct release_batch {

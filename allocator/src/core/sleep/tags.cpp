@@ -71,6 +71,16 @@ std::string tag_name(tag_id id) {
   return r.names[id];
 }
 
+std::vector<tag_info> list_tags() {
+  tag_registry& r = registry();
+  std::lock_guard<std::mutex> lk(r.mu);
+  std::vector<tag_info> out;
+  out.reserve(r.names.size() - 1);
+  for (std::size_t i = 1; i < r.names.size(); ++i)
+    out.push_back({static_cast<tag_id>(i), r.names[i]});
+  return out;
+}
+
 tag_scope::tag_scope(std::string_view name) : previous_(t_current_tag) {
   t_current_tag = tag_of(name);
 }

@@ -3,9 +3,9 @@
 // Nothing here changes the allocator's state beyond the out-of-memory counters. Locks: the
 // device lock (mu_) is held by every function here; largest_free_locked takes each stream lock
 // but that of `held`, which its caller holds.
-#include "core/allocator_impl.hpp"
 #include "core/common/format.hpp"
 #include "core/common/logging.hpp"
+#include "core/stats/diagnostics_layer.hpp"
 
 #include <algorithm>
 #include <sstream>
@@ -31,7 +31,7 @@ const char* state_name(block_state s) {
 
 }  // namespace
 
-std::size_t caching_allocator::impl::largest_free_locked(const stream_state* held) const {
+std::size_t detail::diagnostics_layer::largest_free_locked(const stream_state* held) const {
   std::size_t largest = 0;
   std::vector<tag_id> refused;
   for (const auto& [id, t] : sleep_.tags) {
@@ -49,9 +49,10 @@ std::size_t caching_allocator::impl::largest_free_locked(const stream_state* hel
   return largest;
 }
 
-std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::size_t rounded,
-                                                        stream_handle stream,
-                                                        const stream_state* held) {
+// long: one message in one stream: PyTorch's form first, then streamsafe's account
+std::string detail::diagnostics_layer::oom_message_locked(std::size_t size, std::size_t rounded,
+                                                          stream_handle stream,
+                                                          const stream_state* held) {
   std::size_t free_bytes = 0, total_bytes = 0;
   try {
     backend_.memory_info(free_bytes, total_bytes);
@@ -125,7 +126,7 @@ std::string caching_allocator::impl::oom_message_locked(std::size_t size, std::s
 
 // Counts the out-of-memory, drops both locks (slk may be null), logs and throws; `note` ends the
 // message. `held`: the stream state whose lock the caller holds, as for oom_message_locked.
-void caching_allocator::impl::throw_out_of_memory_locked(
+void detail::diagnostics_layer::throw_out_of_memory_locked(
     device_lock& dlk, detail::unique_lock<stream_lock>* slk, std::size_t size, std::size_t rounded,
     stream_handle stream, const stream_state* held, const std::string& note)
     STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {  // drops the caller's locks, which the analysis cannot
@@ -139,8 +140,8 @@ void caching_allocator::impl::throw_out_of_memory_locked(
   throw out_of_memory(msg);
 }
 
-void caching_allocator::impl::throw_invalid_pointer_locked(const void* ptr,
-                                                           const char* what) const {
+void detail::diagnostics_layer::throw_invalid_pointer_locked(const void* ptr,
+                                                             const char* what) const {
   // mu_ and the owning stream's lock (if any) are held.
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   std::ostringstream os;

@@ -17,6 +17,7 @@ namespace {
 // The statistics of `m` with the device lock held; lock_stream(st) returns what keeps st's lock
 // held while its counters are read (a lock, or nothing when the caller holds every stream lock,
 // as snapshot() does: then the statistics and the walk are one consistent state).
+// long: one pass over every stream's counters under the locks that make them consistent
 template <class Impl, class LockStream>
 statistics collect_stats(const Impl& m,
                          LockStream&& lock_stream) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {

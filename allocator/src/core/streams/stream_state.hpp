@@ -66,7 +66,7 @@ struct alignas(64) stream_state {
   pending_list unfenced;
   // Base addresses of segments where a block that an empty_cache(defer) found pending
   // (block::release_after) has retired since: the next reclaim() releases their free memory
-  // (release.cpp, release_after_pending_locked), and nothing cached since that empty_cache.
+  // (empty_cache.cpp, release_after_pending_locked), and nothing cached since that empty_cache.
   std::vector<std::uintptr_t> retired_after_empty_cache;
   stream_stats stats;      // this stream's counters (summed by caching_allocator::stats)
   block* spare = nullptr;  // recycled block objects (linked through next)
@@ -76,7 +76,7 @@ struct alignas(64) stream_state {
   // The fast path runs process_events_locked once pending holds this many blocks (or when
   // nothing else fits); each run sets it k_pending_batch above what stays pending.
   std::size_t process_at = k_pending_batch;
-  // The idle fence of the large pool (cuda_malloc, release.cpp: prove_idle_segments_locked):
+  // The idle fence of the large pool (cuda_malloc, empty_cache.cpp: prove_idle_segments_locked):
   // events recorded at a growth over the whole free segments then not proven idle, which were
   // labelled idle_fence_id; under mu_ and this lock.
   std::vector<pending_event> idle_fence;

@@ -39,7 +39,7 @@ std::uint64_t detail::this_thread_number() noexcept {
 // thread) the calling thread's per-thread key. The public calls translate their stream argument
 // with key_of; st.handle, pool::stream, segment::stream and block uses hold keys. Throws
 // std::invalid_argument for a per-thread handle above k_per_thread_max_handle.
-stream_handle caching_allocator::impl::key_of(stream_handle stream) const {
+stream_handle detail::stream_layer::key_of(stream_handle stream) const {
   if (!backend_.stream_is_per_thread(stream)) return stream;
   if (stream > detail::k_per_thread_max_handle) {
     throw std::invalid_argument(
@@ -59,7 +59,7 @@ stream_handle caching_allocator::impl::key_of(stream_handle stream) const {
 // wait of 0 orders their later work behind it. record_event_on returns the stream the event was
 // recorded on (the key, or 0): the stream under which process_events_locked may use stream order
 // to prove it.
-stream_handle caching_allocator::impl::record_event_on(event_handle e, stream_handle key) {
+stream_handle detail::stream_layer::record_event_on(event_handle e, stream_handle key) {
   if (!detail::is_per_thread_key(key)) {
     backend_.record_event(e, key);
     return key;
@@ -72,7 +72,7 @@ stream_handle caching_allocator::impl::record_event_on(event_handle e, stream_ha
   return 0;
 }
 
-void caching_allocator::impl::stream_wait_on(stream_handle key, event_handle e) {
+void detail::stream_layer::stream_wait_on(stream_handle key, event_handle e) {
   if (!detail::is_per_thread_key(key)) backend_.stream_wait_event(key, e);
   else if (detail::own_per_thread_key(key))
     backend_.stream_wait_event(detail::per_thread_handle_of(key), e);
@@ -80,7 +80,7 @@ void caching_allocator::impl::stream_wait_on(stream_handle key, event_handle e) 
 }
 
 // Another thread's per-thread stream: an event recorded on 0, queried.
-bool caching_allocator::impl::query_stream_of(stream_handle key) {
+bool detail::stream_layer::query_stream_of(stream_handle key) {
   if (!detail::is_per_thread_key(key)) return backend_.query_stream(key);
   if (detail::own_per_thread_key(key))
     return backend_.query_stream(detail::per_thread_handle_of(key));
@@ -89,7 +89,7 @@ bool caching_allocator::impl::query_stream_of(stream_handle key) {
 }
 
 // Another thread's per-thread stream: false.
-bool caching_allocator::impl::stream_capturing(stream_handle key) noexcept {
+bool detail::stream_layer::stream_capturing(stream_handle key) noexcept {
   if (!detail::is_per_thread_key(key)) return backend_.stream_is_capturing(key);
   // Another thread's per-thread stream cannot be asked about; its capture is seen when that
   // thread announces it or allocates.
@@ -98,8 +98,9 @@ bool caching_allocator::impl::stream_capturing(stream_handle key) noexcept {
 }
 
 // cache_key: the handle the threads' stream caches look the state up by (0: `key`).
-caching_allocator::impl::stream_state& caching_allocator::impl::new_state_locked(
-    stream_handle key, stream_handle handle, stream_handle cache_key) {
+detail::stream_state& detail::stream_layer::new_state_locked(stream_handle key,
+                                                             stream_handle handle,
+                                                             stream_handle cache_key) {
   if (cache_key == 0) cache_key = key;
   // A per-thread stream's state (cache_key, its handle, differs from its key) is always new: a
   // recycled one may still sit in its old thread's stream cache under the same handle.
@@ -133,7 +134,7 @@ caching_allocator::impl::stream_state& caching_allocator::impl::new_state_locked
 }
 
 // A tombstone back to the event pool, unless a pending block or an unlocked wait refers to one.
-void caching_allocator::impl::drop_tombstone_locked(event_handle e) {
+void detail::stream_layer::drop_tombstone_locked(event_handle e) {
   if (tombstone_refs_.load(std::memory_order_acquire) == 0) put_event(e);
   else streams_.superseded_tombstones.push_back(e);
 }
@@ -200,8 +201,7 @@ void caching_allocator::impl::retire_dead_streams_locked() {
 }
 
 // `stream` is a key (key_of): a handle, or a per-thread stream's key.
-caching_allocator::impl::stream_state& caching_allocator::impl::get_or_create_stream_locked(
-    stream_handle stream) {
+detail::stream_state& detail::stream_layer::get_or_create_stream_locked(stream_handle stream) {
   auto it = streams_.states.find(stream);
   if (it == streams_.states.end()) {
     return new_state_locked(
@@ -231,7 +231,7 @@ caching_allocator::impl::stream_state& caching_allocator::impl::get_or_create_st
   return *it->second;
 }
 
-caching_allocator::impl::stream_state& caching_allocator::impl::state_for(stream_handle stream) {
+detail::stream_state& detail::stream_layer::state_for(stream_handle stream) {
   // Looked up by handle in this thread's cache: a per-thread handle's entry is this thread's
   // per-thread stream (its state's cache_key is the handle). This thread's own per-thread key
   // is looked up by its handle too.
@@ -257,7 +257,7 @@ caching_allocator::impl::stream_state& caching_allocator::impl::state_for(stream
 }
 
 // The stream state owning the segment that holds ptr, or null (mu_ held).
-caching_allocator::impl::stream_state* caching_allocator::impl::owner_locked(const void* ptr) {
+detail::stream_state* detail::stream_layer::owner_locked(const void* ptr) {
   const auto addr = reinterpret_cast<std::uintptr_t>(ptr);
   auto it = streams_.segments.upper_bound(addr);
   if (it == streams_.segments.begin()) return nullptr;
@@ -290,8 +290,7 @@ void detail::peak_sampler::sample() noexcept {
   }
 }
 
-caching_allocator::impl::stream_state* caching_allocator::impl::cached_live_state(
-    stream_handle stream) const {
+detail::stream_state* detail::stream_layer::cached_live_state(stream_handle stream) const {
   if (detail::is_per_thread_key(stream)) {  // cached under its handle, by its own thread only
     if (!detail::own_per_thread_key(stream)) return nullptr;
     stream = detail::per_thread_handle_of(stream);
