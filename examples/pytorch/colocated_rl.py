@@ -27,6 +27,10 @@ Rows, each in fresh processes:
               engine's copy: the release runs under the step tail; must fault (or be reported by
               compute-sanitizer)
 
+--hybrid runs each row but the reference with the trainer and the engine in one process (the
+hybrid engine of verl, OpenRLHF and slime), switching by the same tags; the weights go over by an
+in-process copy. --large is a larger model (1.3 B parameters), meant for about 30 GiB a side.
+
 The budget: a ballast (cuMemAlloc outside both allocators) takes the card down to B bytes for the
 two allocators together, B = max(trainer, engine footprint) / --target (0.65), so each awake side
 holds about 65% of it and both cannot be awake at once. Each process also caps itself at B with
@@ -73,6 +77,9 @@ PRESETS = {
                  out=(32, 128), steps=10, warmup=2, row_timeout=150),
     "quick": dict(n_layer=4, n_embd=768, n_head=12, vocab=8192, batch=16, prompt=(8, 64),
                   out=(16, 64), steps=4, warmup=1, row_timeout=60),
+    # A larger model (1.3 B parameters, meant for about 30 GiB a side): the cost per GiB of a switch
+    "large": dict(n_layer=24, n_embd=2048, n_head=16, vocab=32768, batch=16, prompt=(16, 128),
+                  out=(32, 128), steps=6, warmup=2, row_timeout=400),
     "sanitize": dict(n_layer=2, n_embd=128, n_head=4, vocab=512, batch=4, prompt=(4, 16),
                      out=(4, 16), steps=2, warmup=0, row_timeout=600),
 }
@@ -537,6 +544,52 @@ def resume_all(sst, tags):
             raise RuntimeError(f"resume({t}) left it {st}")
 
 
+def engine_sleep(sst, eng, field, discard_w):
+    """The engine's sleep call; returns its ms. streamsafe: clear the cuBLAS workspaces (tagged
+    eng_kv after the first step, eng_graph for the graph's), pause the engine's tags (the decode
+    graph's replays may still be queued: fenced) and empty the untagged cache (fenced and queued,
+    defer mode). The field's way: synchronize, drop the cache and graph (and with discard the
+    weights), free the workspaces, empty_cache()."""
+    t0 = time.perf_counter()
+    if sst is not None:
+        clear_workspaces()
+        for t in list(ENG_TAGS) + (["eng_weights"] if discard_w else []):
+            sst.pause(t, mode="discard", wait=False)
+        torch.cuda.empty_cache()
+    elif field:
+        torch.cuda.synchronize()
+        eng.drop_cache()
+        if discard_w:
+            for p in eng.params.values():
+                p.shape_full = p.shape
+                p.data = torch.empty(0, dtype=eng.dtype, device=eng.dev)
+        clear_workspaces()
+        torch.cuda.empty_cache()
+    return ms(t0)
+
+
+def engine_weights_back(sst, eng, field):
+    """Before a hand-over with --engine-weights discard: the engine's weights mapped again."""
+    if sst is not None:
+        resume_all(sst, ["eng_weights"])
+    elif field:
+        for p in eng.params.values():
+            if p.data.numel() == 0:
+                p.data = torch.empty(p.shape_full, dtype=eng.dtype, device=eng.dev)
+
+
+def engine_wake(sst, eng, field):
+    """The engine's wake; returns its ms. The field's way allocates the cache and captures the
+    decode graph again (the addresses changed)."""
+    t0 = time.perf_counter()
+    if sst is not None:
+        resume_all(sst, list(ENG_TAGS))
+    elif field:
+        eng.alloc_cache()
+        eng.capture()
+    return ms(t0)
+
+
 def describe(e):
     first = (str(e).strip().splitlines() or [""])[0]
     return f"{type(e).__name__}: {first[:300]}"
@@ -798,12 +851,7 @@ def engine_main(c, row, to_trainer, to_engine, results):
             t0 = time.perf_counter()
             reserved0 = torch.cuda.memory_reserved()
             if discard_w:
-                if ss:
-                    resume_all(sst, ["eng_weights"])
-                elif field:
-                    for p in eng.params.values():
-                        if p.data.numel() == 0:
-                            p.data = torch.empty(p.shape_full, dtype=eng.dtype, device=dev)
+                engine_weights_back(sst, eng, field)
             cur.wait_event(weights_ready)  # the trainer's step tail, on the device
             with torch.no_grad():
                 if path == "ipc":
@@ -835,24 +883,7 @@ def engine_main(c, row, to_trainer, to_engine, results):
             rec["free_before"] = free_bytes()
             if no_sleep:
                 return
-            t0 = time.perf_counter()
-            if ss:
-                clear_workspaces()  # tagged eng_kv after the first step, eng_graph for the graph's
-                for t in ENG_TAGS:  # the decode graph's replays may still be queued: fenced
-                    sst.pause(t, mode="discard", wait=False)
-                if discard_w:
-                    sst.pause("eng_weights", mode="discard", wait=False)
-                torch.cuda.empty_cache()  # untagged cache, fenced and queued (defer mode)
-            elif field:
-                torch.cuda.synchronize()
-                eng.drop_cache()
-                if discard_w:
-                    for p in eng.params.values():
-                        p.shape_full = p.shape
-                        p.data = torch.empty(0, dtype=eng.dtype, device=dev)
-                clear_workspaces()
-                torch.cuda.empty_cache()
-            rec["pause_ms"] = ms(t0)
+            rec["pause_ms"] = engine_sleep(sst, eng, field, discard_w)
 
         def wait_back(rec):
             if ss:
@@ -866,13 +897,7 @@ def engine_main(c, row, to_trainer, to_engine, results):
                 out["left"] = dict(step=rec["step"], **breakdown(sst))
 
         def wake(rec):
-            t0 = time.perf_counter()
-            if ss:
-                resume_all(sst, list(ENG_TAGS))
-            elif field:
-                eng.alloc_cache()
-                eng.capture()  # new addresses: the graph is captured again
-            rec["resume_ms"] = ms(t0)
+            rec["resume_ms"] = engine_wake(sst, eng, field)
 
         # the initial weights, then wait for the trainer to sleep
         rec0 = dict(step=-1)
@@ -925,6 +950,176 @@ def engine_main(c, row, to_trainer, to_engine, results):
             to_trainer.put(dict(kind="abort", why=f"engine: {out['error']}"))
         log(role, f"stopped: {out['error']}")
     results.put(out)
+    time.sleep(0.2)
+
+
+# ---- the hybrid engine: trainer and engine in one process ---------------------------------------
+
+def hybrid_main(c, row, results):
+    """--hybrid: the trainer and the engine in one process (the hybrid engine of verl, OpenRLHF and
+    slime), switching by tags. The engine's sleep pauses its tags and empties the cache that the
+    trainer's last step left untagged; the trainer's wake resumes its tags; the weights go over by
+    an in-process copy on the compute stream after the optimizer's tail. The field row does the
+    same with PyTorch's allocator: synchronize(), .cpu(), empty_cache(). One record per side, in
+    the two-process rows' form."""
+    role = f"{row}/hybrid"
+    eout = dict(role="engine", row=row, steps=[], ok=False, tokens_hash=[])
+    tout = dict(role="trainer", row=row, steps=[], ok=False, path="in-process")
+    try:
+        sst, dev = setup_process(row, "hybrid", c)
+        ss = sst is not None
+        field = row == "field"
+        tag = tagger_for(sst)
+        eng = Engine(c, dev, tag, c["reserve_bytes"], use_graph=not c["no_graph"])
+        eng.alloc_cache()
+        eng.capture()
+        torch.cuda.empty_cache()
+        log(role, f"decode step: {eng.graph_note}")
+        eout["graph"] = eng.graph_note
+        trainer = Trainer(c, dev, tag)
+        set_cap(c, "hybrid")
+        cur = torch.cuda.current_stream()
+        discard_w = c["engine_weights"] == "discard"
+        e_tags = list(ENG_TAGS) + (["eng_weights"] if discard_w else [])
+        t_tags = [t for t, _ in TRAIN_TAGS]
+
+        def hand_over(rec):
+            """The engine's weights from the trainer's, after the step's tail; returns what the
+            engine mapped for them."""
+            t0 = time.perf_counter()
+            reserved0 = torch.cuda.memory_reserved()
+            if discard_w:
+                engine_weights_back(sst, eng, field)
+            cur.wait_stream(trainer.opt_stream)
+            with torch.no_grad():
+                for n, p in trainer.named:
+                    eng.params[n].copy_(p)
+            rec["handover_ms"] = ms(t0)
+            return torch.cuda.memory_reserved() - reserved0
+
+        def t_sleep(trec):
+            trec.setdefault("reserved_before", torch.cuda.memory_reserved())
+            t0 = time.perf_counter()
+            if ss:
+                clear_workspaces()
+                for t, mode in TRAIN_TAGS:
+                    sst.pause(t, mode=mode, wait=False)
+                torch.cuda.empty_cache()
+                trec["pause_ms"] = ms(t0)
+                trec["back_ms"] = wait_paused(sst, t_tags, cur)
+            else:
+                torch.cuda.synchronize()
+                trainer.move_state("cpu")
+                clear_workspaces()
+                torch.cuda.empty_cache()
+                trec["pause_ms"] = ms(t0)
+                trec["back_ms"] = 0.0
+            trec["free_after"] = free_bytes()
+            trec["reserved_after"] = torch.cuda.memory_reserved()
+            if trec["step"] < c["warmup"]:
+                tout["left"] = dict(step=trec["step"], **breakdown(sst))
+
+        def t_wake(trec):
+            t0 = time.perf_counter()
+            if ss:
+                resume_all(sst, t_tags)
+            elif field:
+                trainer.move_state(dev)
+            trec["resume_ms"] = ms(t0)
+
+        def e_sleep(rec):
+            rec["reserved_before"] = torch.cuda.memory_reserved()
+            rec["free_before"] = free_bytes()
+            rec["pause_ms"] = engine_sleep(sst, eng, field, discard_w)  # the trainer's cache too
+
+        def e_wait_back(rec):
+            rec["back_ms"] = wait_paused(sst, e_tags, cur) if ss else 0.0
+            rec["free_after"] = free_bytes()
+            rec["reserved_after"] = torch.cuda.memory_reserved()
+            if rec["step"] < c["warmup"]:
+                eout["left"] = dict(step=rec["step"], **breakdown(sst))
+
+        def e_wake(rec):
+            rec["resume_ms"] = engine_wake(sst, eng, field)
+
+        # the initial weights, then the trainer sleeps
+        if discard_w and ss:
+            sst.pause("eng_weights", mode="discard", wait=False)  # hand_over resumes it
+            wait_paused(sst, ["eng_weights"], cur)
+        trec0 = dict(step=-1)
+        trec0["engine_grew"] = hand_over(dict())
+        t_sleep(trec0)
+        ballast = None
+        t_step = time.perf_counter()
+        for s in range(c["steps"]):
+            no_sleep = row == "control" and s >= 1
+            rec, trec = dict(step=s), dict(step=s)
+            t0 = time.perf_counter()
+            host_tokens, ready, plen, olen = eng.generate(s)
+            rec["gen_call_ms"] = ms(t0)
+            if no_sleep:
+                rec["reserved_before"] = torch.cuda.memory_reserved()
+                rec["free_before"] = free_bytes()
+            else:
+                e_sleep(rec)  # the replays may still run: the fence covers them
+            t1 = time.perf_counter()
+            ready.synchronize()
+            rec["gen_wait_ms"] = ms(t1)
+            tokens = host_tokens.clone()
+            eout["tokens_hash"].append(sha(tokens))
+            if not no_sleep:
+                e_wait_back(rec)
+            t_phase = time.perf_counter()
+            if not (row == "control" and s >= 2):
+                t_wake(trec)
+            t0 = time.perf_counter()
+            trainer.train(tokens, plen, olen)
+            trec["train_call_ms"] = ms(t0)
+            trec["free_before"] = free_bytes()
+            trec["reserved_before"] = torch.cuda.memory_reserved()
+            torch.cuda.empty_cache()
+            trec["engine_grew"] = hand_over(rec)
+            trec["handover_call_ms"], trec["handover_wait_ms"] = rec["handover_ms"], 0.0
+            if not no_sleep:
+                t_sleep(trec)
+            trec["phase_ms"] = ms(t_phase)
+            if s == 0 and c["budget_bytes"] and not c["no_ballast"]:
+                # Both sides asleep: the ballast leaves B for what the process holds.
+                held = torch.cuda.memory_reserved()
+                nbytes = free_bytes() - (c["budget_bytes"] - held)
+                if nbytes <= 0:
+                    raise RuntimeError(f"the budget {c['budget_bytes'] / GiB:.2f} GiB is less than what both "
+                                       f"sides hold asleep ({held / GiB:.2f} GiB)")
+                ballast = alloc_ballast(nbytes)
+                log(role, f"ballast {nbytes / GiB:.2f} GiB: {free_bytes() / GiB:.2f} GiB free for a budget of "
+                          f"{c['budget_bytes'] / GiB:.2f} GiB (both asleep hold {held / GiB:.2f} GiB)")
+            if not no_sleep:
+                e_wake(rec)
+            now = time.perf_counter()
+            rec["step_ms"] = (now - t_step) * 1e3
+            t_step = now
+            rec["trainer"] = trec
+            eout["steps"].append(rec)
+            tout["steps"].append(trec)
+            log(role, f"step {s}: step {rec['step_ms']:.1f} ms, engine pause {rec.get('pause_ms', 0):.2f} / back "
+                      f"{rec.get('back_ms', 0):.2f} / resume {rec.get('resume_ms', 0):.2f} ms, trainer pause "
+                      f"{trec.get('pause_ms', 0):.2f} / back {trec.get('back_ms', 0):.2f} / resume "
+                      f"{trec.get('resume_ms', 0):.2f} ms, tokens {eout['tokens_hash'][-1]}")
+        if ss:
+            resume_all(sst, ["train_weights"])
+        elif field:
+            trainer.move_state(dev)
+        tout["weights_hash"] = trainer.weights_hash()
+        eout["weights_hash"] = eng.weights_hash()
+        eout["ok"] = tout["ok"] = True
+        del ballast
+    except Exception as e:  # noqa: BLE001 - the outcome is the report
+        eout["error"] = describe(e)
+        eout["oom"] = is_oom(e)
+        eout["trace"] = traceback.format_exc()[-2000:]
+        log(role, f"stopped: {eout['error']}")
+    results.put(eout)
+    results.put(tout)
     time.sleep(0.2)
 
 
@@ -1109,7 +1304,8 @@ def fmt(v, spec=".2f"):
 
 def report(c, ref, rows):
     print()
-    print(f"## Colocated RL, {c['preset']} preset: {c['n_layer']} layers x {c['n_embd']}, vocab {c['vocab']}, "
+    form = "one process (--hybrid)" if c.get("hybrid") else "two processes"
+    print(f"## Colocated RL, {c['preset']} preset, {form}: {c['n_layer']} layers x {c['n_embd']}, vocab {c['vocab']}, "
           f"batch {c['batch']}, prompts {c['prompt'][0]}-{c['prompt'][1]}, outputs {c['out'][0]}-{c['out'][1]} "
           f"tokens, {c['opt']}, engine weights {c['engine_weights']}; {c['steps']} steps, medians of steps "
           f"{c['warmup']}..{c['steps'] - 1}")
@@ -1154,6 +1350,7 @@ def report(c, ref, rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a small model, 4 steps: under a minute")
+    ap.add_argument("--large", action="store_true", help="a 1.3 B-parameter model, meant for about 30 GiB a side")
     ap.add_argument("--sanitize", action="store_true",
                     help="a tiny model, 2 steps, rows reference,streamsafe, no ballast or cap: run it under "
                          "compute-sanitizer --tool memcheck --target-processes all")
@@ -1181,15 +1378,17 @@ def main():
     ap.add_argument("--msg-timeout", type=float, default=90.0)
     ap.add_argument("--row-timeout", type=float)
     ap.add_argument("--json", help="write every row's records here")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="trainer and engine in one process, switching by tags (the hybrid engine)")
     args = ap.parse_args()
 
-    preset = "sanitize" if args.sanitize else ("quick" if args.quick else "full")
+    preset = "sanitize" if args.sanitize else ("quick" if args.quick else ("large" if args.large else "full"))
     c = dict(PRESETS[preset])
     c.update(preset=preset, seed=args.seed, ss_conf=args.ss_conf, opt=args.opt, lr=args.lr,
              engine_weights=args.engine_weights,
              handover=args.handover, target=args.target, no_ballast=args.no_ballast or args.sanitize,
              no_cap=args.no_cap or args.sanitize, no_graph=args.no_graph, msg_timeout=args.msg_timeout,
-             budget_bytes=0, reserve_bytes=0, cap_bytes=0)
+             budget_bytes=0, reserve_bytes=0, cap_bytes=0, hybrid=args.hybrid)
     if args.steps is not None:
         c["steps"] = args.steps
     if args.warmup is not None:
@@ -1211,7 +1410,8 @@ def main():
     if args.budget_gib:
         c["budget_bytes"] = c["cap_bytes"] = int(args.budget_gib * GiB)
     t_all = time.perf_counter()
-    print(f"colocated_rl: preset {preset}, rows {','.join(rows)}; torch {torch.__version__}", flush=True)
+    print(f"colocated_rl: preset {preset}{' (hybrid: one process)' if args.hybrid else ''}, rows {','.join(rows)}; "
+          f"torch {torch.__version__}", flush=True)
 
     ref = None
     summaries = []
@@ -1241,9 +1441,12 @@ def main():
                 print(f"WARNING: trainer and engine together need {t_share + e_share:.0%} of the budget: the control "
                       f"may fit; lower --budget-gib", flush=True)
             continue
-        res, codes = run_procs([(trainer_main, lambda qs, r, row=row: (cr, row, qs[0], qs[1], r)),
-                                (engine_main, lambda qs, r, row=row: (cr, row, qs[0], qs[1], r))],
-                               2, cr["row_timeout"])
+        if args.hybrid:
+            res, codes = run_procs([(hybrid_main, lambda qs, r, row=row: (cr, row, r))], 2, cr["row_timeout"])
+        else:
+            res, codes = run_procs([(trainer_main, lambda qs, r, row=row: (cr, row, qs[0], qs[1], r)),
+                                    (engine_main, lambda qs, r, row=row: (cr, row, qs[0], qs[1], r))],
+                                   2, cr["row_timeout"])
         raw[row] = res
         s = summarize(row, res, codes, c, ref)
         summaries.append(s)

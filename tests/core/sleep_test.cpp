@@ -15,6 +15,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -609,4 +610,170 @@ TEST_CASE("offload copies adjacent live blocks as one range, out and back", "[co
   CHECK(dev.fault_count() == 0);
   for (void* p : state) alloc.deallocate(p);
   alloc.check_invariants();
+}
+
+namespace {
+
+// Counts the physical handles a GPU backend would create and release: one per map call, and
+// each unmap gives back every handle mapped inside its range (one cuMemUnmap and one
+// cuMemRelease each on the GPU, whatever the call covers).
+class handle_counting_device : public forwarding_device {
+ public:
+  using forwarding_device::forwarding_device;
+  bool map(void* addr, std::size_t size_bytes) override {
+    const bool ok = dev_.map(addr, size_bytes);
+    if (ok) {
+      ++maps;
+      handles[reinterpret_cast<std::uintptr_t>(addr)] = size_bytes;
+    }
+    return ok;
+  }
+  void unmap(void* addr, std::size_t size_bytes) override {
+    dev_.unmap(addr, size_bytes);
+    const auto lo = reinterpret_cast<std::uintptr_t>(addr);
+    const auto from = handles.lower_bound(lo);
+    const auto to = handles.lower_bound(lo + size_bytes);
+    unmaps += static_cast<int>(std::distance(from, to));
+    handles.erase(from, to);
+  }
+  void reset() { maps = unmaps = 0; }
+  int maps = 0;
+  int unmaps = 0;
+  std::map<std::uintptr_t, std::size_t> handles;
+};
+
+}  // namespace
+
+TEST_CASE("A resumed tag is mapped in handles sized to it: a switch is a few driver calls",
+          "[core][sleep]") {
+  // 40 x 25 MiB of weights, grown chunk by chunk (80 handles: each growth maps what its request
+  // lacks, 26 or 24 MiB, as a 20 MiB chunk and the rest). The first pause gives those
+  // back; the resume maps the tag in handles of up to expandable_tag_handle_mb, and every later
+  // pause and resume makes that many calls, not one per 20 MiB. A free stretch of the tag's
+  // cache stays a handle of its own, which empty_cache(tag) gives back whole.
+  const pause_mode mode = GENERATE(pause_mode::discard, pause_mode::offload);
+  CAPTURE(static_cast<int>(mode));
+  sim::simulated_device dev(sim_config(8 * GiB));
+  handle_counting_device be(dev);
+  options o = sleep_options();
+  o.expandable_tag_handle_bytes = 512 * MiB;
+  caching_allocator alloc(be, o);
+  const auto s = dev.create_stream();
+  std::vector<void*> w;
+  {
+    tag_scope scope("weights");
+    for (int i = 0; i < 40; ++i) w.push_back(alloc.allocate(25 * MiB, s));
+  }
+  for (std::size_t i = 0; i < w.size(); ++i)
+    dev.launch(s, 1, {writes(w[i], 25 * MiB, static_cast<std::uint8_t>(i + 1))}, "init");
+  for (std::size_t i = 30; i < w.size(); ++i) alloc.deallocate(w[i]);  // 250 MiB of free cache
+  dev.run_until_idle();
+  const std::size_t first_unmaps = [&] {
+    be.reset();
+    alloc.pause("weights", mode);
+    return static_cast<std::size_t>(be.unmaps);
+  }();
+  CHECK(first_unmaps == 80);  // the growth's chunks
+  be.reset();
+  alloc.resume("weights");
+  // 750 MiB holding live blocks in two handles of up to 512 MiB, 250 MiB of free cache in one.
+  CHECK(be.maps == 3);
+  for (int cycle = 0; cycle < 2; ++cycle) {
+    be.reset();
+    alloc.pause("weights", mode);
+    CHECK(be.unmaps == 3);
+    alloc.resume("weights");
+    CHECK(be.maps == 3);
+  }
+  dev.run_until_idle();
+  if (mode == pause_mode::offload) {
+    for (std::size_t i = 0; i < 30; ++i) {
+      CHECK(dev.value_at(addr(w[i]) + 25 * MiB - 1) ==
+            std::optional<std::uint8_t>(static_cast<std::uint8_t>(i + 1)));
+    }
+  }
+  // Partial release: the free stretch goes back whole; the stretches holding live blocks stay.
+  be.reset();
+  CHECK(alloc.empty_cache("weights") == 250 * MiB);
+  CHECK(be.unmaps == 1);
+  alloc.check_invariants();
+  // A live block freed inside a large handle: nothing goes back until the handle is free.
+  alloc.deallocate(w[0]);
+  CHECK(alloc.empty_cache("weights") == 0);
+  for (std::size_t i = 1; i < 30; ++i) alloc.deallocate(w[i]);
+  CHECK(alloc.empty_cache("weights") == 750 * MiB);
+  CHECK(alloc.tag_status("weights").reserved_bytes == 0);
+  CHECK(dev.fault_count() == 0);
+  alloc.check_invariants();
+}
+
+TEST_CASE("offload_keep_host: the pinned backup stays between switches, or goes back at resume",
+          "[core][sleep]") {
+  const bool keep = GENERATE(true, false);
+  CAPTURE(keep);
+  sim::simulated_device dev(sim_config());
+  options o = sleep_options();
+  o.offload_keep_host = keep;
+  caching_allocator alloc(dev, o);
+  const auto s = dev.create_stream();
+  void* weights = nullptr;
+  {
+    tag_scope scope("weights");
+    weights = alloc.allocate(64 * MiB, s);
+  }
+  for (int cycle = 0; cycle < 2; ++cycle) {
+    dev.launch(s, 1, {writes(weights, 64 * MiB, static_cast<std::uint8_t>(cycle + 7))}, "step");
+    alloc.pause("weights", pause_mode::offload);
+    CHECK(dev.host_bytes_in_use() >= 64 * MiB);  // the backup
+    alloc.resume("weights");
+    dev.launch(s, 1, {reads(weights, 64 * MiB)}, "use");
+    dev.run_until_idle();
+    CHECK(dev.value_at(addr(weights) + 64 * MiB - 1) ==
+          std::optional<std::uint8_t>(static_cast<std::uint8_t>(cycle + 7)));
+    if (keep) {
+      CHECK(dev.host_bytes_in_use() >= 64 * MiB);  // pinned once, reused by the next pause
+    } else {
+      CHECK(dev.host_bytes_in_use() <= 64 * MiB / 100);  // under 1% of the backup
+    }
+  }
+  CHECK(dev.fault_count() == 0);
+  alloc.deallocate(weights);
+  alloc.check_invariants();
+}
+
+TEST_CASE("offload_keep_host:False with the release worker: the backup goes back off the caller",
+          "[core][sleep][worker]") {
+  sim::simulated_device dev(sim_config());
+  options o = sleep_options(fence_scope::all_streams, empty_cache_mode::defer);
+  o.release_worker = release_worker_mode::on;
+  o.offload_keep_host = false;
+  caching_allocator alloc(dev, o);
+  const auto s = dev.create_stream();
+  void* weights = nullptr;
+  {
+    tag_scope scope("weights");
+    weights = alloc.allocate(64 * MiB, s);
+  }
+  dev.launch(s, 1, {writes(weights, 64 * MiB, 9)}, "step");
+  alloc.pause("weights", pause_mode::offload);
+  auto until = std::chrono::steady_clock::now() + 5s;
+  while (alloc.tag_status("weights").phase != tag_phase::paused &&
+         std::chrono::steady_clock::now() < until) {
+    dev.run_until_idle();  // the offload copy the worker enqueued
+    std::this_thread::sleep_for(1ms);
+  }
+  REQUIRE(alloc.tag_status("weights").phase == tag_phase::paused);
+  CHECK(dev.host_bytes_in_use() >= 64 * MiB);
+  alloc.resume("weights", s);  // on this thread; the worker frees the backup after the restore
+  until = std::chrono::steady_clock::now() + 5s;
+  while (dev.host_bytes_in_use() > 64 * MiB / 100 && std::chrono::steady_clock::now() < until) {
+    dev.run_until_idle();  // the restore copy
+    std::this_thread::sleep_for(1ms);
+  }
+  CHECK(dev.host_bytes_in_use() <= 64 * MiB / 100);
+  dev.launch(s, 1, {reads(weights, 64 * MiB)}, "use");
+  dev.run_until_idle();
+  CHECK(dev.value_at(addr(weights) + 64 * MiB - 1) == std::optional<std::uint8_t>(9));
+  CHECK(dev.fault_count() == 0);
+  alloc.deallocate(weights);
 }

@@ -277,15 +277,18 @@ def test_memory_cap_does_not_count_paused_memory():
 
 
 @pytest.mark.timeout(300)
-def test_example_rows_are_identical_to_the_reference(tmp_path):
+@pytest.mark.parametrize("hybrid", [False, True], ids=["two_processes", "hybrid"])
+def test_example_rows_are_identical_to_the_reference(tmp_path, hybrid):
     """examples/pytorch/colocated_rl.py on its tiny model (--sanitize sizes, no sanitizer): the
-    streamsafe and field rows reproduce the reference's tokens and weights bit for bit."""
+    streamsafe and field rows reproduce the reference's tokens and weights bit for bit, in two
+    processes and in one (--hybrid)."""
     pytest.importorskip("transformers")
     out = tmp_path / "rows.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     env.pop("STREAMSAFE_TORCH_INSTALL", None)
     p = subprocess.run([sys.executable, EXAMPLE, "--sanitize", "--rows", "reference,streamsafe,field",
-                        "--steps", "3", "--json", str(out)], env=env, capture_output=True, text=True, timeout=280)
+                        "--steps", "3", "--json", str(out)] + (["--hybrid"] if hybrid else []),
+                       env=env, capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
     for name in ("streamsafe", "field"):

@@ -54,8 +54,9 @@
 
 namespace streamsafe::test {
 
-// The core's thresholds, written out here rather than taken from allocator/src/core/
-// size_classes.hpp, so that the oracle is a statement of its own about the code under test.
+// The core's thresholds, written out here rather than taken from the core's size_classes.hpp
+// (allocator/src/core/blocks/), so that the oracle is a statement of its own about the code
+// under test.
 namespace oracle_sizes {
 inline constexpr std::size_t k_block = 512;
 inline constexpr std::size_t k_small_request = std::size_t{1} << 20;

@@ -357,7 +357,8 @@ class world {
       const std::size_t dev_kept = rec_.kept_bytes(live_ranges());
       if (snap_kept > dev_kept)
         fail("oracle", "the snapshot keeps " + std::to_string(snap_kept) +
-                           " bytes, the device only " + std::to_string(dev_kept));
+                           " bytes, the device only " + std::to_string(dev_kept) + "; " +
+                           active_not_live(snap));
       if (cfg_.backend == backend_kind::cuda_malloc || cfg_.chunk_bytes == 2 * MiB) {
         if (held_.empty() && snap_kept != dev_kept)
           fail("oracle", "the snapshot keeps " + std::to_string(snap_kept) + " bytes, the device " +
@@ -533,6 +534,26 @@ class world {
     return j;
   }
 
+  // The snapshot's active blocks that the program does not hold (for messages).
+  std::string active_not_live(const memory_snapshot& snap) {
+    const auto live = live_ranges();
+    std::ostringstream os;
+    os << "active blocks the program does not hold:";
+    std::size_t n = 0;
+    for (const auto& seg : snap.segments) {
+      for (const auto& b : seg.blocks) {
+        if (b.state != snapshot_block_state::active) continue;
+        bool held = false;
+        for (const auto& [a, size] : live) held = held || (a == b.address);
+        if (held || ++n > 8) continue;
+        os << " " << b.address << "+" << b.size_bytes << " (stream " << b.stream << ", segment of "
+           << seg.size_bytes << ")";
+      }
+    }
+    if (n == 0) os << " none (the device's segments differ)";
+    return os.str();
+  }
+
   // Reserved split by state, for messages.
   static std::string describe(const memory_snapshot& snap) {
     std::size_t by[5] = {};
@@ -623,11 +644,17 @@ class world {
         growth_guard guard(*this);
         const memory_snapshot snap = alloc_->snapshot();
         const oracle_verdict v = oracle_resume_from_snapshot(snap, cfg_.limit_bytes, t.tag);
+        // The device's whole chunks too (with chunks above 2 MiB the snapshot's granules
+        // count less).
+        const oracle_verdict d = rec_.verdict(live_ranges(), cfg_.backend, cfg_.limit_bytes,
+                                              v.new_bytes);
         try {
           alloc_->resume(t.tag);
         } catch (const out_of_memory& e) {
-          return judge_oom(guard, v.could_serve,
-                           "resume(" + t.tag + "): " + v.to_string() + "; " + describe(snap), e);
+          return judge_oom(guard, v.could_serve && d.could_serve,
+                           "resume(" + t.tag + "): snapshot: " + v.to_string() +
+                               "; device: " + d.to_string() + "; " + describe(snap),
+                           e);
         }
         t.tag_paused = alloc_->tag_status(t.tag).phase != tag_phase::active;
         return t.tag_paused ? "ok (not active yet)" : "ok";

@@ -81,14 +81,11 @@ struct caching_allocator::impl : detail::diagnostics_layer {
   block* out_of_memory_path_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
                                    stream_state& st, pool& p, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_, st.mu);
-  // serve_path.cpp: a walk without a host wait, the rule giving way, pending memory behind stream
-  // waits (held: the caller's lock), the waits (false: none left), room (resume, graph pools).
+  // serve_path.cpp: walks without a host wait, the waits between them, room for resume/graphs
   block* serve_without_waiting_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
                                       stream_state& st, pool& p, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_, st.mu);
-  block* serve_against_whole_rule_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);
   std::size_t retire_pending_behind_waits_locked(const stream_state* held) STREAMSAFE_REQUIRES(mu_);
-  void wait_for_releases_locked(device_lock& dlk) STREAMSAFE_REQUIRES(mu_);  // ledger_'s calls
   bool make_room_locked(device_lock& dlk, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
   bool serve_wait_locked(device_lock& dlk, detail::serve_waits& w) STREAMSAFE_REQUIRES(mu_);
   block* grow_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);  // a growth
@@ -274,6 +271,9 @@ struct caching_allocator::impl : detail::diagnostics_layer {
   void record_pause_fences_locked(std::vector<paused_segment>& segs) STREAMSAFE_REQUIRES(mu_);
   bool resume_segment_locked(tag_state& t, paused_segment& ps, resume_work& w)
       STREAMSAFE_REQUIRES(mu_);
+  bool map_resumed_run_locked(segment* seg, std::uintptr_t addr, std::size_t bytes,
+                              std::size_t chunk) STREAMSAFE_REQUIRES(mu_);
+  void trim_host_locked(device_lock& lk, tag_state* t) STREAMSAFE_REQUIRES(mu_);
   void order_after_restore_locked(resume_work& w, const stream_handle* also)
       STREAMSAFE_REQUIRES(mu_);
   void set_phase_after_resume_locked(tag_state& t, std::vector<paused_segment> kept)

@@ -137,6 +137,20 @@ struct options {
   // expandable_chunk_bytes. 2 MiB trades driver calls for a lower peak (docs/observability.md,
   // "Finer chunks"); the default, 20 MiB, is one size for every growth.
   std::size_t expandable_peak_chunk_bytes = std::size_t{20} << 20;
+  // The largest physical handle in which resume maps a paused tag's memory again (rounded up to
+  // the granularity, at least expandable_chunk_bytes): each stretch of a given-back run that
+  // holds live blocks, and each free stretch of at least a chunk, is mapped in handles of up to
+  // this size, so a pause and a resume of N bytes make about N / this many driver mappings each
+  // way instead of N / expandable_chunk_bytes. A handle goes back to the driver only whole:
+  // free memory inside a stretch that holds live blocks stays mapped until the whole handle is
+  // free (docs/sleep.md, "Handles sized to the tag").
+  std::size_t expandable_tag_handle_bytes = std::size_t{1024} << 20;
+  // Offload keeps its pinned host backup between switches (true): a later pause copies into
+  // host memory already pinned, and resume leaves it cached for that. False: once a resume's
+  // restore copies have completed, the pinned host memory no longer holding a paused tag goes
+  // back to the system (on the release worker, or on the caller's thread, which then waits for
+  // the restore), and the next offload pins again. release_host_cache() does it by hand.
+  bool offload_keep_host = true;
   // Round requests above 512 B up to one of this many steps per power of two (0 = off), as
   // PyTorch's roundup_power2_divisions: fewer distinct sizes, better reuse, more rounding. One
   // number for every size, or one per size interval (power2_divisions). Changeable at runtime.

@@ -492,7 +492,9 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
     // place on the device (the ledger). Under the allocator's limit the growth counts them and
     // goes on beside them: no wait.
     drop_stream_lock(slk, st);
-    wait_for_releases_locked(dlk);
+    driver_calls_.done.wait(dlk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+      return ledger_.releasing_elsewhere_bytes() == 0;
+    });
     retake_stream_lock(slk, st);
     if (capturing()) return nullptr;
     b = find_block_locked(st, p, rounded, false);

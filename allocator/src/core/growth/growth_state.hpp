@@ -22,6 +22,7 @@ struct growth_limits {
   std::size_t small_chunk_bytes = 0;   // expandable small pools: the driver's granularity
   std::size_t large_chunk_bytes = 0;   // expandable large pools: options::expandable_chunk_bytes
   std::size_t peak_chunk_bytes = 0;    // their growths past the high-water mark (growth.cpp)
+  std::size_t tag_handle_bytes = 0;    // resume's largest handle (wake.cpp)
 };
 
 // The serve path's waits made so far for one request (serve_path.cpp).

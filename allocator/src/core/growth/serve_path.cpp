@@ -26,13 +26,6 @@ void retake_stream_lock(detail::unique_lock<stream_lock>& slk, detail::stream_st
 
 }  // namespace
 
-void caching_allocator::impl::wait_for_releases_locked(device_lock& dlk) {
-  // The release's own thread never waits here: it is in no allocation while its calls run.
-  driver_calls_.done.wait(dlk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-    return ledger_.releasing_elsewhere_bytes() == 0;
-  });
-}
-
 // The analysis cannot follow the lock taken for every stream but `held` (whose lock the caller
 // holds): each retire_pending_locked below runs under its stream's lock.
 std::size_t caching_allocator::impl::retire_pending_behind_waits_locked(const stream_state* held)
@@ -97,20 +90,6 @@ block* caching_allocator::impl::serve_without_waiting_locked(device_lock& dlk,
   return b;
 }
 
-// The serve path's last step, once no wait is left: what could not go back serves the request
-// after all, the whole-segment rule giving way: queued memory, then another stream's whole free
-// segment.
-block* caching_allocator::impl::serve_against_whole_rule_locked(pool& p, std::size_t rounded) {
-  block* b = nullptr;
-  if (!releases_.deferred.empty()) {
-    b = reclaim_in_place_locked(p, rounded, false);
-    if (!b)
-      b = opts_.backend == backend_kind::expandable ? reclaim_by_alias_locked(p, rounded)
-                                                    : reclaim_segment_locked(p, rounded, false);
-  }
-  return b ? b : steal_segment_locked(p, rounded, false);
-}
-
 // The serve path's waits, in the order of their cost, one per call (mu_ held, no stream lock;
 // mu_ is released inside): a pass of the release worker over what is queued and its release in
 // flight (driver calls, never a fence), at most twice; another thread's driver calls giving
@@ -128,8 +107,10 @@ bool caching_allocator::impl::serve_wait_locked(device_lock& dlk, detail::serve_
     wait_for_worker_locked(dlk, nullptr);
     return true;
   }
-  if (ledger_.releasing_elsewhere_bytes() != 0) {
-    wait_for_releases_locked(dlk);
+  if (ledger_.releasing_elsewhere_bytes() != 0) {  // driver calls: never a fence
+    driver_calls_.done.wait(dlk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+      return ledger_.releasing_elsewhere_bytes() == 0;
+    });
     return true;
   }
   if (w.fence_waited || releases_.deferred.empty()) return false;
@@ -166,7 +147,17 @@ block* caching_allocator::impl::out_of_memory_path_locked(device_lock& dlk,
     const bool waited = serve_wait_locked(dlk, w);
     retake_stream_lock(slk, st);
     if (capturing()) return nullptr;
-    if (!waited) return serve_against_whole_rule_locked(p, rounded);
+    if (waited) continue;
+    // No wait left: what could not go back serves the request after all, the whole-segment
+    // rule giving way: queued memory, then another stream's whole free segment.
+    block* q = nullptr;
+    if (!releases_.deferred.empty()) {
+      q = reclaim_in_place_locked(p, rounded, false);
+      if (!q)
+        q = opts_.backend == backend_kind::expandable ? reclaim_by_alias_locked(p, rounded)
+                                                      : reclaim_segment_locked(p, rounded, false);
+    }
+    return q ? q : steal_segment_locked(p, rounded, false);
   }
 }
 

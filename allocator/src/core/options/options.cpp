@@ -292,6 +292,11 @@ const option_spec k_options[] = {
      "(at most expandable_chunk_mb)",
      set_chunk_mib<&options::expandable_peak_chunk_bytes>,
      show_chunk_mib<&options::expandable_peak_chunk_bytes>},
+    {"expandable_tag_handle_mb", "number", "a whole, even number of MiB from 2 to 1048576",
+     "largest physical handle in which resume maps a paused tag's memory again (at least "
+     "expandable_chunk_mb)",
+     set_chunk_mib<&options::expandable_tag_handle_bytes>,
+     show_chunk_mib<&options::expandable_tag_handle_bytes>},
     {"roundup_power2_divisions", "number",
      "0 (off) or a power of two up to 64, or PyTorch's list "
      "[boundary_mib:divisions,...,>:divisions] with power-of-two boundaries in increasing order",
@@ -305,6 +310,12 @@ const option_spec k_options[] = {
        o.garbage_collection_threshold = f;
      },
      [](const options& o) { return show_number(o.garbage_collection_threshold); }},
+    {"offload_keep_host", "choice", "True, true, False, false",
+     "keep offload's pinned host backup between switches (False: given back after each resume)",
+     [](options& o, const option_spec& s, std::string_view v) {
+       o.offload_keep_host = choice(s, v) < 2;
+     },
+     [](const options& o) { return std::string(o.offload_keep_host ? "True" : "False"); }},
     {"graph_capture_record_stream_reuse", "choice", "True, true, False, false",
      "reuse, inside a CUDA graph capture, a block freed with side-stream uses once the capturing "
      "stream follows them (False: held until the capture ends)",

@@ -150,7 +150,7 @@ std::size_t caching_allocator::impl::release_batch_memory(device_lock& lk, relea
     released += account_release_locked(batch.blocks[i], done[i] != 0);
   batch.blocks.clear();
   ledger_.end_release(releasing);
-  driver_calls_.done.notify_all();  // wait_for_releases_locked (growth_policy.cpp)
+  driver_calls_.done.notify_all();  // waits for releases (growth_policy.cpp, serve_path.cpp)
   if (error) std::rethrow_exception(error);
   return released;
 }

@@ -130,6 +130,7 @@ std::size_t caching_allocator::impl::worker_pass_locked(device_lock& lk) {
   detect_captures_locked(lk);
   if (capturing()) return 0;  // capture.cpp: no query, no release meanwhile
   if (sleep_.resumes_pending != 0) advance_resumes_locked(lk);                      // wake.cpp
+  if (sleep_.host_trim_pending) trim_host_locked(lk, nullptr);                      // wake.cpp
   std::size_t paused = sleep_.pauses_pending != 0 ? advance_pauses_locked(lk) : 0;  // sleep.cpp
   if (releases_.empty() || capturing()) return paused;
   release_batch now;

@@ -80,6 +80,7 @@ struct sleep_state {
   stream_handle copy_stream = 0;
   bool has_copy_stream = false;
   std::unique_ptr<caching_allocator> host;  // offload's pinned memory
+  bool host_trim_pending = false;           // offload_keep_host false: the worker empties `host`
 
   // The status of a tag this allocator holds nothing of: active, no bytes.
   static pause_status unknown_tag_status(std::string_view tag) {

@@ -24,6 +24,64 @@ pause_status caching_allocator::resume(std::string_view tag, stream_handle also_
   return resume_impl(tag, &also_order);
 }
 
+// A run a pause gave back, mapped again in handles sized to the tag: the run is cut, at the
+// granularity, into stretches that hold live blocks (any block not free) and free stretches;
+// a free stretch shorter than `chunk` joins its neighbours. Each stretch is mapped in handles of
+// up to limits_.tag_handle_bytes, so a free stretch stays a handle of its own that
+// empty_cache(tag) can give back whole. A stretch the driver cannot map in large handles (out of
+// memory) is tried again in chunks of `chunk`. False, with nothing of the run left mapped, when
+// the memory is not there.
+bool caching_allocator::impl::map_resumed_run_locked(segment* seg, std::uintptr_t addr,
+                                                     std::size_t bytes, std::size_t chunk) {
+  const std::size_t g = limits_.small_chunk_bytes;
+  const std::uintptr_t end = addr + bytes;
+  struct stretch {
+    std::uintptr_t lo, hi;
+    bool live;
+  };
+  std::vector<stretch> parts;
+  auto add = [&](std::uintptr_t lo, std::uintptr_t hi, bool live) {
+    if (lo >= hi) return;
+    if (!live && hi - lo < chunk) live = true;  // too small to give back alone
+    if (!parts.empty() && parts.back().live == live && parts.back().hi == lo) {
+      parts.back().hi = hi;
+    } else {
+      parts.push_back({lo, hi, live});
+    }
+  };
+  {
+    detail::lock_guard<stream_lock> slk(state_of(*seg->owner).mu);  // guards the block list
+    std::uintptr_t at = addr;
+    for (const block* b = seg->first; b; b = b->next) {
+      if (b->addr + b->size <= addr || b->state == block_state::free) continue;
+      if (b->addr >= end) break;
+      const std::uintptr_t lo = std::max(addr, b->addr / g * g);
+      const std::uintptr_t hi = std::min(end, detail::round_up(b->addr + b->size, g));
+      if (lo > at) add(at, lo, false);
+      add(std::max(at, lo), hi, true);
+      at = std::max(at, hi);
+    }
+    add(at, end, false);
+  }
+  std::size_t done = 0;
+  bool ok = true;
+  for (const stretch& p : parts) {
+    const std::size_t n = p.hi - p.lo;
+    std::size_t got = map_chunks_locked(seg, p.lo, n, limits_.tag_handle_bytes);
+    if (got != n && limits_.tag_handle_bytes > chunk) got = map_chunks_locked(seg, p.lo, n, chunk);
+    if (got != n) {
+      ok = false;
+      break;
+    }
+    done += n;
+  }
+  if (!ok && done != 0) {
+    backend_.unmap(reinterpret_cast<void*>(addr), done);
+    stats_.num_device_alloc -= forget_chunks(seg, addr, done);
+  }
+  return ok;
+}
+
 // resume: maps ps's given-back runs and restores its copies; false (nothing changed) when the
 // memory is not there.
 bool caching_allocator::impl::resume_segment_locked(tag_state& t, paused_segment& ps,
@@ -38,7 +96,7 @@ bool caching_allocator::impl::resume_segment_locked(tag_state& t, paused_segment
   std::size_t mapped_runs = 0;
   for (; mapped_runs < ps.runs_unmapped; ++mapped_runs) {
     const auto& run = ps.runs[mapped_runs];
-    if (map_chunks_locked(seg, run.first, run.second, chunk) != run.second) break;
+    if (!map_resumed_run_locked(seg, run.first, run.second, chunk)) break;
   }
   if (mapped_runs < ps.runs_unmapped) {  // out of memory: the segment stays paused whole
     for (std::size_t r = 0; r < mapped_runs; ++r) {
@@ -151,6 +209,16 @@ void caching_allocator::impl::resume_tag_locked(device_lock& lk, tag_state& t,
     const sleep_hook hook = sleep_.hook;
     detail::unlocked_for_tag(driver_calls_, lk, t, [&] { call_hooks_unlocked(w.hooks, hook); });
   }
+  if (w.restored && !opts_.offload_keep_host && sleep_.host) {
+    // The backup goes back to the system once the restores are done: on the worker when there
+    // is one (this thread does not wait), else here.
+    if (worker_usable_locked() && ensure_worker_locked()) {
+      sleep_.host_trim_pending = true;
+      worker_.kick_now();
+    } else {
+      trim_host_locked(lk, &t);
+    }
+  }
   if (missing != 0) {
     ++stats_.num_ooms;
     const std::string message = where + ": out of memory mapping " + std::to_string(missing) +
@@ -158,6 +226,22 @@ void caching_allocator::impl::resume_tag_locked(device_lock& lk, tag_state& t,
                                 "and call resume again";
     detail::log().warn("{}", message);
     throw out_of_memory(message);
+  }
+}
+
+// offload_keep_host false: the pinned host memory that holds no paused tag's copy goes back
+// (waiting, mu_ dropped, for the restores that read it). t: the tag whose resume asks, kept
+// busy meanwhile (null on the worker's own pass).
+void caching_allocator::impl::trim_host_locked(device_lock& lk, tag_state* t) {
+  sleep_.host_trim_pending = false;
+  caching_allocator* host = sleep_.host.get();
+  if (!host) return;
+  auto trim = [host] { host->empty_cache(empty_cache_mode::wait); };
+  if (t) {
+    detail::unlocked_for_tag(driver_calls_, lk, *t, trim);
+  } else {
+    driver_call_scope in_flight(driver_calls_, lk);
+    trim();
   }
 }
 
