@@ -46,7 +46,8 @@ TEXT_EXTENSIONS = (".md", ".cpp", ".hpp", ".h", ".c", ".cu", ".cuh", ".py", ".sh
 LAYER, TOPIC, HARDWARE, CASES, SPEED = "layer", "topic", "hardware", "field cases", "speed"
 CORE = "allocator/src/core/"
 HEADER_LINES, SOURCE_LINES, FUNCTION_LINES = 300, 600, 60
-ORDER = [HARDWARE, LAYER, TOPIC, CASES, SPEED]
+MARKS = "marks"  # Catch2's own tags, such as [!shouldfail]
+ORDER = [HARDWARE, LAYER, TOPIC, CASES, SPEED, MARKS]
 
 
 # ---- a C++ function-extent scanner (for the `long` rule) --------------------------------------
@@ -316,7 +317,7 @@ class Checker:
                 cls = m.group(1).strip()
             if cls not in ORDER:
                 continue
-            for t in re.findall(r"`\[([a-z0-9-]+)\]`", line):
+            for t in re.findall(r"`\[(!?[a-z0-9-]+)\]`", line):
                 tags.setdefault(t, (cls, n))
         return tags
 
@@ -392,7 +393,7 @@ class Checker:
                 ranks = [ORDER.index(c) for c in classes]
                 if ranks != sorted(ranks):
                     self.problem(f, line, f"tags {tag_string} are not in the documented order "
-                                 "(hardware, layer, topic, cases, speed)")
+                                 "(hardware, layer, topic, cases, speed, marks)")
                 if ("gpu" in tags) != gpu_file:
                     where = "a file not named *_gpu.cpp / *_gpu_test.cpp" if not gpu_file else \
                         "a _gpu file but lacks [gpu]"

@@ -76,7 +76,8 @@ TEST_CASE(
             << total.injected_errors << " surfaced as errors), " << total.hold_deadlocks
             << " waits refused under a hold, " << total.bad_pointer_checks << " bad pointers, "
             << total.streams_destroyed << " streams destroyed, " << total.pauses << " pauses, "
-            << total.resumes << " resumes, " << seconds << " s\n";
+            << total.resumes << " resumes, " << total.reference_ooms
+            << " out_of_memory the reference oracle would serve, " << seconds << " s\n";
   CHECK(total.operations >= 1000000);
   CHECK(total.injected_errors > 0);
   CHECK(total.pauses > 0);

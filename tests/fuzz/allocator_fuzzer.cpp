@@ -26,7 +26,7 @@ void print_totals() {
       stderr,
       "streamsafe fuzz: %llu executions, %llu operations, %llu allocations, %llu out_of_memory, "
       "%llu injected failures (%llu surfaced as errors), %llu waits refused under a hold, %llu bad "
-      "pointers, %llu streams destroyed\n",
+      "pointers, %llu streams destroyed, %llu out_of_memory the reference oracle would serve\n",
       static_cast<unsigned long long>(executions),
       static_cast<unsigned long long>(totals.operations),
       static_cast<unsigned long long>(totals.allocations),
@@ -35,7 +35,8 @@ void print_totals() {
       static_cast<unsigned long long>(totals.injected_errors),
       static_cast<unsigned long long>(totals.hold_deadlocks),
       static_cast<unsigned long long>(totals.bad_pointer_checks),
-      static_cast<unsigned long long>(totals.streams_destroyed));
+      static_cast<unsigned long long>(totals.streams_destroyed),
+      static_cast<unsigned long long>(totals.reference_ooms));
 }
 
 bool trace_wanted() {

@@ -29,12 +29,18 @@
 //  * with empty_cache:defer an allocation never waits on the host outside its out-of-memory
 //    path, and there only bounded (case K8);
 //  * reserved bytes and their peak never pass the limit after an allocation, and no
-//    out_of_memory is thrown while the cache could serve the request (could_serve);
+//    out_of_memory is thrown while the cache could serve the request (could_serve: queued
+//    memory and headroom, a whole free segment), nor, where every fence completes within the
+//    allocator's bounded wait, while the reference oracle says it could
+//    (tests/support/could_serve.hpp: memory pending a recorded stream, free blocks in partly
+//    used segments; counted in reference_ooms, fatal with STREAMSAFE_CHECKER_STRICT=1);
 //  * after a call fails, the state is intact (the block stays live, allocated bytes unchanged)
 //    and the same call without the injected failure succeeds.
 // At the end every block is freed, every hold opened, and the cache must drain to zero reserved
 // bytes; destroying the allocator must give back every event it created.
 #pragma once
+
+#include "support/could_serve.hpp"
 
 #include <streamsafe/core/caching_allocator.hpp>
 #include <streamsafe/core/errors.hpp>
@@ -45,6 +51,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <exception>
 #include <limits>
 #include <map>
@@ -70,6 +77,13 @@ class violation : public std::exception {
  private:
   std::string message_;
 };
+
+// STREAMSAFE_CHECKER_STRICT=1: an out_of_memory while the reference oracle says the request
+// could be served is a violation (the core breaks it today; counted in reference_ooms otherwise).
+inline bool strict_reference() {
+  const char* s = std::getenv("STREAMSAFE_CHECKER_STRICT");
+  return s != nullptr && std::string(s) == "1";
+}
 
 // Bytes from a buffer (the fuzzer's input); zeros once exhausted.
 class span_source {
@@ -182,6 +196,8 @@ struct program_stats {
   std::uint64_t streams_destroyed = 0;
   std::uint64_t invariant_checks = 0;
   std::uint64_t pauses = 0, resumes = 0;  // of the tag op_sleep pauses (completed calls)
+  // out_of_memory while the reference oracle (tests/support/could_serve.hpp) said it could serve
+  std::uint64_t reference_ooms = 0;
 
   program_stats& operator+=(const program_stats& o) {
     operations += o.operations;
@@ -196,6 +212,7 @@ struct program_stats {
     invariant_checks += o.invariant_checks;
     pauses += o.pauses;
     resumes += o.resumes;
+    reference_ooms += o.reference_ooms;
     return *this;
   }
 };
@@ -497,6 +514,40 @@ class program {
     return config_.backend == backend_kind::expandable && duration % 8 == 0;
   }
 
+  // Launches work and keeps a bound of when all enqueued work ends (as if every launch ran after
+  // the one before it: conservative), so that the reference oracle is asked only while every
+  // fence can complete within the allocator's bounded wait.
+  std::uint64_t launch_tracked(stream_handle s, std::uint64_t duration_us,
+                               std::vector<sim::range> ranges, std::string label) {
+    work_ends_us_ = std::max(work_ends_us_, dev_.now_us()) + duration_us;
+    return dev_.launch(s, duration_us, std::move(ranges), std::move(label));
+  }
+
+  // The reference oracle (tests/support/could_serve.hpp) holds the allocator to the whole
+  // promise only where each fence completes within its bounded wait: no hold pending, the
+  // enqueued work done within 0.5 s of simulated time, a fence scope neither unsafe nor
+  // device-wide, no graph capture, no failure injected.
+  bool reference_applies() const {
+    return holds_.empty() && !graph_stream_ && config_.safe() &&
+           config_.scope != fence_scope::device && work_ends_us_ < dev_.now_us() + 500'000;
+  }
+
+  // The reference "could serve": memory pending a recorded stream, queued, cached or in a
+  // partly used segment of the request's own pool counts; kept is only what holds a live block.
+  std::optional<std::string> reference_could_serve(std::size_t size, stream_handle s,
+                                                   bool tagged) const {
+    if (size == 0 || size > config_.memory_limit_bytes) return std::nullopt;
+    test::oracle_request r;
+    r.size_bytes = size;
+    r.stream = s;
+    r.tag = tagged ? k_tag : "";
+    r.max_split_size_bytes = config_.max_split_size_bytes;
+    const test::oracle_verdict v = test::oracle_from_snapshot(alloc_->snapshot(), config_.backend,
+                                                              config_.memory_limit_bytes, r);
+    if (!v.could_serve) return std::nullopt;
+    return v.to_string();
+  }
+
   // True when the cache can serve `size` bytes without new memory past the limit, so that an
   // out_of_memory would be a defect: expandable, when the memory queued for release plus the
   // headroom under the limit covers the request (rounded to the 2 MiB granularity); cuda_malloc,
@@ -791,6 +842,9 @@ class program {
     // What the cache could serve (cached and queued memory plus the headroom under the limit),
     // taken before the call: an out_of_memory then is a defect (could_serve).
     const bool servable = !injected && !tagged_next(duration) && could_serve(size, stats_before);
+    std::optional<std::string> reference;
+    if (!injected && reference_applies() && !(tagged_next(duration) && tag_paused_))
+      reference = reference_could_serve(size, s.handle, tagged_next(duration));
     // One allocation in eight is under the tag that op_sleep pauses and resumes.
     const bool tagged = tagged_next(duration);
     try {
@@ -819,6 +873,14 @@ class program {
       within_limit();
       require(!servable,
               std::string("out_of_memory while the cache could serve the request: ") + e.what());
+      if (reference) {
+        // The core breaks the promise in these cases today: counted; fatal with
+        // STREAMSAFE_CHECKER_STRICT=1 (the schedule checker's switch).
+        ++stats_.reference_ooms;
+        require(!strict_reference(),
+                "out_of_memory while the reference oracle says it could serve: " + *reference +
+                    "; " + e.what());
+      }
       return std::nullopt;
     } catch (const backend_error& e) {
       require(config_.mode != empty_cache_mode::defer || !deadlock_error(e),
@@ -850,9 +912,9 @@ class program {
       }
     }
     // The new owner writes it at once, on its stream.
-    dev_.launch(s.handle, duration,
-                {sim::range{a, size, sim::access::write, static_cast<std::uint8_t>(duration)}},
-                "write after allocate");
+    launch_tracked(s.handle, duration,
+                   {sim::range{a, size, sim::access::write, static_cast<std::uint8_t>(duration)}},
+                   "write after allocate");
     s.seen = true;
     live_.push_back({p, size, info.size_bytes, s.uid, {}, tagged});
     return live_.size() - 1;
@@ -875,11 +937,11 @@ class program {
     const std::uint64_t duration = static_cast<std::uint64_t>(src.byte()) * 8;
     order_after_block(t.handle, b);
     const bool write = (flags & 1) != 0;
-    dev_.launch(t.handle, duration,
-                {sim::range{reinterpret_cast<std::uintptr_t>(b.ptr), b.size,
-                            write ? sim::access::write : sim::access::read,
-                            write ? std::optional<std::uint8_t>(flags) : std::nullopt}},
-                "use on another stream");
+    launch_tracked(t.handle, duration,
+                   {sim::range{reinterpret_cast<std::uintptr_t>(b.ptr), b.size,
+                               write ? sim::access::write : sim::access::read,
+                               write ? std::optional<std::uint8_t>(flags) : std::nullopt}},
+                   "use on another stream");
     // FSDP2-style unrecorded use: the program orders the allocation stream after it before it
     // next allocates there; only the release fence (all_streams / device) covers the release.
     const bool unrecorded = config_.unrecorded_uses && (flags & 2) != 0 && alive(b.stream_uid) &&
@@ -989,10 +1051,10 @@ class program {
     const std::uint64_t duration = static_cast<std::uint64_t>(src.byte()) * 8;
     if (!t.seen || t.uid == b.stream_uid || !alive(b.stream_uid)) return op_free(src);
     order_after_block(t.handle, b);
-    dev_.launch(t.handle, duration,
-                {sim::range{reinterpret_cast<std::uintptr_t>(b.ptr), b.size, sim::access::read,
-                            std::nullopt}},
-                "unrecorded side read before a host free");
+    launch_tracked(t.handle, duration,
+                   {sim::range{reinterpret_cast<std::uintptr_t>(b.ptr), b.size, sim::access::read,
+                               std::nullopt}},
+                   "unrecorded side read before a host free");
     note("unrecorded read on stream " + std::to_string(t.handle) + ", then deallocate block " +
          std::to_string(i));
     free_block(i, std::nullopt);
@@ -1007,10 +1069,10 @@ class program {
     live_block& b = live_[i];
     stream_slot& t = streams_[ti];
     order_after_block(t.handle, b);
-    dev_.launch(t.handle, duration,
-                {sim::range{reinterpret_cast<std::uintptr_t>(b.ptr), b.size, sim::access::read,
-                            std::nullopt}},
-                "last use before a stream-ordered free");
+    launch_tracked(t.handle, duration,
+                   {sim::range{reinterpret_cast<std::uintptr_t>(b.ptr), b.size, sim::access::read,
+                               std::nullopt}},
+                   "last use before a stream-ordered free");
     note("deallocate block " + std::to_string(i) + " on stream " + std::to_string(t.handle));
     free_block(i, ti);
     t.seen = true;
@@ -1323,7 +1385,7 @@ class program {
     // protocol: the handle is sent once the producer's writes are done or ordered).
     order_after(ipc_stream_, blk.stream_uid);
     for (std::uint64_t u : blk.users) order_after(ipc_stream_, u);
-    const std::uint64_t read = dev_.launch(
+    const std::uint64_t read = launch_tracked(
         ipc_stream_, read_us,
         {{reinterpret_cast<std::uintptr_t>(blk.ptr), blk.size, sim::access::read, std::nullopt}},
         "ipc consumer read");
@@ -1380,6 +1442,7 @@ class program {
   std::optional<caching_allocator> ipc_consumer_;  // op_ipc's consumer (same device)
   stream_handle ipc_stream_ = 0;                   // its stream (no other op uses it)
   std::uint64_t since_check_ = 0;
+  std::uint64_t work_ends_us_ = 0;  // launch_tracked: all enqueued work ends by then at the latest
   program_stats stats_;
   bool keep_trace_ = false;
   std::vector<std::string> trace_;

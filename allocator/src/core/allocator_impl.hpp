@@ -62,6 +62,13 @@ struct caching_allocator::impl : detail::diagnostics_layer {
   block* out_of_memory_path_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
                                    stream_state& st, pool& p, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_, st.mu);
+  // serve_path.cpp: walks without a host wait, the waits between them, room for resume/graphs
+  block* serve_without_waiting_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
+                                      stream_state& st, pool& p, std::size_t rounded)
+      STREAMSAFE_REQUIRES(mu_, st.mu);
+  std::size_t retire_pending_behind_waits_locked(const stream_state* held) STREAMSAFE_REQUIRES(mu_);
+  bool make_room_locked(device_lock& dlk, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
+  bool serve_wait_locked(device_lock& dlk, detail::serve_waits& w) STREAMSAFE_REQUIRES(mu_);
   block* grow_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);  // a growth
   bool growth_within_peak_locked(const pool& p, std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
   void note_headroom_locked() STREAMSAFE_REQUIRES(mu_);  // headroom_hint_ after reserved changed

@@ -10,6 +10,7 @@
 //   ipc_registry.hpp      exports and imports                                     ipc_
 //   driver_calls.hpp      driver calls made with mu_ dropped                      driver_calls_
 //   growth_state.hpp      limits (fixed at construction), the high-water mark     limits_, growth_
+//   ledger/ledger.hpp     held bytes by state; memory being released               ledger_
 //   statistics_state.hpp  per-stream counters, device counters, sampled peaks     stats_, sampling_
 // Locks, in order: mu_ (the device lock, slow paths only) guards every member marked GUARDED_BY;
 // then any number of stream_state::mu (the same-stream fast path takes only its own); the event
@@ -31,6 +32,7 @@
 #include "core/events/event_pool.hpp"
 #include "core/growth/growth_state.hpp"
 #include "core/ipc/ipc_registry.hpp"
+#include "core/ledger/ledger.hpp"
 #include "core/options/runtime_settings.hpp"
 #include "core/release/release_queue.hpp"
 #include "core/release/release_worker.hpp"
@@ -84,6 +86,7 @@ struct allocator_state {
   ipc_registry ipc_ STREAMSAFE_GUARDED_BY(mu_);
   driver_calls driver_calls_ STREAMSAFE_GUARDED_BY(mu_);
   growth_state growth_ STREAMSAFE_GUARDED_BY(mu_);
+  ledger ledger_ STREAMSAFE_GUARDED_BY(mu_);
   statistics stats_ STREAMSAFE_GUARDED_BY(mu_);  // device-level; per stream: stream_state::stats
   peak_sampler sampling_;                        // atomics, no lock
   // The fast path's hint of free headroom under the peak (growth_policy.cpp): written under mu_

@@ -64,9 +64,12 @@ struct segment_snapshot {
   stream_handle stream = 0;      // the pool's stream
   snapshot_pool pool = snapshot_pool::large;
   bool expandable = false;
-  std::string tag;                     // the tag of its memory ("" untagged; core/sleep.hpp)
-  std::uint64_t graph_pool = 0;        // a CUDA graph's private pool: its first graph's id; else 0
-  std::size_t paused_bytes = 0;        // given back by pause: mapped again at resume
+  std::string tag;               // the tag of its memory ("" untagged; core/sleep.hpp)
+  std::uint64_t graph_pool = 0;  // a CUDA graph's private pool: its first graph's id; else 0
+  std::size_t paused_bytes = 0;  // given back by pause: mapped again at resume
+  // Of the mapped blocks: queued memory that another pool mapped again at its own address and
+  // counts there (not in mapped_bytes): each byte counts once in the segments' mapped_bytes.
+  std::size_t aliased_bytes = 0;
   std::vector<block_snapshot> blocks;  // in address order, tiling [address, address+size_bytes)
 
   std::size_t bytes_in(snapshot_block_state state) const noexcept;

@@ -20,6 +20,7 @@
 // Locks: mu_ (the routes, the registry), then the pool's stream lock for its blocks. The
 // filters run under mu_.
 #include "core/allocator_impl.hpp"
+#include "core/blocks/size_classes.hpp"
 #include "core/common/format.hpp"
 
 #include <algorithm>
@@ -55,9 +56,19 @@ void* caching_allocator::impl::allocate_in_route_locked(device_lock& dlk, std::s
     if (!g.pending.empty()) process_events_locked(g);
     b = take_cached_fit_locked(p, rounded);
   }
-  if (!b)
-    b = opts_.backend == backend_kind::expandable ? expandable_fit_locked(p, rounded)
-                                                  : new_segment_locked(p, rounded);
+  auto grow = [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+    return opts_.backend == backend_kind::expandable ? expandable_fit_locked(p, rounded)
+                                                     : new_segment_locked(p, rounded);
+  };
+  if (!b) b = grow();
+  if (!b && !capture) {
+    // A growth under the limit after what must go back went (the serve path's last steps,
+    // growth_policy.cpp): the other pools' idle cache, never a host wait but the bounded one.
+    slk.unlock();
+    const bool room = make_room_locked(dlk, detail::segment_bytes_for(rounded));
+    slk.lock();
+    if (room && !capturing()) b = grow();
+  }
   if (!b) {
     throw_out_of_memory_locked(dlk, &slk, size, rounded, key, &g,
                                (capture ? capture_note_locked() : std::string()) +

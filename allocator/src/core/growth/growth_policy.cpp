@@ -26,15 +26,22 @@
 //      that the rule would not keep whole, before a new one. No growth passes the limit.
 //   6. At the limit: a whole free segment of another stream (the rule kept), or (expandable)
 //      the free chunks of every pool, queued and reclaimed by alias.
-//   7. Out of memory: the cache of every stream and pool is released in the empty_cache mode
-//      (wait: the host waits on exactly the fences; defer: what is safe now goes back, the rest
-//      is queued), then queued memory is reclaimed ignoring the whole-segment rule, then a whole
-//      free segment of another stream is split after all; with the release worker, a wait for
-//      its pass and its release in flight; in defer mode, a host wait on the queued fences
-//      bounded by k_oom_fence_wait_us (a stream held by a collective that waits for this
-//      thread ends the wait, never the process: K8). Then nullptr: the caller throws
-//      out_of_memory.
-// Steps 1-5 never wait on GPU work; step 1 may wait for the release worker's driver calls in
+//   7. The serve path's walk, again until it serves or nothing is left to wait for: each walk
+//      takes, without a host wait, p's free and pending memory and a growth within the limit;
+//      other streams' free memory (step 6); every stream's pending memory, retired behind a wait
+//      of its owner stream on its events; the idle cache of every pool, given back to make
+//      room (what is busy is queued behind its fence, in either empty_cache mode). Between walks,
+//      the waits in the order of their cost: the release worker's pass, the driver calls giving
+//      memory back (the ledger's "being released"), then once a host wait on the queued fences
+//      (defer: bounded by k_oom_fence_wait_us, a stream held by a collective that waits for this
+//      thread ends the wait, never the process: K8; wait: exactly the fences, as empty_cache()
+//      waits). Then, with no wait left, queued memory and another stream's whole free segment
+//      against the whole-segment rule; then nullptr: the caller throws out_of_memory.
+//      resume() and a graph pool's growth make room with the same steps (make_room_locked);
+//      these steps are serve_path.cpp's.
+// Before any growth, memory being released by a driver call is waited for (a driver call,
+// never a fence): the peak never counts it beside memory that took its place on the device.
+// Steps 1-6 never wait on GPU work; step 1 may wait for the release worker's driver calls in
 // flight when mapping anew beside them would raise the peak. Locks: mu_ and s's lock held on entry
 // and on return; s's lock is dropped around the steps that take other streams' locks, release or
 // wait.
@@ -466,56 +473,6 @@ block* caching_allocator::impl::take_from_other_pools_locked(detail::unique_lock
   return reclaim_by_alias_locked(p, rounded);
 }
 
-// 7. Out of memory: the cache of every stream and pool is released in the empty_cache mode and
-// the search runs again; then the waits for the release worker and (defer) the queued fences;
-// then queued memory and another stream's whole free segment against the whole-segment rule.
-block* caching_allocator::impl::out_of_memory_path_locked(device_lock& dlk,
-                                                          detail::unique_lock<stream_lock>& slk,
-                                                          stream_state& st, pool& p,
-                                                          std::size_t rounded) {
-  const bool worker = worker_releases_locked(opts_.empty_cache);
-  ++stats_.num_alloc_retries;
-  // empty_cache:wait waits (host, no lock held) on exactly the fence events; empty_cache:defer
-  // never blocks the host here: it releases what is safe now and queues the rest (case K8: a
-  // fenced stream may run a collective that waits for work this thread has yet to enqueue).
-  drop_stream_lock(slk, st);
-  release_cached(dlk, opts_.empty_cache);
-  retake_stream_lock(slk, st);
-  block* b = find_block_locked(st, p, rounded, true);
-  if (!b && worker && (!releases_.deferred.empty() || worker_release_in_flight_locked())) {
-    // Wait (no lock held) for a pass of the release worker over what was just queued and for
-    // its release in flight, then retry. Never waits on a fence.
-    drop_stream_lock(slk, st);
-    wait_for_worker_locked(dlk, nullptr);
-    retake_stream_lock(slk, st);
-    if (capturing()) return nullptr;  // the caller allocates for the capture instead
-    b = find_block_locked(st, p, rounded, true);
-  }
-  if (!b && opts_.empty_cache == empty_cache_mode::defer && !releases_.deferred.empty()) {
-    // The last wait: on the host, bounded, for the queued fences; then what they free goes back.
-    drop_stream_lock(slk, st);
-    const bool waited = wait_queued_fences_locked(dlk);
-    if (waited && worker) {
-      wait_for_worker_locked(dlk, nullptr);
-    } else if (waited) {
-      finish_deferred(dlk, false);
-    }
-    retake_stream_lock(slk, st);
-    if (capturing()) return nullptr;
-    if (waited) b = find_block_locked(st, p, rounded, true);
-  }
-  // What could not go back serves the request after all: queued memory, then another stream's
-  // whole free segment, the whole-segment rule giving way.
-  if (!b && !releases_.deferred.empty()) {
-    b = reclaim_in_place_locked(p, rounded, false);
-    if (!b)
-      b = opts_.backend == backend_kind::expandable ? reclaim_by_alias_locked(p, rounded)
-                                                    : reclaim_segment_locked(p, rounded, false);
-  }
-  if (!b) b = steal_segment_locked(p, rounded, false);
-  return b;
-}
-
 // Every way to serve `rounded` bytes from p once the fast path found nothing, in the order at
 // the top of this file; nullptr: out of memory (or a capture began while it waited: the caller
 // checks). mu_ and st's lock held on entry and return; slk is dropped around releases and waits.
@@ -525,6 +482,23 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
   bool stop = false;
   block* b = reclaim_queued_first_locked(dlk, slk, st, p, rounded, &stop);
   if (stop) return nullptr;
+  const bool own_limit = opts_.memory_limit_bytes != 0 || opts_.memory_fraction > 0;
+  if (!b && ledger_.releasing_elsewhere_bytes() != 0 && !own_limit &&
+      static_cast<std::size_t>(stats_.reserved_bytes.current) + rounded >
+          static_cast<std::size_t>(stats_.reserved_bytes.peak)) {
+    // Memory being released, and no limit of the allocator's own (a cap the backend enforces,
+    // as the PyTorch extension's memory fraction): its driver calls end before a growth past
+    // the peak, so that the peak never counts those bytes beside new memory that took their
+    // place on the device (the ledger). Under the allocator's limit the growth counts them and
+    // goes on beside them: no wait.
+    drop_stream_lock(slk, st);
+    driver_calls_.done.wait(dlk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+      return ledger_.releasing_elsewhere_bytes() == 0;
+    });
+    retake_stream_lock(slk, st);
+    if (capturing()) return nullptr;
+    b = find_block_locked(st, p, rounded, false);
+  }
   if (!b) b = grow_within_peak_or_pending_locked(dlk, slk, st, p, rounded);
   if (!b) b = grow_making_room_locked(dlk, slk, st, p, rounded);
   if (!b) b = take_from_other_pools_locked(slk, st, p, rounded);

@@ -25,6 +25,12 @@ struct growth_limits {
   std::size_t tag_handle_bytes = 0;    // resume's largest handle (wake.cpp)
 };
 
+// The serve path's waits made so far for one request (serve_path.cpp).
+struct serve_waits {
+  int worker_waits = 0;
+  bool fence_waited = false;
+};
+
 struct growth_state {
   // The most bytes ever reserved at once: the growth policy's peak. statistics' reserved peak
   // restarts at reset_peak_stats(); this is kept across it, so that resetting the statistics

@@ -120,6 +120,12 @@ std::size_t caching_allocator::impl::release_batch_memory(device_lock& lk, relea
     streams_.segments.erase(b->seg->base);
     releases_.releasing_segments.push_back(b->seg);
   }
+  // The ledger's state "being released" until the calls return: a growth that would raise the
+  // peak waits for them (growth_policy.cpp), so these bytes are never counted beside memory
+  // that took their place on the device.
+  std::size_t releasing = 0;
+  for (const block* b : batch.blocks) releasing += b->size;
+  ledger_.begin_release(releasing);
   driver_call_scope in_flight(driver_calls_, lk);
   for (std::size_t i = 0; i < batch.blocks.size(); ++i) {
     block* b = batch.blocks[i];  // detached: nobody else touches it or its size
@@ -143,6 +149,8 @@ std::size_t caching_allocator::impl::release_batch_memory(device_lock& lk, relea
   for (std::size_t i = 0; i < batch.blocks.size(); ++i)
     released += account_release_locked(batch.blocks[i], done[i] != 0);
   batch.blocks.clear();
+  ledger_.end_release(releasing);
+  driver_calls_.done.notify_all();  // waits for releases (growth_policy.cpp, serve_path.cpp)
   if (error) std::rethrow_exception(error);
   return released;
 }

@@ -90,7 +90,8 @@ bool caching_allocator::impl::resume_segment_locked(tag_state& t, paused_segment
   const std::size_t chunk = seg->small ? limits_.small_chunk_bytes : limits_.large_chunk_bytes;
   std::size_t given_back = 0;
   for (std::size_t r = 0; r < ps.runs_unmapped; ++r) given_back += ps.runs[r].second;
-  if (static_cast<std::size_t>(stats_.reserved_bytes.current) + given_back > limits_.limit_bytes)
+  if (!detail::ledger::may_hold(static_cast<std::size_t>(stats_.reserved_bytes.current), given_back,
+                                limits_.limit_bytes))
     return false;  // over the memory limit: as out of memory
   std::size_t mapped_runs = 0;
   for (; mapped_runs < ps.runs_unmapped; ++mapped_runs) {
@@ -187,6 +188,13 @@ void caching_allocator::impl::resume_tag_locked(device_lock& lk, tag_state& t,
   if (std::any_of(t.segments.begin(), t.segments.end(),
                   [](const auto& ps) { return ps.copies_enqueued && !ps.copies.empty(); }))
     w.copy_stream = copy_stream_locked();
+  // The memory the tag needs back, made room for within the limit as a growth would be: the
+  // untagged cache and other tags' cache go back first (growth_policy.cpp, make_room_locked).
+  std::size_t wanted = 0;
+  for (const paused_segment& ps : t.segments) {
+    for (std::size_t r = 0; r < ps.runs_unmapped; ++r) wanted += ps.runs[r].second;
+  }
+  if (wanted != 0) make_room_locked(lk, wanted);
   std::vector<paused_segment> kept;
   std::size_t missing = 0;
   for (paused_segment& ps : t.segments) {

@@ -49,6 +49,39 @@ std::size_t detail::diagnostics_layer::largest_free_locked(const stream_state* h
   return largest;
 }
 
+detail::ledger_view detail::diagnostics_layer::ledger_view_locked() const {
+  detail::ledger_view v;
+  std::int64_t live = 0;
+  std::int64_t pending = 0;  // freed by the host, waiting for other streams' uses
+  for (auto& [s, state] : streams_.states) {
+    live += state->mirror.allocated_total();
+    pending += state->mirror.pending_total();
+  }
+  v.live = static_cast<std::size_t>(std::max<std::int64_t>(live, 0));
+  v.pending = static_cast<std::size_t>(std::max<std::int64_t>(pending, 0));
+  for (const auto& [base, seg] : streams_.segments) {
+    const stream_state& owner = state_of(*seg->owner);
+    if (owner.graph != 0 && !owner.graph_released) v.graph += seg->mapped_bytes;
+    v.paused += seg->paused_bytes;
+  }
+  for (const auto& [id, t] : sleep_.tags) v.offloaded_host += t->offloaded_host_bytes;
+  std::vector<const block*> exported;  // a block exported twice counts once
+  for (const auto& [id, e] : ipc_.exports) {
+    if (e.b && std::find(exported.begin(), exported.end(), e.b) == exported.end()) {
+      exported.push_back(e.b);
+      v.exported += e.b->size;
+    }
+  }
+  for (const auto& [addr, imp] : ipc_.imports) v.imported += imp.size;
+  v.reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+  v.queued = releases_.bytes();
+  v.releasing = ledger_.releasing_bytes();
+  const std::size_t held = v.live + v.pending + v.queued + v.releasing;
+  v.cached = v.reserved > held ? v.reserved - held : 0;
+  v.limit = limits_.limit_bytes;
+  return v;
+}
+
 // long: one message in one stream: PyTorch's form first, then streamsafe's account
 std::string detail::diagnostics_layer::oom_message_locked(std::size_t size, std::size_t rounded,
                                                           stream_handle stream,
@@ -58,23 +91,9 @@ std::string detail::diagnostics_layer::oom_message_locked(std::size_t size, std:
     backend_.memory_info(free_bytes, total_bytes);
   } catch (const std::exception&) {
   }
-  std::int64_t allocated = 0;
-  std::int64_t pending = 0;  // freed by the host, waiting for other streams' uses
-  for (auto& [s, state] : streams_.states) {
-    allocated += state->mirror.allocated_total();
-    pending += state->mirror.pending_total();
-  }
-  std::size_t graph_bytes = 0;  // reserved by graphs' private pools not released yet
-  for (const auto& [base, seg] : streams_.segments) {
-    const stream_state& owner = state_of(*seg->owner);
-    if (owner.graph != 0 && !owner.graph_released) graph_bytes += seg->mapped_bytes;
-  }
-  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-  const std::size_t queued = queued_release_bytes_locked();
-  const std::size_t in_use = static_cast<std::size_t>(allocated + pending) + queued;
-  const std::size_t cached = reserved > in_use ? reserved - in_use : 0;
+  const detail::ledger_view v = ledger_view_locked();
   std::ostringstream os;
-  // PyTorch's form first (torch.OutOfMemoryError), then streamsafe's account.
+  // PyTorch's form first (torch.OutOfMemoryError), then streamsafe's account: the ledger's states.
   os << "CUDA out of memory. Tried to allocate "
      << detail::human_bytes(static_cast<std::int64_t>(size)) << ". GPU " << backend_.device()
      << " has a total capacity of " << detail::human_bytes(static_cast<std::int64_t>(total_bytes))
@@ -84,14 +103,8 @@ std::string detail::diagnostics_layer::oom_message_locked(std::size_t size, std:
   if (rounded != size) os << " (rounded to " << detail::bytes_with_count(rounded) << ")";
   os << " on stream " << hex(stream) << "; device total " << detail::bytes_with_count(total_bytes)
      << ", free " << detail::bytes_with_count(free_bytes) << "; allocated "
-     << detail::bytes_with_count(static_cast<std::size_t>(allocated)) << ", reserved "
-     << detail::bytes_with_count(reserved) << " (cached " << detail::bytes_with_count(cached)
-     << ", queued for release " << detail::bytes_with_count(queued)
-     << ", pending other streams' work "
-     << detail::bytes_with_count(static_cast<std::size_t>(pending))
-     << ", held by graphs' private pools " << detail::bytes_with_count(graph_bytes)
-     << "), largest free block " << detail::bytes_with_count(largest_free_locked(held))
-     << "; limit " << detail::bytes_with_count(limits_.limit_bytes);
+     << detail::bytes_with_count(v.live) << ", " << detail::describe(v) << "; largest free block "
+     << detail::bytes_with_count(largest_free_locked(held));
   if (releases_.bytes() != 0) {
     // Which streams the queued releases still wait for (polled; a failing query names none).
     std::vector<stream_handle> busy;

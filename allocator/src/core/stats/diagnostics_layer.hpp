@@ -17,6 +17,7 @@ struct diagnostics_layer : growth_layer {
 
   struct census;  // invariants.cpp
   // diagnostics.cpp
+  ledger_view ledger_view_locked() const STREAMSAFE_REQUIRES(mu_);  // every held byte's state
   std::string oom_message_locked(std::size_t size, std::size_t rounded, stream_handle stream,
                                  const stream_state* held) STREAMSAFE_REQUIRES(mu_);
   std::size_t largest_free_locked(const stream_state* held) const STREAMSAFE_REQUIRES(mu_);

@@ -171,6 +171,18 @@ const trace_recorder* caching_allocator::trace() const noexcept {
   return impl_->trace_.load(std::memory_order_acquire);
 }
 
+namespace {
+// An address of queued memory another pool reclaimed (reclaim.cpp) holds only what it owns
+// again (ghost_owned); the rest is counted at the other address (as check_invariants does).
+std::size_t aliased_bytes_of(const detail::segment* seg) {
+  std::size_t bytes = 0;
+  for (const detail::block* b = seg->first; b; b = b->next) {
+    if (b->state == detail::block_state::releasing && b->aliased) bytes += b->size - b->ghost_owned;
+  }
+  return bytes;
+}
+}  // namespace
+
 memory_snapshot caching_allocator::snapshot() const {
   const impl& m = *impl_;
   memory_snapshot snap;
@@ -198,6 +210,8 @@ memory_snapshot caching_allocator::snapshot() const {
     ss.pool = seg->small ? snapshot_pool::small : snapshot_pool::large;
     ss.expandable = seg->expandable;
     ss.paused_bytes = seg->paused_bytes;
+    ss.aliased_bytes = aliased_bytes_of(seg);
+    ss.mapped_bytes -= ss.aliased_bytes;
     if (seg->owner->tag != 0) ss.tag = tag_name(seg->owner->tag);
     ss.graph_pool = state_of(*seg->owner).graph;
     for (const block* b = seg->first; b; b = b->next) {

@@ -89,9 +89,10 @@ void memory_snapshot::check_consistency() const {
     if (expect != seg.address + seg.size_bytes)
       fail(where + ": blocks cover " + std::to_string(expect - seg.address) + " of its " +
            std::to_string(seg.size_bytes) + " bytes");
-    if (mapped != seg.mapped_bytes + seg.paused_bytes)
-      fail(where + ": mapped_bytes " + std::to_string(seg.mapped_bytes) + " and paused_bytes " +
-           std::to_string(seg.paused_bytes) + " but its mapped blocks hold " +
+    if (mapped != seg.mapped_bytes + seg.paused_bytes + seg.aliased_bytes)
+      fail(where + ": mapped_bytes " + std::to_string(seg.mapped_bytes) + ", paused_bytes " +
+           std::to_string(seg.paused_bytes) + " and aliased_bytes " +
+           std::to_string(seg.aliased_bytes) + " but its mapped blocks hold " +
            std::to_string(mapped));
   }
 }
@@ -146,8 +147,8 @@ void memory_snapshot::to_json(std::ostream& os) const {
        << ",\"segment_type\":\"" << to_string(seg.pool)
        << "\",\"is_expandable\":" << (seg.expandable ? "true" : "false") << ",\"tag\":\"";
     for (char c : seg.tag) os << (c == '"' || c == '\\' ? "\\" : "") << c;
-    os << "\",\"paused_size\":" << seg.paused_bytes << ",\"graph_pool\":" << seg.graph_pool
-       << ",\"blocks\":[";
+    os << "\",\"paused_size\":" << seg.paused_bytes << ",\"aliased_size\":" << seg.aliased_bytes
+       << ",\"graph_pool\":" << seg.graph_pool << ",\"blocks\":[";
     first_seg = false;
     bool first_block = true;
     for (const block_snapshot& b : seg.blocks) {

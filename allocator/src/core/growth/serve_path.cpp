@@ -1,0 +1,181 @@
+// streamsafe core: the serve path's last part (growth_policy.cpp's step 7 and the room a
+// resume or a graph pool's growth makes): walks that take, without a host wait, every memory
+// the ledger holds that could serve the request, and between them the waits, in the order of
+// their cost, each followed by a new walk (memory may have moved meanwhile). Locks: mu_ held on
+// entry and return; the stream lock of the request (when there is one) dropped around the
+// steps that release or wait.
+#include "core/allocator_impl.hpp"
+#include "core/common/logging.hpp"
+
+#include <thread>
+#include <vector>
+
+namespace streamsafe {
+
+namespace {
+
+// slk, the caller's lock of st.mu, dropped and retaken: the analysis follows st.mu through these.
+void drop_stream_lock(detail::unique_lock<stream_lock>& slk, detail::stream_state& st)
+    STREAMSAFE_RELEASE(st.mu) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+  slk.unlock();
+}
+void retake_stream_lock(detail::unique_lock<stream_lock>& slk, detail::stream_state& st)
+    STREAMSAFE_ACQUIRE(st.mu) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+  slk.lock();
+}
+
+}  // namespace
+
+// The analysis cannot follow the lock taken for every stream but `held` (whose lock the caller
+// holds): each retire_pending_locked below runs under its stream's lock.
+std::size_t caching_allocator::impl::retire_pending_behind_waits_locked(const stream_state* held)
+    STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+  if (capturing()) return 0;  // a stream wait on an outside event breaks a capture
+  std::size_t bytes = 0;
+  std::vector<block*> blocks;
+  for (auto& [s, other] : streams_.states) {
+    if (other->pending.empty()) continue;
+    if (other->graph != 0 && !other->graph_released) continue;  // a graph's private pool
+    // held's lock is the caller's: its pending blocks of every pool (take_pending_locked took
+    // only one of the request's pool) free whole segments for the steps that follow.
+    std::unique_lock<stream_lock> olk(other->mu, std::defer_lock);
+    if (other.get() != held) olk.lock();
+    blocks.clear();
+    for (block* b : other->pending) {
+      // A block with no events yet (releases_.unfenced) has nothing to wait on.
+      if (b->mapped && !b->events.empty()) blocks.push_back(b);
+    }
+    for (block* b : blocks) {
+      // The block's own stream waits on the device for the uses; its memory is then free in its
+      // pool, ordered after them, for the steps that take other streams' free memory.
+      pool& owner = *b->seg->owner;
+      for (auto& e : b->events) {
+        stream_wait_on(owner.stream, e.event);
+        ++other->stats.stream_waits;
+      }
+      bytes += b->size;
+      retire_pending_locked(*other, b);
+    }
+  }
+  if (bytes != 0) {
+    detail::log().debug(
+        "device {}: {} bytes pending other streams' work retired behind stream waits to serve a "
+        "request",
+        backend_.device(), bytes);
+  }
+  return bytes;
+}
+
+// Steps that need no host wait, in the serve path's order: p's free and pending memory and a
+// growth within the limit; other streams' free memory (whole segments, or chunks by alias);
+// pending memory (every stream's, every pool's) behind stream waits on its events; idle cache
+// given back to make room (what is busy is queued behind its fence, never waited for).
+block* caching_allocator::impl::serve_without_waiting_locked(device_lock& dlk,
+                                                             detail::unique_lock<stream_lock>& slk,
+                                                             stream_state& st, pool& p,
+                                                             std::size_t rounded) {
+  block* b = find_block_locked(st, p, rounded, true);
+  if (!b) b = take_from_other_pools_locked(slk, st, p, rounded);
+  if (!b && retire_pending_behind_waits_locked(&st) != 0) {
+    b = find_block_locked(st, p, rounded, true);
+    if (!b) b = take_from_other_pools_locked(slk, st, p, rounded);
+  }
+  if (!b) {
+    drop_stream_lock(slk, st);
+    release_cached(dlk, empty_cache_mode::defer);
+    retake_stream_lock(slk, st);
+    if (capturing()) return nullptr;  // the caller allocates for the capture instead
+    b = find_block_locked(st, p, rounded, true);
+  }
+  return b;
+}
+
+// The serve path's waits, in the order of their cost, one per call (mu_ held, no stream lock;
+// mu_ is released inside): a pass of the release worker over what is queued and its release in
+// flight (driver calls, never a fence), at most twice; another thread's driver calls giving
+// memory back; then once a host wait on the queued fences and the release of what they cover:
+// bounded by k_oom_fence_wait_us in defer mode (a stream held by a collective that waits for
+// this thread ends the wait, never the process: K8), on exactly the fences in wait mode (the
+// mode's contract). False when none is left to make.
+bool caching_allocator::impl::serve_wait_locked(device_lock& dlk, detail::serve_waits& w) {
+  constexpr int k_worker_waits = 2;
+  const bool on_worker = worker_.thread && worker_.thread->get_id() == std::this_thread::get_id();
+  const bool worker = worker_.thread && worker_usable_locked() && !on_worker;
+  if (worker && w.worker_waits < k_worker_waits &&
+      (!releases_.deferred.empty() || worker_release_in_flight_locked())) {
+    ++w.worker_waits;
+    wait_for_worker_locked(dlk, nullptr);
+    return true;
+  }
+  if (ledger_.releasing_elsewhere_bytes() != 0) {  // driver calls: never a fence
+    driver_calls_.done.wait(dlk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+      return ledger_.releasing_elsewhere_bytes() == 0;
+    });
+    return true;
+  }
+  if (w.fence_waited || releases_.deferred.empty()) return false;
+  w.fence_waited = true;
+  if (opts_.empty_cache == empty_cache_mode::wait) {
+    // empty_cache:wait: the host waits on exactly the queued fences, as empty_cache() does
+    // (K8: another thread keeps using the allocator meanwhile), and their memory goes back.
+    finish_deferred(dlk, true);
+    return true;
+  }
+  if (wait_queued_fences_locked(dlk)) {
+    if (worker) {
+      wait_for_worker_locked(dlk, nullptr);
+    } else {
+      finish_deferred(dlk, false);
+    }
+  }
+  return true;
+}
+
+// 7. Out of memory unless a walk serves it: walks without a host wait (serve_without_waiting_
+// locked), each wait followed by a new walk, since memory may have moved meanwhile. Then
+// nullptr: the caller throws out_of_memory.
+block* caching_allocator::impl::out_of_memory_path_locked(device_lock& dlk,
+                                                          detail::unique_lock<stream_lock>& slk,
+                                                          stream_state& st, pool& p,
+                                                          std::size_t rounded) {
+  ++stats_.num_alloc_retries;
+  detail::serve_waits w;
+  for (;;) {
+    block* b = serve_without_waiting_locked(dlk, slk, st, p, rounded);
+    if (b || capturing()) return b;
+    drop_stream_lock(slk, st);
+    const bool waited = serve_wait_locked(dlk, w);
+    retake_stream_lock(slk, st);
+    if (capturing()) return nullptr;
+    if (waited) continue;
+    // No wait left: what could not go back serves the request after all, the whole-segment
+    // rule giving way: queued memory, then another stream's whole free segment.
+    block* q = nullptr;
+    if (!releases_.deferred.empty()) {
+      q = reclaim_in_place_locked(p, rounded, false);
+      if (!q)
+        q = opts_.backend == backend_kind::expandable ? reclaim_by_alias_locked(p, rounded)
+                                                      : reclaim_segment_locked(p, rounded, false);
+    }
+    return q ? q : steal_segment_locked(p, rounded, false);
+  }
+}
+
+// Room for `bytes` more within the limit (a resume, a graph pool's growth): idle cache given
+// back without a host wait, then the serve path's waits, each followed by a new look. mu_ held,
+// no stream lock.
+bool caching_allocator::impl::make_room_locked(device_lock& dlk, std::size_t bytes) {
+  auto fits = [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+    return detail::ledger::may_hold(static_cast<std::size_t>(stats_.reserved_bytes.current), bytes,
+                                    limits_.limit_bytes);
+  };
+  detail::serve_waits w;
+  while (!fits() && !capturing()) {
+    retire_pending_behind_waits_locked(nullptr);
+    release_cached(dlk, empty_cache_mode::defer);
+    if (fits() || capturing() || !serve_wait_locked(dlk, w)) break;
+  }
+  return fits();
+}
+
+}  // namespace streamsafe
