@@ -276,6 +276,14 @@ class recording_device : public forwarding_device {
     for (std::uint64_t id : held) kept += physical_.at(id).size_bytes;
     return kept;
   }
+  // The largest physical allocation (segment, chunk or handle) held now: a resume maps a tag in
+  // handles sized to it, which go back only whole, so the device then keeps more than granules.
+  std::size_t largest_physical_bytes() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::size_t largest = 0;
+    for (const auto& [id, ph] : physical_) largest = std::max(largest, ph.size_bytes);
+    return largest;
+  }
   // The oracle's growth clause from the device's view.
   oracle_verdict verdict(const std::vector<std::pair<std::uintptr_t, std::size_t>>& live,
                          backend_kind backend, std::size_t limit_bytes,
