@@ -1360,9 +1360,10 @@ class program {
 
   // IPC: a live block exported to a consumer allocator on this device and read
   // on the consumer's stream; the producer frees it before or after the consumer's release, then
-  // reallocates its size (allocate_on checks the new block overlaps no live block: the held one
-  // stays in live_) and calls empty_cache(defer). The free stays held until the consumer's read
-  // has completed; afterwards no export and no held free remain.
+  // reallocates its size and calls empty_cache(defer). Once freed and released by the consumer,
+  // the block is the program's no more: the allocator may hand its memory out again behind a
+  // stream wait on the consumer's release event (the simulated device faults any reuse not
+  // ordered after the consumer's read). Afterwards no export and no held free remain.
   template <class Source>
   void op_ipc(Source& src) {
     const std::uint8_t b = src.byte();
@@ -1396,11 +1397,25 @@ class program {
     expect_ok("deallocate (exported)", [&] { alloc_->deallocate(blk.ptr); });
     require(alloc_->ipc_status().held_frees == 1, "a free of an exported block was not held");
     if (free_first) expect_ok("notify_import_released", [&] { alloc_->notify_import_released(r); });
+    // Freed by the program from here on: the serve path may hand the memory out again behind a
+    // stream wait on the consumer's release event (the free is pending, not held, once the
+    // import is released).
+    {
+      const auto at = std::find_if(live_.begin(), live_.end(),
+                                   [&](const live_block& l) { return l.ptr == blk.ptr; });
+      ++stats_.frees;
+      live_.erase(at);
+      remember_freed(blk.ptr);
+    }
     // A reuse of the size (only in defer mode: a wait-mode out-of-memory retry may wait on the
     // consumer's event, completing the free inside the allocation).
     const std::size_t slot = pick(src, streams_.size());
+    bool reused = false;
     if (config_.mode == empty_cache_mode::defer) {
-      if (auto j = allocate_on(slot, blk.size, 1)) free_block(*j, std::nullopt);
+      if (auto j = allocate_on(slot, blk.size, 1)) {
+        reused = true;
+        free_block(*j, std::nullopt);
+      }
     }
     expect_ok("empty_cache(defer)", [&] { alloc_->empty_cache(empty_cache_mode::defer); });
     for (int n = 0; n < 100000 && !dev_.completed(read); ++n) dev_.advance(read_us + 1);
@@ -1409,11 +1424,10 @@ class program {
     const auto st = alloc_->ipc_status();
     require(st.held_frees == 0 && st.exports == 0,
             "an export or its held free outlived the consumer's completed read");
-    const auto at = std::find_if(live_.begin(), live_.end(),
-                                 [&](const live_block& l) { return l.ptr == blk.ptr; });
-    ++stats_.frees;
-    live_.erase(at);
-    remember_freed(blk.ptr);
+    // The simulated import is a view at the producer's own address (a real one is the
+    // consumer's own mapping): before the consumer closes it, the work of a reuse of that memory
+    // must be done, or closing the view reads as a release under the producer's work.
+    if (reused) dev_.run_until_idle();
     expect_ok("consumer reclaim", [&] { ipc_consumer_->reclaim(); });
   }
 

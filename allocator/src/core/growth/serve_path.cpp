@@ -47,8 +47,11 @@ std::size_t caching_allocator::impl::retire_pending_behind_waits_locked(const st
     }
     for (block* b : blocks) {
       // The block's own stream waits on the device for the uses; its memory is then free in its
-      // pool, ordered after them, for the steps that take other streams' free memory.
+      // pool, ordered after them, for the steps that take other streams' free memory. A
+      // destroyed stream can wait on nothing: its pending memory retires by its events alone.
       pool& owner = *b->seg->owner;
+      const auto* owner_state = static_cast<const stream_state*>(owner.state);
+      if (owner_state != nullptr && !owner_state->alive.load(std::memory_order_acquire)) continue;
       for (auto& e : b->events) {
         stream_wait_on(owner.stream, e.event);
         ++other->stats.stream_waits;
