@@ -50,9 +50,11 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
         limits_.large_chunk_bytes,
         detail::round_up(std::max(opts_.expandable_peak_chunk_bytes, limits_.small_chunk_bytes),
                          limits_.small_chunk_bytes));
-    limits_.tag_handle_bytes = std::max(
-        limits_.large_chunk_bytes,
-        detail::round_up(opts_.expandable_tag_handle_bytes, limits_.small_chunk_bytes));
+    // 0 (off, the default): resume maps in the chunks growth used.
+    limits_.tag_handle_bytes = opts_.expandable_tag_handle_bytes > limits_.large_chunk_bytes
+                                   ? detail::round_up(opts_.expandable_tag_handle_bytes,
+                                                      limits_.small_chunk_bytes)
+                                   : 0;
     if (opts_.expandable_peak_chunk_bytes > limits_.large_chunk_bytes) {
       detail::log().warn(
           "expandable_peak_chunk_mb:{} is above expandable_chunk_mb:{}; growths past the "

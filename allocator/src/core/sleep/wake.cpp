@@ -96,7 +96,12 @@ bool caching_allocator::impl::resume_segment_locked(tag_state& t, paused_segment
   std::size_t mapped_runs = 0;
   for (; mapped_runs < ps.runs_unmapped; ++mapped_runs) {
     const auto& run = ps.runs[mapped_runs];
-    if (!map_resumed_run_locked(seg, run.first, run.second, chunk)) break;
+    // Tag-sized handles only when asked for (expandable_tag_handle_mb above the chunk); by
+    // default the run is mapped again in the chunks growth mapped it in.
+    const bool mapped = limits_.tag_handle_bytes != 0
+                            ? map_resumed_run_locked(seg, run.first, run.second, chunk)
+                            : map_chunks_locked(seg, run.first, run.second, chunk) == run.second;
+    if (!mapped) break;
   }
   if (mapped_runs < ps.runs_unmapped) {  // out of memory: the segment stays paused whole
     for (std::size_t r = 0; r < mapped_runs; ++r) {
