@@ -34,12 +34,13 @@ std::size_t caching_allocator::impl::retire_pending_behind_waits_locked(const st
   std::size_t bytes = 0;
   std::vector<block*> blocks;
   for (auto& [s, other] : streams_.states) {
-    if (other->pending.empty()) continue;
     if (other->graph != 0 && !other->graph_released) continue;  // a graph's private pool
     // held's lock is the caller's: its pending blocks of every pool (take_pending_locked took
-    // only one of the request's pool) free whole segments for the steps that follow.
+    // only one of the request's pool) free whole segments for the steps that follow. The
+    // pending list is read under its stream's lock only (a free on that stream writes it).
     std::unique_lock<stream_lock> olk(other->mu, std::defer_lock);
     if (other.get() != held) olk.lock();
+    if (other->pending.empty()) continue;
     blocks.clear();
     for (block* b : other->pending) {
       // A block with no events yet (releases_.unfenced) has nothing to wait on.
