@@ -50,6 +50,7 @@
 #include "core/blocks/size_classes.hpp"
 #include "core/common/format.hpp"
 #include "core/common/logging.hpp"
+#include "core/streams/stream_lock_drop.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -67,18 +68,10 @@ constexpr std::uint64_t k_oom_fence_wait_us = 1000000;
 // stream): PyTorch's large segment, the default chunk.
 constexpr std::size_t k_min_idle_release_bytes = detail::k_large_segment_bytes;
 
-// slk, the caller's lock of st.mu, dropped and retaken: the analysis follows st.mu through these
-// (it cannot tie a lock object passed by reference to the mutex it holds).
-void drop_stream_lock(detail::unique_lock<stream_lock>& slk, detail::stream_state& st)
-    STREAMSAFE_RELEASE(st.mu) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-  slk.unlock();
-}
-void retake_stream_lock(detail::unique_lock<stream_lock>& slk, detail::stream_state& st)
-    STREAMSAFE_ACQUIRE(st.mu) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-  slk.lock();
-}
-
 }  // namespace
+
+using detail::drop_stream_lock;
+using detail::retake_stream_lock;
 
 // ---- headroom ---------------------------------------------------------------------------------
 

@@ -6,25 +6,15 @@
 // steps that release or wait.
 #include "core/allocator_impl.hpp"
 #include "core/common/logging.hpp"
+#include "core/streams/stream_lock_drop.hpp"
 
 #include <thread>
 #include <vector>
 
 namespace streamsafe {
 
-namespace {
-
-// slk, the caller's lock of st.mu, dropped and retaken: the analysis follows st.mu through these.
-void drop_stream_lock(detail::unique_lock<stream_lock>& slk, detail::stream_state& st)
-    STREAMSAFE_RELEASE(st.mu) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-  slk.unlock();
-}
-void retake_stream_lock(detail::unique_lock<stream_lock>& slk, detail::stream_state& st)
-    STREAMSAFE_ACQUIRE(st.mu) STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-  slk.lock();
-}
-
-}  // namespace
+using detail::drop_stream_lock;
+using detail::retake_stream_lock;
 
 // The analysis cannot follow the lock taken for every stream but `held` (whose lock the caller
 // holds): each retire_pending_locked below runs under its stream's lock.

@@ -15,13 +15,6 @@ namespace streamsafe {
 using detail::pending_event;
 using detail::tombstone_pin;
 
-namespace {
-
-constexpr stream_handle k_tombstone =
-    detail::k_tombstone_stream;  // marks tombstone entries of a fence
-
-}  // namespace
-
 std::size_t caching_allocator::impl::release_cached(device_lock& lk, empty_cache_mode mode) {
   detect_captures_locked(lk);
   if (capturing()) {  // runs, in defer mode, when the last capture ends (capture.cpp)
@@ -76,7 +69,7 @@ void caching_allocator::impl::wait_pending_uses_locked(device_lock& lk) {
     for (block* b : st->pending) {
       for (const auto& e : b->events) {
         waits.push_back(e.event);
-        if (e.stream == k_tombstone) ++tombstones;
+        if (e.stream == detail::k_tombstone_stream) ++tombstones;
       }
     }
   }
@@ -248,17 +241,19 @@ std::size_t caching_allocator::impl::release_collected(device_lock& lk, release_
         }
       } else {
         if (!fence_done_locked(batch)) {
-          for (auto& t : streams_.tombstones) batch.fence.push_back({t.event, k_tombstone});
+          for (auto& t : streams_.tombstones)
+            batch.fence.push_back({t.event, detail::k_tombstone_stream});
           tombstone_pin pin(tombstone_refs_,
                             streams_.tombstones.size());  // not pooled while waited on unlocked
           driver_call_scope in_flight(driver_calls_, lk);
           wait_fence_unlocked(batch);
           in_flight.relock();
           // Waited on: the tombstone entries go (a queued batch must not keep them).
-          batch.fence.erase(
-              std::remove_if(batch.fence.begin(), batch.fence.end(),
-                             [](const pending_event& e) { return e.stream == k_tombstone; }),
-              batch.fence.end());
+          batch.fence.erase(std::remove_if(batch.fence.begin(), batch.fence.end(),
+                                           [](const pending_event& e) {
+                                             return e.stream == detail::k_tombstone_stream;
+                                           }),
+                            batch.fence.end());
           detail::log().debug("device {}: waited on {} fence event(s) to release {} bytes",
                               backend_.device(), batch.fence.size(), batch.bytes);
           if (capturing())

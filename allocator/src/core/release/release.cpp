@@ -29,16 +29,9 @@ namespace streamsafe {
 using detail::pending_event;
 using detail::tombstone_pin;
 
-namespace {
-
-constexpr stream_handle k_tombstone =
-    detail::k_tombstone_stream;  // marks tombstone entries of a fence
-
-}  // namespace
-
 void caching_allocator::impl::restore_batch_locked(release_batch& batch) {
   for (auto& e : batch.fence) {
-    if (e.stream != k_tombstone) put_event(e.event);
+    if (e.stream != detail::k_tombstone_stream) put_event(e.event);
   }
   batch.fence.clear();
   for (block* b : batch.blocks) {
@@ -142,7 +135,7 @@ std::size_t caching_allocator::impl::release_batch_memory(device_lock& lk, relea
   }
   in_flight.relock();
   for (auto& e : batch.fence) {
-    if (e.stream != k_tombstone) put_event(e.event);
+    if (e.stream != detail::k_tombstone_stream) put_event(e.event);
   }
   batch.fence.clear();
   std::size_t released = 0;
@@ -235,7 +228,8 @@ std::size_t caching_allocator::impl::finish_deferred(device_lock& lk, bool wait)
       release_batch waiting;  // a copy of the fence (plus tombstones) to wait on without the lock
       waiting.fence = front.fence;
       waiting.device_sync = front.device_sync;
-      for (auto& t : streams_.tombstones) waiting.fence.push_back({t.event, k_tombstone});
+      for (auto& t : streams_.tombstones)
+        waiting.fence.push_back({t.event, detail::k_tombstone_stream});
       tombstone_pin pin(tombstone_refs_,
                         streams_.tombstones.size());  // not pooled while waited on unlocked
       driver_call_scope in_flight(driver_calls_, lk);
