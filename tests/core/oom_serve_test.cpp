@@ -20,6 +20,7 @@
 #include <future>
 #include <mutex>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -38,12 +39,13 @@ std::uint64_t host_waits_of(const sim::counters& c) {
 std::uint64_t host_waits(const sim::simulated_device& dev) { return host_waits_of(dev.counters()); }
 
 // A backend that runs `hook` once, on the thread of the first call of the kind asked for
-// (a bounded host wait, or a segment free / chunk unmap), after the call itself; refuses
+// (a bounded host wait, an unbounded one, or a segment free / chunk unmap), after the call
+// itself; refuses
 // memory past `cap_bytes` of the device's bytes in use (0 = none), as the PyTorch extension's
 // memory-fraction backend does.
 class hooked_device final : public forwarding_backend {
  public:
-  enum class on { bounded_wait, release };
+  enum class on { bounded_wait, wait, release };
   explicit hooked_device(sim::simulated_device& dev) : forwarding_backend(dev), dev_(dev) {}
 
   void arm(on when, std::function<void()> hook) {
@@ -54,6 +56,10 @@ class hooked_device final : public forwarding_backend {
   std::size_t cap_bytes = 0;
   std::atomic<std::size_t> most_in_use{0};
 
+  void synchronize_event(event_handle event) override {
+    forwarding_backend::synchronize_event(event);
+    fire(on::wait);
+  }
   bool synchronize_event_for(event_handle event, std::uint64_t timeout_us) override {
     const bool done = forwarding_backend::synchronize_event_for(event, timeout_us);
     fire(on::bounded_wait);
@@ -253,6 +259,53 @@ TEST_CASE(
     FAIL("out of memory: " << e.what());
   }
   if (y_done.valid()) y_done.get();
+  dev.launch(x, 10, {writes(q, 128 * MiB)}, "x writes");
+  alloc.deallocate(q);
+  dev.run_until_idle();
+  CHECK(dev.fault_count() == 0);
+  CHECK(alloc.stats().reserved_bytes.peak <= static_cast<std::int64_t>(256 * MiB));
+  alloc.check_invariants();
+}
+
+TEST_CASE(
+    "Memory that another thread's empty_cache:wait holds out of the pools while it waits on its "
+    "fence serves a request once that wait ends",
+    "[core][oom-serve][threads]") {
+  const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
+  INFO(to_string(backend));
+  sim::simulated_device dev(sim_config(8 * GiB));
+  hooked_device hooked(dev);
+  options o = make_options(backend, fence_scope::all_streams, empty_cache_mode::wait);
+  o.release_worker = release_worker_mode::off;
+  o.memory_limit_bytes = 256 * MiB;
+  caching_allocator alloc(hooked, o);
+  const stream_handle x = dev.create_stream();
+  const stream_handle y = dev.create_stream();
+  std::vector<void*> ys;
+  for (int i = 0; i < 3; ++i) ys.push_back(alloc.allocate(64 * MiB, y));
+  for (void* p : ys) dev.launch(y, 100000, {reads(p, 64 * MiB)}, "long read on y");
+  for (void* p : ys) alloc.deallocate(p);
+  // Y's empty_cache() waits on the fence of its 192 MiB; meanwhile X asks for 128 MiB, which
+  // only that memory can make room for once it is back with the driver.
+  std::future<void> x_done;
+  void* q = nullptr;
+  std::string failure;
+  hooked.arm(hooked_device::on::wait, [&] {
+    x_done = run_beside(
+        [&] {
+          try {
+            q = alloc.allocate(128 * MiB, x);
+          } catch (const out_of_memory& e) {
+            failure = e.what();
+          }
+        },
+        500ms);
+  });
+  alloc.empty_cache();
+  REQUIRE(x_done.valid());
+  x_done.get();
+  INFO(failure);
+  REQUIRE(q != nullptr);
   dev.launch(x, 10, {writes(q, 128 * MiB)}, "x writes");
   alloc.deallocate(q);
   dev.run_until_idle();

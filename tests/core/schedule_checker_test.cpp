@@ -188,8 +188,13 @@ TEST_CASE("a cuda_malloc schedule in defer mode is served from memory pending ot
 }
 
 TEST_CASE("an expandable schedule in defer mode is served from memory pending other streams",
-          "[core][oracle][schedules][expandable][!shouldfail]") {
+          "[core][oracle][schedules][expandable]") {
   replay_strictly(108);  // allocate(35662848): kept 82 MiB + 36 MiB new, limit 128 MiB
+}
+
+TEST_CASE("an expandable schedule is served from a tag's memory that is still pausing",
+          "[core][oracle][schedules][expandable][sleep]") {
+  replay_strictly(119);  // allocate(75606016): kept 182 MiB + 74 MiB new, limit 256 MiB
 }
 
 TEST_CASE("a resume under the limit is served from cached memory",

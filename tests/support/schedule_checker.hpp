@@ -380,9 +380,11 @@ class world {
                         ", peak " + std::to_string(st.reserved_bytes.peak) + ", above the limit " +
                         std::to_string(cfg_.limit_bytes));
     if (rec_.peak_bytes() > cfg_.limit_bytes || dev_.bytes_in_use() > cfg_.limit_bytes)
-      fail("device-limit", "the device held " + std::to_string(rec_.peak_bytes()) +
-                               " bytes at its peak (now " + std::to_string(dev_.bytes_in_use()) +
-                               "), above the limit " + std::to_string(cfg_.limit_bytes));
+      fail("device-limit",
+           "the device held " + std::to_string(rec_.peak_bytes()) + " bytes at its peak (now " +
+               std::to_string(dev_.bytes_in_use()) + "), above the limit " +
+               std::to_string(cfg_.limit_bytes) + "; statistics: reserved " +
+               std::to_string(st.reserved_bytes.current) + "; " + describe(alloc_->snapshot()));
   }
 
   // Frees everything and lets the device go idle (end of a run).
@@ -566,6 +568,19 @@ class world {
     os << "reserved " << snap.stats.reserved_bytes.current << " (active " << by[0]
        << ", pending_free " << by[1] << ", inactive " << by[2] << ", releasing " << by[4] << ") in "
        << snap.segments.size() << " segments";
+    // STREAMSAFE_CHECKER_DUMP=1: every segment and its blocks (state:bytes), for a replayed seed.
+    const char* dump = std::getenv("STREAMSAFE_CHECKER_DUMP");
+    if (dump != nullptr && *dump == '1') {
+      static const char* const names[] = {"active", "pending", "inactive", "unmapped", "releasing"};
+      for (const auto& seg : snap.segments) {
+        os << "\n  segment " << std::hex << seg.address << std::dec << " stream " << seg.stream
+           << " tag '" << seg.tag << "' " << (seg.pool == snapshot_pool::small ? "small" : "large")
+           << " size " << seg.size_bytes << " mapped " << seg.mapped_bytes << " paused "
+           << seg.paused_bytes << " aliased " << seg.aliased_bytes << ":";
+        for (const auto& b : seg.blocks)
+          os << " " << names[static_cast<int>(b.state)] << ":" << b.size_bytes;
+      }
+    }
     return os.str();
   }
 

@@ -214,6 +214,7 @@ struct caching_allocator::impl : detail::diagnostics_layer {
   std::size_t release_safe_now(device_lock& lk, release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   void queue_batch_locked(release_batch& batch)
       STREAMSAFE_REQUIRES(mu_);  // to the deferred queue (fence recorded)
+  void wait_collected_fence_locked(device_lock& lk, release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   std::size_t release_collected(device_lock& lk, release_batch& batch, empty_cache_mode mode)
       STREAMSAFE_REQUIRES(mu_);
   void prove_idle_segments_locked(stream_state& st, pool& p) STREAMSAFE_REQUIRES(mu_, st.mu);
@@ -244,6 +245,7 @@ struct caching_allocator::impl : detail::diagnostics_layer {
   std::size_t advance_pause_locked(device_lock& lk, tag_state& t, bool wait)
       STREAMSAFE_REQUIRES(mu_);
   std::size_t advance_pauses_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // every tag
+  bool wait_pausing_tags_locked(device_lock& lk, std::uint64_t bound_us) STREAMSAFE_REQUIRES(mu_);
   pause_status tag_status_locked(const tag_state& t) STREAMSAFE_REQUIRES(mu_);
   void destroy_sleep_state_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);  // destruction
   std::vector<paused_segment> collect_pause_locked(tag_id tag, pause_mode mode,

@@ -61,9 +61,6 @@ namespace {
 struct pending_event_copy {
   event_handle event;
 };
-// How long the out-of-memory path of empty_cache:defer waits on the host for queued release
-// fences before it gives up (a bound, not a hang, K8): a step's tail of kernels.
-constexpr std::uint64_t k_oom_fence_wait_us = 1000000;
 // Idle bytes below which a growth past the peak is not worth a release fence (one event per
 // stream): PyTorch's large segment, the default chunk.
 constexpr std::size_t k_min_idle_release_bytes = detail::k_large_segment_bytes;
@@ -301,7 +298,7 @@ bool caching_allocator::impl::wait_queued_fences_locked(device_lock& dlk) {
   bool done = true;
   {
     const auto start = std::chrono::steady_clock::now();
-    std::uint64_t left_us = k_oom_fence_wait_us;
+    std::uint64_t left_us = detail::k_oom_fence_wait_us;
     driver_call_scope in_flight(driver_calls_, dlk);
     for (const auto& w : waits) {
       if (!backend_.synchronize_event_for(w.event, left_us)) {
@@ -312,7 +309,7 @@ bool caching_allocator::impl::wait_queued_fences_locked(device_lock& dlk) {
           std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() -
                                                                 start)
               .count());
-      left_us = spent >= k_oom_fence_wait_us ? 0 : k_oom_fence_wait_us - spent;
+      left_us = spent >= detail::k_oom_fence_wait_us ? 0 : detail::k_oom_fence_wait_us - spent;
     }
     in_flight.relock();
     stats_.fence_waits += waits.size();

@@ -28,8 +28,15 @@ struct growth_limits {
 // The serve path's waits made so far for one request (serve_path.cpp).
 struct serve_waits {
   int worker_waits = 0;
+  int pause_waits = 0;          // on tags still pausing: their fences, then (offload) their copies
+  bool fencing_waited = false;  // for another thread's empty_cache:wait on its fence
   bool fence_waited = false;
 };
+
+// How long the serve path waits on the host, in defer mode, for the fences of queued releases
+// (and, apart, of tags still pausing) before it gives up (a bound, not a hang, K8): a step's tail
+// of kernels.
+inline constexpr std::uint64_t k_oom_fence_wait_us = 1000000;
 
 struct growth_state {
   // The most bytes ever reserved at once: the growth policy's peak. statistics' reserved peak

@@ -8,6 +8,7 @@
 #include "core/common/logging.hpp"
 #include "core/streams/stream_lock_drop.hpp"
 
+#include <chrono>
 #include <thread>
 #include <vector>
 
@@ -77,6 +78,7 @@ block* caching_allocator::impl::serve_without_waiting_locked(device_lock& dlk,
   if (!b) {
     drop_stream_lock(slk, st);
     release_cached(dlk, empty_cache_mode::defer);
+    if (sleep_.pauses_pending != 0) advance_pauses_locked(dlk);  // tags' fences done: unmapped
     retake_stream_lock(slk, st);
     if (capturing()) return nullptr;  // the caller allocates for the capture instead
     b = find_block_locked(st, p, rounded, true);
@@ -105,6 +107,29 @@ bool caching_allocator::impl::serve_wait_locked(device_lock& dlk, detail::serve_
     driver_calls_.done.wait(dlk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
       return ledger_.releasing_elsewhere_bytes() == 0;
     });
+    return true;
+  }
+  if (ledger_.fencing_elsewhere_bytes() != 0 && !w.fencing_waited) {
+    // Another thread's empty_cache:wait holds memory out of every pool while it waits on its
+    // fence: that wait ends (bounded in defer mode, as the queued fences' wait), then a new walk.
+    w.fencing_waited = true;
+    auto ended = [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+      return ledger_.fencing_elsewhere_bytes() == 0;
+    };
+    if (opts_.empty_cache == empty_cache_mode::wait) {
+      driver_calls_.done.wait(dlk, ended);
+    } else {
+      driver_calls_.done.wait_for(dlk, std::chrono::microseconds(detail::k_oom_fence_wait_us),
+                                  ended);
+    }
+    return true;
+  }
+  if (sleep_.pauses_pending != 0 && w.pause_waits < 2) {
+    // Tags still pausing hold their memory behind the pause's fences (then, offload, behind its
+    // copies): the same bound as the queued fences' in defer mode, exactly in wait mode.
+    ++w.pause_waits;
+    wait_pausing_tags_locked(
+        dlk, opts_.empty_cache == empty_cache_mode::wait ? 0 : detail::k_oom_fence_wait_us);
     return true;
   }
   if (w.fence_waited || releases_.deferred.empty()) return false;
@@ -167,6 +192,7 @@ bool caching_allocator::impl::make_room_locked(device_lock& dlk, std::size_t byt
   while (!fits() && !capturing()) {
     retire_pending_behind_waits_locked(nullptr);
     release_cached(dlk, empty_cache_mode::defer);
+    if (sleep_.pauses_pending != 0) advance_pauses_locked(dlk);
     if (fits() || capturing() || !serve_wait_locked(dlk, w)) break;
   }
   return fits();

@@ -5,7 +5,8 @@
 // per stream and per pool kind; the totals are derived when read, never on the fast path):
 //   live       allocated blocks                       stream_stats::allocated_bytes (per stream)
 //   pending    freed, waiting on other streams' work  stream_stats::pending_bytes (per stream)
-//   queued     detached for release behind a fence    release_queue::deferred_bytes
+//   queued     detached for release behind a fence    release_queue::deferred_bytes, and
+//              (empty_cache:wait) a batch whose fence a thread waits on now: ledger (fencing)
 //   releasing  a driver call (free_segment, unmap) is giving it back right now: ledger
 //   cached     free in a pool                          reserved less every state above
 // Paused and offloaded memory (sleep.cpp) is not held on the device: a paused segment keeps
@@ -45,25 +46,57 @@ struct ledger_view {
   std::size_t limit = 0;
 };
 
+// Bytes in one passing state that a thread holds while the device lock is dropped (a driver
+// call, a host fence wait), with each thread's own share, for one owner at a time (a thread in
+// that state for two allocators at once counts only the first's).
+template <int kind>
+class in_flight_bytes {
+ public:
+  void begin(const void* owner, std::size_t bytes) noexcept {
+    total_ += bytes;
+    if (t_here_.owner != nullptr && t_here_.owner != owner) return;
+    t_here_.owner = owner;
+    t_here_.bytes += bytes;
+  }
+  void end(const void* owner, std::size_t bytes) noexcept {
+    total_ -= bytes;
+    if (t_here_.owner != owner) return;
+    t_here_.bytes -= bytes;
+    if (t_here_.bytes == 0) t_here_.owner = nullptr;
+  }
+  std::size_t total() const noexcept { return total_; }
+  // Held by threads other than the caller: what the caller may wait for (never itself).
+  std::size_t elsewhere(const void* owner) const noexcept {
+    return total_ - (t_here_.owner == owner ? t_here_.bytes : 0);
+  }
+
+ private:
+  struct here {  // zero-initialized: a thread_local of static storage duration
+    const void* owner;
+    std::size_t bytes;
+  };
+  static inline thread_local here t_here_;
+  std::size_t total_ = 0;
+};
+
 class ledger {
  public:
   // A driver call giving `bytes` back begins / ended (released or not: the caller then moves
   // the bytes to cached, or out of reserved), both on the releasing thread.
-  void begin_release(std::size_t bytes) noexcept {
-    releasing_bytes_ += bytes;
-    note_here(bytes, true);
-  }
-  void end_release(std::size_t bytes) noexcept {
-    releasing_bytes_ -= bytes;
-    note_here(bytes, false);
-  }
-  std::size_t releasing_bytes() const noexcept { return releasing_bytes_; }
+  void begin_release(std::size_t bytes) noexcept { releasing_.begin(this, bytes); }
+  void end_release(std::size_t bytes) noexcept { releasing_.end(this, bytes); }
+  std::size_t releasing_bytes() const noexcept { return releasing_.total(); }
   // Being released by threads other than the caller: what a wait for the releases may wait
   // for (a backend call that runs allocator calls on the releasing thread, as the simulated
   // device's interleaving tests do, must not wait for itself).
-  std::size_t releasing_elsewhere_bytes() const noexcept {
-    return releasing_bytes_ - (t_here_.owner == this ? t_here_.bytes : 0);
-  }
+  std::size_t releasing_elsewhere_bytes() const noexcept { return releasing_.elsewhere(this); }
+  // A host wait on the fence of a batch that no queue holds (empty_cache:wait) begins / ended,
+  // on the waiting thread: its bytes are queued for release, out of every pool meanwhile.
+  void begin_fence_wait(std::size_t bytes) noexcept { fencing_.begin(this, bytes); }
+  void end_fence_wait(std::size_t bytes) noexcept { fencing_.end(this, bytes); }
+  std::size_t fencing_bytes() const noexcept { return fencing_.total(); }
+  // Behind other threads' fence waits: what the serve path may wait for (never its own).
+  std::size_t fencing_elsewhere_bytes() const noexcept { return fencing_.elsewhere(this); }
   // Whether `bytes` more may be held with `reserved` held now (memory being released counts:
   // the device may hold it until its driver call returns).
   static bool may_hold(std::size_t reserved, std::size_t bytes, std::size_t limit) noexcept {
@@ -71,24 +104,8 @@ class ledger {
   }
 
  private:
-  // The calling thread's own releases in flight, for one ledger at a time (a thread releasing
-  // for two allocators at once counts only the first's).
-  struct here {  // zero-initialized: a thread_local of static storage duration
-    const ledger* owner;
-    std::size_t bytes;
-  };
-  static inline thread_local here t_here_;
-  void note_here(std::size_t bytes, bool begin) noexcept {
-    if (t_here_.owner != nullptr && t_here_.owner != this) return;
-    if (begin) {
-      t_here_.owner = this;
-      t_here_.bytes += bytes;
-      return;
-    }
-    t_here_.bytes -= bytes;
-    if (t_here_.bytes == 0) t_here_.owner = nullptr;
-  }
-  std::size_t releasing_bytes_ = 0;
+  in_flight_bytes<0> releasing_;
+  in_flight_bytes<1> fencing_;
 };
 
 // "live 1 MiB, pending other streams' work 2 MiB, ..." (format.hpp's units), for messages.

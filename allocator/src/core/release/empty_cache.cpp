@@ -217,6 +217,35 @@ void caching_allocator::impl::prove_idle_segments_locked(stream_state& st, pool&
   });
 }
 
+// empty_cache:wait: the host waits on a collected batch's fence (mu_ dropped), its bytes the
+// ledger's "queued" meanwhile, so that another thread's serve path sees them and may wait for
+// this wait to end (serve_path.cpp).
+void caching_allocator::impl::wait_collected_fence_locked(device_lock& lk, release_batch& batch) {
+  for (auto& t : streams_.tombstones) batch.fence.push_back({t.event, detail::k_tombstone_stream});
+  tombstone_pin pin(tombstone_refs_,
+                    streams_.tombstones.size());  // not pooled while waited on unlocked
+  const std::size_t fencing = batch.bytes;
+  ledger_.begin_fence_wait(fencing);
+  try {
+    driver_call_scope in_flight(driver_calls_, lk);
+    wait_fence_unlocked(batch);
+  } catch (...) {
+    ledger_.end_fence_wait(fencing);
+    driver_calls_.done.notify_all();
+    throw;
+  }
+  ledger_.end_fence_wait(fencing);
+  driver_calls_.done.notify_all();
+  // Waited on: the tombstone entries go (a queued batch must not keep them).
+  batch.fence.erase(
+      std::remove_if(batch.fence.begin(), batch.fence.end(),
+                     [](const pending_event& e) { return e.stream == detail::k_tombstone_stream; }),
+      batch.fence.end());
+  detail::log().debug("device {}: waited on {} fence event(s) to release {} bytes",
+                      backend_.device(), batch.fence.size(), batch.bytes);
+  if (capturing()) queue_batch_locked(batch);  // a capture began meanwhile: release after it
+}
+
 // Fences and releases a collected batch (queued in defer mode when its fence is pending).
 std::size_t caching_allocator::impl::release_collected(device_lock& lk, release_batch& batch,
                                                        empty_cache_mode mode) {
@@ -240,25 +269,7 @@ std::size_t caching_allocator::impl::release_collected(device_lock& lk, release_
           queue_batch_locked(batch);
         }
       } else {
-        if (!fence_done_locked(batch)) {
-          for (auto& t : streams_.tombstones)
-            batch.fence.push_back({t.event, detail::k_tombstone_stream});
-          tombstone_pin pin(tombstone_refs_,
-                            streams_.tombstones.size());  // not pooled while waited on unlocked
-          driver_call_scope in_flight(driver_calls_, lk);
-          wait_fence_unlocked(batch);
-          in_flight.relock();
-          // Waited on: the tombstone entries go (a queued batch must not keep them).
-          batch.fence.erase(std::remove_if(batch.fence.begin(), batch.fence.end(),
-                                           [](const pending_event& e) {
-                                             return e.stream == detail::k_tombstone_stream;
-                                           }),
-                            batch.fence.end());
-          detail::log().debug("device {}: waited on {} fence event(s) to release {} bytes",
-                              backend_.device(), batch.fence.size(), batch.bytes);
-          if (capturing())
-            queue_batch_locked(batch);  // a capture began meanwhile: release after it
-        }
+        if (!fence_done_locked(batch)) wait_collected_fence_locked(lk, batch);
         now = std::move(batch);
         batch = release_batch{};
       }

@@ -20,6 +20,7 @@
 #include "core/common/logging.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <stdexcept>
 #include <string>
 
@@ -270,6 +271,63 @@ std::size_t caching_allocator::impl::advance_pauses_locked(device_lock& lk) {
   }
   if (error) std::rethrow_exception(error);
   return released;
+}
+
+// The serve path's wait on the tags still pausing (serve_path.cpp): on the host, mu_ dropped, for
+// the fences of their segments still mapped (or their copies, once enqueued: offload), bounded
+// in all by bound_us (0: exactly, as empty_cache:wait waits), then the pauses move along without
+// waiting. True when a pause gave memory back or ended.
+bool caching_allocator::impl::wait_pausing_tags_locked(device_lock& lk, std::uint64_t bound_us) {
+  std::vector<tag_state*> pausing;
+  for (auto& [id, t] : sleep_.tags) {
+    if (t->phase == tag_phase::pausing) pausing.push_back(t.get());
+  }
+  if (pausing.empty() || capturing()) return false;
+  const auto start = std::chrono::steady_clock::now();
+  auto left_us = [&]() -> std::uint64_t {
+    const auto spent = static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() -
+                                                              start)
+            .count());
+    return spent >= bound_us ? 0 : bound_us - spent;
+  };
+  for (tag_state* t : pausing) {
+    if (t->phase != tag_phase::pausing) continue;  // moved by another thread meanwhile
+    std::vector<event_handle> waits;
+    for (const paused_segment& ps : t->segments) {
+      if (ps.runs_unmapped == ps.runs.size()) continue;
+      if (ps.copied != 0) {
+        waits.push_back(ps.copied);
+      } else {
+        for (const auto& e : ps.fence) waits.push_back(e.event);
+      }
+    }
+    for (const auto& tomb : streams_.tombstones) waits.push_back(tomb.event);
+    const auto pinned = static_cast<std::int64_t>(streams_.tombstones.size());
+    tombstone_refs_.fetch_add(pinned);  // not pooled while waited on unlocked
+    bool done = true;
+    try {
+      detail::unlocked_for_tag(driver_calls_, lk, *t, [&] {
+        for (event_handle e : waits) {
+          if (bound_us == 0) {
+            backend_.synchronize_event(e);
+          } else if (!backend_.synchronize_event_for(e, left_us())) {
+            done = false;
+            break;
+          }
+        }
+      });
+    } catch (...) {
+      tombstone_refs_.fetch_sub(pinned);
+      throw;
+    }
+    tombstone_refs_.fetch_sub(pinned);
+    ++stats_.fence_waits;
+    if (!done) break;
+  }
+  const std::size_t pending_before = sleep_.pauses_pending;
+  const std::size_t released = advance_pauses_locked(lk);
+  return released != 0 || sleep_.pauses_pending != pending_before;
 }
 
 pause_status caching_allocator::impl::tag_status_locked(const tag_state& t) {

@@ -74,7 +74,7 @@ detail::ledger_view detail::diagnostics_layer::ledger_view_locked() const {
   }
   for (const auto& [addr, imp] : ipc_.imports) v.imported += imp.size;
   v.reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-  v.queued = releases_.bytes();
+  v.queued = releases_.bytes() + ledger_.fencing_bytes();
   v.releasing = ledger_.releasing_bytes();
   const std::size_t held = v.live + v.pending + v.queued + v.releasing;
   v.cached = v.reserved > held ? v.reserved - held : 0;
