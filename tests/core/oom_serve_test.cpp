@@ -268,6 +268,61 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "cuda_malloc, defer: gradients queued behind the optimizer stream's fences serve the next "
+    "buffer while another stream keeps the device busy (cudaFree waits for the whole device)",
+    "[core][oom-serve][pending]") {
+  const bool worker = GENERATE(false, true);
+  INFO("release worker " << (worker ? "on" : "off"));
+  sim::device_config cfg = sim_config(8 * GiB);
+  cfg.free_segment_synchronizes = true;  // as cudaFree
+  sim::simulated_device dev(cfg);
+  hooked_device hooked(dev);
+  options o = make_options(backend_kind::cuda_malloc, fence_scope::all_streams,
+                           empty_cache_mode::defer);
+  o.release_worker = worker ? release_worker_mode::on : release_worker_mode::off;
+  o.memory_limit_bytes = 512 * MiB;
+  caching_allocator alloc(hooked, o);
+  const stream_handle compute = dev.create_stream();
+  const stream_handle side = dev.create_stream();
+  const stream_handle opt = dev.create_stream();
+  const stream_handle other = dev.create_stream();  // a second thread's stream
+  const event_handle ev = dev.create_event();
+  void* params = alloc.allocate(128 * MiB, compute);
+  std::vector<void*> grads;
+  for (int i = 0; i < 4; ++i) grads.push_back(alloc.allocate(64 * MiB, side));
+  for (void* g : grads) dev.launch(side, 10, {writes(g, 64 * MiB)}, "gradient");
+  dev.record_event(ev, side);
+  dev.stream_wait_event(opt, ev);
+  for (void* g : grads) {
+    dev.launch(opt, 1000, {reads(g, 64 * MiB), writes(params, 128 * MiB)}, "optimizer step");
+    alloc.record_stream(g, opt);
+    alloc.deallocate(g);
+  }
+  alloc.empty_cache();  // the optimizer still reads them: queued behind its fence
+  // The second thread keeps its stream busy: 300 ms of work more while the allocation below
+  // waits on the host for the fences (none covers it, and cudaFree would wait for it).
+  void* t_buf = alloc.allocate(MiB, other);
+  dev.launch(other, 1000, {writes(t_buf, MiB)}, "another thread's work");
+  hooked.arm(hooked_device::on::bounded_wait,
+             [&] { dev.launch(other, 300000, {writes(t_buf, MiB)}, "another thread's work"); });
+  void* buffer = nullptr;
+  try {
+    buffer = alloc.allocate(256 * MiB, compute);
+  } catch (const out_of_memory& e) {
+    FAIL("out of memory: " << e.what());
+  }
+  dev.launch(compute, 10, {writes(buffer, 256 * MiB)}, "the buffer");
+  alloc.deallocate(buffer);
+  alloc.deallocate(t_buf);
+  alloc.deallocate(params);
+  dev.run_until_idle();
+  CHECK(dev.fault_count() == 0);
+  CHECK(alloc.stats().reserved_bytes.peak <= static_cast<std::int64_t>(512 * MiB));
+  alloc.check_invariants();
+  dev.destroy_event(ev);
+}
+
+TEST_CASE(
     "Memory that another thread's empty_cache:wait holds out of the pools while it waits on its "
     "fence serves a request once that wait ends",
     "[core][oom-serve][threads]") {

@@ -69,6 +69,10 @@ struct caching_allocator::impl : detail::diagnostics_layer {
   std::size_t retire_pending_behind_waits_locked(const stream_state* held) STREAMSAFE_REQUIRES(mu_);
   bool make_room_locked(device_lock& dlk, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);
   bool serve_wait_locked(device_lock& dlk, detail::serve_waits& w) STREAMSAFE_REQUIRES(mu_);
+  bool wait_device_work_locked(device_lock& dlk, std::uint64_t bound_us) STREAMSAFE_REQUIRES(mu_);
+  void wait_fencing_elsewhere_locked(device_lock& dlk) STREAMSAFE_REQUIRES(mu_);
+  bool wait_events_bounded_locked(device_lock& dlk, const std::vector<event_handle>& events,
+                                  std::uint64_t bound_us) STREAMSAFE_REQUIRES(mu_);
   block* grow_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);  // a growth
   bool growth_within_peak_locked(const pool& p, std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
   void note_headroom_locked() STREAMSAFE_REQUIRES(mu_);  // headroom_hint_ after reserved changed
@@ -200,7 +204,8 @@ struct caching_allocator::impl : detail::diagnostics_layer {
   void restore_batch_locked(release_batch& batch) STREAMSAFE_REQUIRES(mu_);
   void requeue_aliased_locked(block* b) STREAMSAFE_REQUIRES(mu_);  // a ghost back in the queue
   std::size_t release_batch_memory(device_lock& lk, release_batch& batch) STREAMSAFE_REQUIRES(mu_);
-  std::size_t finish_deferred(device_lock& lk, bool wait) STREAMSAFE_REQUIRES(mu_);
+  std::size_t finish_deferred(device_lock& lk, bool wait, bool device_waited = false)
+      STREAMSAFE_REQUIRES(mu_);
   std::size_t release_completed_locked(device_lock& lk, bool skip_ghosted = false)
       STREAMSAFE_REQUIRES(mu_);
   release_batch take_completed_locked(bool skip_ghosted = false) STREAMSAFE_REQUIRES(mu_);

@@ -295,29 +295,9 @@ bool caching_allocator::impl::wait_queued_fences_locked(device_lock& dlk) {
   }
   for (const auto& t : streams_.tombstones) waits.push_back({t.event});
   const std::size_t queued = releases_.deferred_bytes;
-  bool done = true;
-  {
-    const auto start = std::chrono::steady_clock::now();
-    std::uint64_t left_us = detail::k_oom_fence_wait_us;
-    driver_call_scope in_flight(driver_calls_, dlk);
-    for (const auto& w : waits) {
-      if (!backend_.synchronize_event_for(w.event, left_us)) {
-        done = false;
-        break;
-      }
-      const auto spent = static_cast<std::uint64_t>(
-          std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() -
-                                                                start)
-              .count());
-      left_us = spent >= detail::k_oom_fence_wait_us ? 0 : detail::k_oom_fence_wait_us - spent;
-    }
-    in_flight.relock();
-    stats_.fence_waits += waits.size();
-    stats_.fence_wait_ns += static_cast<std::uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
-                                                             start)
-            .count());
-  }
+  std::vector<event_handle> events;
+  for (const auto& w : waits) events.push_back(w.event);
+  const bool done = wait_events_bounded_locked(dlk, events, detail::k_oom_fence_wait_us);
   detail::log().debug("device {}: out of memory: {} on the release fences of {} queued bytes",
                       backend_.device(), done ? "waited" : "gave up waiting", queued);
   return done;

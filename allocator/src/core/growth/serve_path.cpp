@@ -110,18 +110,8 @@ bool caching_allocator::impl::serve_wait_locked(device_lock& dlk, detail::serve_
     return true;
   }
   if (ledger_.fencing_elsewhere_bytes() != 0 && !w.fencing_waited) {
-    // Another thread's empty_cache:wait holds memory out of every pool while it waits on its
-    // fence: that wait ends (bounded in defer mode, as the queued fences' wait), then a new walk.
     w.fencing_waited = true;
-    auto ended = [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-      return ledger_.fencing_elsewhere_bytes() == 0;
-    };
-    if (opts_.empty_cache == empty_cache_mode::wait) {
-      driver_calls_.done.wait(dlk, ended);
-    } else {
-      driver_calls_.done.wait_for(dlk, std::chrono::microseconds(detail::k_oom_fence_wait_us),
-                                  ended);
-    }
+    wait_fencing_elsewhere_locked(dlk);
     return true;
   }
   if (sleep_.pauses_pending != 0 && w.pause_waits < 2) {
@@ -146,8 +136,80 @@ bool caching_allocator::impl::serve_wait_locked(device_lock& dlk, detail::serve_
     } else {
       finish_deferred(dlk, false);
     }
+    // cuda_malloc: cudaFree waits for the whole device, so a segment whose fence completed stays
+    // queued while any known stream is busy (another thread's work). The last wait: for the work
+    // every known stream holds now, bounded, then the release on this thread.
+    if (!releases_.deferred.empty() && !capturing() && free_segment_would_block_locked() &&
+        wait_device_work_locked(dlk, detail::k_oom_fence_wait_us))
+      finish_deferred(dlk, false, true);
   }
   return true;
+}
+
+// Another thread's empty_cache:wait holds memory out of every pool while it waits on its fence:
+// that wait ends (bounded in defer mode, as the queued fences' wait; exactly in wait mode).
+void caching_allocator::impl::wait_fencing_elsewhere_locked(device_lock& dlk) {
+  auto ended = [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+    return ledger_.fencing_elsewhere_bytes() == 0;
+  };
+  if (opts_.empty_cache == empty_cache_mode::wait) {
+    driver_calls_.done.wait(dlk, ended);
+  } else {
+    driver_calls_.done.wait_for(dlk, std::chrono::microseconds(detail::k_oom_fence_wait_us), ended);
+  }
+}
+
+// A host wait (mu_ dropped) on `events` in turn, bounded by bound_us in all; counted in the
+// statistics' fence waits. True when every one completed.
+bool caching_allocator::impl::wait_events_bounded_locked(device_lock& dlk,
+                                                         const std::vector<event_handle>& events,
+                                                         std::uint64_t bound_us) {
+  const auto start = std::chrono::steady_clock::now();
+  bool done = true;
+  {
+    driver_call_scope in_flight(driver_calls_, dlk);
+    for (event_handle e : events) {
+      const auto spent = static_cast<std::uint64_t>(
+          std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() -
+                                                                start)
+              .count());
+      if (spent >= bound_us || !backend_.synchronize_event_for(e, bound_us - spent)) {
+        done = false;
+        break;
+      }
+    }
+  }
+  stats_.fence_waits += events.size();
+  stats_.fence_wait_ns += static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count());
+  return done;
+}
+
+// A host wait (mu_ dropped), bounded by bound_us in all, on the work that every known stream
+// (and every destroyed stream's last work) holds now: one event recorded on each. True when all
+// of it completed. Work given to a stream meanwhile is not waited for.
+bool caching_allocator::impl::wait_device_work_locked(device_lock& dlk, std::uint64_t bound_us) {
+  std::vector<event_handle> recorded;
+  std::vector<event_handle> waits;
+  for (auto& [s, st] : streams_.states) {
+    if (st->graph != 0 || !st->alive.load(std::memory_order_acquire)) continue;
+    const event_handle e = get_event();
+    recorded.push_back(e);
+    record_event_on(e, s);
+    waits.push_back(e);
+  }
+  stats_.events_recorded += recorded.size();
+  for (const auto& t : streams_.tombstones) waits.push_back(t.event);
+  bool done = false;
+  {
+    detail::tombstone_pin pin(tombstone_refs_, streams_.tombstones.size());
+    done = wait_events_bounded_locked(dlk, waits, bound_us);
+  }
+  for (event_handle e : recorded) put_event(e);
+  detail::log().debug("device {}: out of memory: {} on the work of {} stream(s) before cudaFree",
+                      backend_.device(), done ? "waited" : "gave up waiting", recorded.size());
+  return done;
 }
 
 // 7. Out of memory unless a walk serves it: walks without a host wait (serve_without_waiting_

@@ -209,7 +209,10 @@ std::size_t caching_allocator::impl::account_release_locked(block* b, bool relea
   return bytes;
 }
 
-std::size_t caching_allocator::impl::finish_deferred(device_lock& lk, bool wait) {
+// device_waited: the serve path waited for the work of every known stream (serve_path.cpp), so
+// a cudaFree'd segment goes back even if a stream was given work since (cudaFree waits for it).
+std::size_t caching_allocator::impl::finish_deferred(device_lock& lk, bool wait,
+                                                     bool device_waited) {
   // A failing backend call (query, synchronize) leaves the batch queued: nothing is lost.
   std::size_t released = 0;
   while (!releases_.deferred.empty() && !capturing()) {
@@ -220,7 +223,7 @@ std::size_t caching_allocator::impl::finish_deferred(device_lock& lk, bool wait)
       const auto& blocks = releases_.deferred.front().blocks;
       const bool frees_segment = std::any_of(blocks.begin(), blocks.end(),
                                              [](const block* b) { return !b->seg->expandable; });
-      if (frees_segment && free_segment_would_block_locked()) break;
+      if (frees_segment && !device_waited && free_segment_would_block_locked()) break;
     }
     if (!done) {
       release_batch& front = releases_.deferred.front();
