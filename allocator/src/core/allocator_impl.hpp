@@ -16,6 +16,7 @@
 #include <deque>
 #include <exception>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,13 @@ struct caching_allocator::impl : detail::diagnostics_layer {
   using resume_work = detail::resume_work;
 
   impl(device_backend& backend, options opts);  // caching_allocator.cpp
+  ~impl();
+  // ---- growth/growth_hook.hpp: what differs between the backend kinds in the growth policy,
+  // one implementation per kind (cuda_malloc_growth.cpp, expandable_growth.cpp)
+  struct growth_hook;
+  struct cuda_malloc_growth;
+  struct expandable_growth;
+  std::unique_ptr<growth_hook> growth_hook_;  // chosen by the constructor: read without a lock
   // ---- streams.cpp (the rest: streams/stream_layer.hpp) ------------------------------------
   void retire_dead_streams_locked() STREAMSAFE_REQUIRES(mu_);
   // ---- growth.cpp (the rest: growth/growth_layer.hpp) ---------------------------------------
@@ -46,15 +54,9 @@ struct caching_allocator::impl : detail::diagnostics_layer {
   block* grow_within_peak_or_pending_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
                                             stream_state& st, pool& p, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_, st.mu);
-  // a growth, idle memory making room past the peak (the next two)
+  // a growth, idle memory making room past the peak (the growth hook's way)
   block* grow_making_room_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
                                  stream_state& st, pool& p, std::size_t rounded)
-      STREAMSAFE_REQUIRES(mu_, st.mu);
-  block* grow_from_idle_chunks_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
-                                      stream_state& st, pool& p, std::size_t rounded)
-      STREAMSAFE_REQUIRES(mu_, st.mu);
-  block* grow_after_refused_segments_locked(device_lock& dlk, detail::unique_lock<stream_lock>& slk,
-                                            stream_state& st, pool& p, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_, st.mu);
   // at the limit; the out-of-memory path
   block* take_from_other_pools_locked(detail::unique_lock<stream_lock>& slk, stream_state& st,
@@ -76,13 +78,6 @@ struct caching_allocator::impl : detail::diagnostics_layer {
   block* grow_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);  // a growth
   bool growth_within_peak_locked(const pool& p, std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
   void note_headroom_locked() STREAMSAFE_REQUIRES(mu_);  // headroom_hint_ after reserved changed
-  bool growth_raises_peak_with_refused_locked(const pool& p, std::size_t rounded) const
-      STREAMSAFE_REQUIRES(mu_);
-  bool expandable_growth_raises_peak_locked(const pool& p, std::size_t rounded) const
-      STREAMSAFE_REQUIRES(mu_);
-  std::size_t expandable_growth_excess_locked(const pool& p, std::size_t rounded,
-                                              const block** extended) const
-      STREAMSAFE_REQUIRES(mu_);
   bool wants_collection_locked(std::size_t rounded) const STREAMSAFE_REQUIRES(mu_);
   std::size_t release_refused_segments(device_lock& lk, stream_state& st, std::size_t rounded)
       STREAMSAFE_REQUIRES(mu_);

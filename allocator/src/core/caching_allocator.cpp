@@ -1,12 +1,13 @@
 // streamsafe core: construction and destruction of the caching allocator.
 //
 // The map of the core's files, one row each, is allocator/README.md; allocator_state.hpp holds
-// the state, one member per concern, and the lock order. The constructor reads the device's memory,
-// takes no lock (nothing is shared yet); the destructor runs destroy_all (destruction.cpp), which
-// takes the device lock.
+// the state, one member per concern, and the lock order. The constructor reads the device's memory
+// and chooses the growth hook of the backend kind (growth/growth_hook.hpp), takes no lock (nothing
+// is shared yet); the destructor runs destroy_all (destruction.cpp), which takes the device lock.
 #include "core/allocator_impl.hpp"
 #include "core/blocks/size_classes.hpp"
 #include "core/common/logging.hpp"
+#include "core/growth/growth_hook.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -50,6 +51,7 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
         limits_.large_chunk_bytes,
         detail::round_up(std::max(opts_.expandable_peak_chunk_bytes, limits_.small_chunk_bytes),
                          limits_.small_chunk_bytes));
+    growth_hook_ = growth_hook::for_expandable();
     // 0 (off, the default): resume maps in the chunks growth used.
     limits_.tag_handle_bytes = opts_.expandable_tag_handle_bytes > limits_.large_chunk_bytes
                                    ? detail::round_up(opts_.expandable_tag_handle_bytes,
@@ -62,6 +64,8 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
           opts_.expandable_peak_chunk_bytes >> 20, limits_.large_chunk_bytes >> 20,
           limits_.large_chunk_bytes >> 20);
     }
+  } else {
+    growth_hook_ = growth_hook::for_cuda_malloc();
   }
   if (opts_.release_fence == fence_scope::allocation_stream) {
     detail::log().warn(
@@ -78,6 +82,8 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
     trace_.store(own_trace_.get());
   }
 }
+
+caching_allocator::impl::~impl() = default;  // here, where growth_hook is complete
 
 caching_allocator::caching_allocator(device_backend& backend, options opts)
     : impl_(std::make_unique<impl>(backend, opts)) {}

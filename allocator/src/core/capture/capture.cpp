@@ -43,6 +43,7 @@
 // Every function here runs with the device lock (mu_) held.
 #include "core/allocator_impl.hpp"
 #include "core/common/logging.hpp"
+#include "core/growth/growth_hook.hpp"
 #include "core/streams/per_thread_stream.hpp"
 
 #include <algorithm>
@@ -414,9 +415,7 @@ void* caching_allocator::impl::allocate_during_capture_locked(device_lock& dlk, 
     // Growth is the one backend call allowed (capture-safe in the CUDA backends). A side stream
     // grows into a segment of its own in the graph's pool: a new cudaMalloc segment, or an
     // expandable range reserved for it (as PyTorch keeps one segment per pool and stream).
-    return opts_.backend == backend_kind::expandable
-               ? expandable_fit_locked(p, rounded, origin != 0 ? stream : 0)
-               : new_segment_locked(p, rounded);
+    return growth_hook_->new_memory_locked(*this, p, rounded, origin != 0 ? stream : 0);
   };
   detail::unique_lock<stream_lock> slk(target->mu);
   // Under a tag, the graph's private pool keeps the tag's memory apart (tagged pools of its

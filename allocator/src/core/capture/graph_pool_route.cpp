@@ -22,6 +22,7 @@
 #include "core/allocator_impl.hpp"
 #include "core/blocks/size_classes.hpp"
 #include "core/common/format.hpp"
+#include "core/growth/growth_hook.hpp"
 
 #include <algorithm>
 #include <stdexcept>
@@ -57,8 +58,7 @@ void* caching_allocator::impl::allocate_in_route_locked(device_lock& dlk, std::s
     b = take_cached_fit_locked(p, rounded);
   }
   auto grow = [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-    return opts_.backend == backend_kind::expandable ? expandable_fit_locked(p, rounded)
-                                                     : new_segment_locked(p, rounded);
+    return growth_hook_->new_memory_locked(*this, p, rounded, 0);
   };
   if (!b) b = grow();
   if (!b && !capture) {

@@ -285,11 +285,10 @@ block* detail::growth_layer::cut_chunks_locked(block* b, std::size_t bytes) {
   return cut < b->addr + b->size ? split_off_locked(b, cut - b->addr) : nullptr;
 }
 
-// whole_rule: not a segment the whole-segment rule keeps whole for the request.
+// whole_rule: not a segment the whole-segment rule keeps whole for the request. Whole cudaMalloc
+// segments only (expandable ones are passed by: the expandable backend finds none).
 block* detail::growth_layer::steal_segment_locked(pool& p, std::size_t rounded, bool whole_rule) {
-  if (opts_.backend == backend_kind::expandable || opts_.release_fence == fence_scope::device)
-    return nullptr;
-  if (capturing()) return nullptr;
+  if (capturing() || opts_.release_fence == fence_scope::device) return nullptr;
   // The other stream's lock is dropped between the search and the move, and that stream's fast
   // path (its lock alone, no mu_) may meanwhile allocate from the chosen segment: the move
   // re-checks, under that lock, that the segment is still one whole free block, and otherwise

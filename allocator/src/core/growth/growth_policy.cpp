@@ -5,27 +5,31 @@
 // cached or queued memory, when a block may be split, and what goes back to the driver before a
 // growth is made here; the mechanisms live elsewhere: growth.cpp (segments, ranges, chunks, the
 // move of a whole segment), reclaim.cpp (taking queued memory back), release.cpp (fences,
-// batches, driver calls), events.cpp (pending blocks). The order, for `rounded` bytes of pool p
-// on stream s:
+// batches, driver calls), events.cpp (pending blocks). Where the two backend kinds differ, the
+// step asks the growth hook (growth_hook.hpp), one per allocator, chosen at construction:
+// cuda_malloc_growth.cpp or expandable_growth.cpp; its calls are named below in brackets. The
+// order, the same for both kinds, for `rounded` bytes of pool p on stream s:
 //   1. Queued memory first. Memory queued for release (empty_cache in defer mode, a pause, step
 //      5 below) is still mapped and counted as reserved: the pool's own queued blocks go back
 //      to it in place; another pool's are reclaimed by a wait of s on their release fence (a
 //      whole cudaMalloc segment moves to p; expandable chunks are mapped again into p's range,
-//      no new memory). Never a host wait.
+//      no new memory) [reclaim_queued_locked]. Never a host wait.
 //   2. Free headroom: a growth that does not raise peak reserved (memory given back earlier)
 //      and stays within the limit goes first, rather than a block still pending another
-//      stream's work, whose reuse would order s behind that work.
+//      stream's work, whose reuse would order s behind that work [growth_bytes_locked,
+//      grow_locked].
 //   3. A pending block of p, behind a stream wait on its events (K9).
 //   4. (release worker off) queued releases whose fences completed go back (never waiting).
 //   5. A growth. One that would raise peak reserved first makes room from idle memory, never
 //      waiting on the host: cuda_malloc gives back the whole free segments that the
 //      whole-segment rule refuses to the request (proven idle ones at once, the rest behind a
 //      fence, queued); expandable queues the idle chunks of every pool (large pools only for a
-//      small request) up to the growth's excess and reclaims them by alias, as in step 1. A
-//      cudaMalloc growth past the peak takes another stream's whole free segment that fits and
-//      that the rule would not keep whole, before a new one. No growth passes the limit.
+//      small request) up to the growth's excess and reclaims them by alias, as in step 1
+//      [prepare_growth_locked, makes_room_first_locked, grow_after_room_locked]. A cudaMalloc
+//      growth past the peak takes another stream's whole free segment that fits and that the
+//      rule would not keep whole, before a new one [grow_locked]. No growth passes the limit.
 //   6. At the limit: a whole free segment of another stream (the rule kept), or (expandable)
-//      the free chunks of every pool, queued and reclaimed by alias.
+//      the free chunks of every pool, queued and reclaimed by alias [take_from_other_pools_locked].
 //   7. The serve path's walk, again until it serves or nothing is left to wait for: each walk
 //      takes, without a host wait, p's free and pending memory and a growth within the limit;
 //      other streams' free memory (step 6); every stream's pending memory, retired behind a wait
@@ -35,8 +39,9 @@
 //      memory back (the ledger's "being released"), then once a host wait on the queued fences
 //      (defer: bounded by k_oom_fence_wait_us, a stream held by a collective that waits for this
 //      thread ends the wait, never the process: K8; wait: exactly the fences, as empty_cache()
-//      waits). Then, with no wait left, queued memory and another stream's whole free segment
-//      against the whole-segment rule; then nullptr: the caller throws out_of_memory.
+//      waits). Then, with no wait left, queued memory [reclaim_queued_last_resort_locked] and
+//      another stream's whole free segment against the whole-segment rule; then nullptr: the
+//      caller throws out_of_memory.
 //      resume() and a graph pool's growth make room with the same steps (make_room_locked);
 //      these steps are serve_path.cpp's.
 // Before any growth, memory being released by a driver call is waited for (a driver call,
@@ -50,6 +55,7 @@
 #include "core/blocks/size_classes.hpp"
 #include "core/common/format.hpp"
 #include "core/common/logging.hpp"
+#include "core/growth/growth_hook.hpp"
 #include "core/streams/stream_lock_drop.hpp"
 
 #include <algorithm>
@@ -61,9 +67,6 @@ namespace {
 struct pending_event_copy {
   event_handle event;
 };
-// Idle bytes below which a growth past the peak is not worth a release fence (one event per
-// stream): PyTorch's large segment, the default chunk.
-constexpr std::size_t k_min_idle_release_bytes = detail::k_large_segment_bytes;
 
 }  // namespace
 
@@ -74,13 +77,7 @@ using detail::retake_stream_lock;
 
 // True when p can grow for `rounded` bytes without raising peak reserved, within the limit.
 bool caching_allocator::impl::growth_within_peak_locked(const pool& p, std::size_t rounded) const {
-  std::size_t bytes = 0;
-  if (opts_.backend == backend_kind::expandable) {
-    const block* choice = p.expandable ? choose_unmapped_locked(p, rounded, bytes, false) : nullptr;
-    if (!choice) bytes = detail::round_up(rounded, limits_.small_chunk_bytes);
-  } else {
-    bytes = detail::segment_bytes_for(rounded);
-  }
+  const std::size_t bytes = growth_hook_->growth_bytes_locked(*this, p, rounded);
   const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
   return reserved + bytes <= std::min(limits_.limit_bytes, reserved_high_water_locked());
 }
@@ -95,73 +92,9 @@ void caching_allocator::impl::note_headroom_locked() {
 // ---- growth -----------------------------------------------------------------------------------
 
 block* caching_allocator::impl::grow_locked(pool& p, std::size_t rounded) {
-  block* b = nullptr;
-  if (opts_.backend == backend_kind::expandable) {
-    b = expandable_fit_locked(p, rounded);
-  } else if ((b = adopt_dead_segment_locked(p, rounded)) == nullptr) {
-    // A new large segment past peak reserved while another stream's large pool holds a whole
-    // free segment that fits (and that the whole-segment rule would not keep whole for this
-    // request: a few small blocks must not pin it): it moves to p behind an event wait.
-    if (!p.small && static_cast<std::size_t>(stats_.reserved_bytes.current) +
-                            detail::segment_bytes_for(rounded) >
-                        reserved_high_water_locked())
-      b = steal_segment_locked(p, rounded, true);
-    if (!b) b = new_segment_locked(p, rounded);
-    // At the memory limit the whole-segment rule gives way: split the best fit rather than fail.
-    if (!b && opts_.whole_segment_split_ratio != 0) b = fit_ignoring_whole_rule(p, rounded);
-  }
+  block* b = growth_hook_->grow_locked(*this, p, rounded);
   note_headroom_locked();
   return b;
-}
-
-bool caching_allocator::impl::growth_raises_peak_with_refused_locked(const pool& p,
-                                                                     std::size_t rounded) const {
-  if (opts_.backend == backend_kind::expandable)
-    return expandable_growth_raises_peak_locked(p, rounded);
-  if (p.small || opts_.whole_segment_split_ratio == 0) return false;
-  // Below the peak growth costs nothing; at the limit the rule gives way (find_block_locked).
-  const std::size_t grown = static_cast<std::size_t>(stats_.reserved_bytes.current) +
-                            detail::segment_bytes_for(rounded);
-  if (grown <= reserved_high_water_locked() || grown > limits_.limit_bytes) return false;
-  // Worth the driver calls only when the idle segments are a good part of the growth.
-  std::size_t idle = 0;
-  p.mapped.for_each([&](const block* b) { idle += idle_at_growth(b, rounded) ? b->size : 0; });
-  return idle >= detail::segment_bytes_for(rounded) / detail::k_idle_release_divisor;
-}
-
-// Bytes a growth of p for `rounded` bytes maps beyond peak reserved (0: none), and the free
-// mapped block it extends (null: none).
-std::size_t caching_allocator::impl::expandable_growth_excess_locked(const pool& p,
-                                                                     std::size_t rounded,
-                                                                     const block** extended) const {
-  std::size_t map_bytes = 0;
-  const block* choice = p.expandable ? choose_unmapped_locked(p, rounded, map_bytes, false)
-                                     : nullptr;
-  *extended = nullptr;
-  if (!choice) {
-    map_bytes = detail::round_up(rounded, limits_.small_chunk_bytes);  // a fresh range
-  } else if (const block* prev = choice->prev;
-             prev && prev->state == block_state::free && prev->mapped) {
-    *extended = prev;
-  }
-  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-  const std::size_t peak = std::min(limits_.limit_bytes, reserved_high_water_locked());
-  return reserved + map_bytes > peak ? reserved + map_bytes - peak : 0;
-}
-
-bool caching_allocator::impl::expandable_growth_raises_peak_locked(const pool& p,
-                                                                   std::size_t rounded) const {
-  const block* extended = nullptr;
-  if (expandable_growth_excess_locked(p, rounded, &extended) == 0) return false;
-  // Reserved but not allocated, less the block the growth extends and what is queued already:
-  // an upper bound of the whole free chunks elsewhere (other pools' blocks are not looked at
-  // without their locks).
-  std::int64_t allocated = 0;
-  for (auto& [s, state] : streams_.states) allocated += state->mirror.allocated_total();
-  const std::int64_t idle = stats_.reserved_bytes.current - allocated -
-                            static_cast<std::int64_t>(extended ? extended->size : 0) -
-                            static_cast<std::int64_t>(queued_release_bytes_locked());
-  return idle >= static_cast<std::int64_t>(k_min_idle_release_bytes);
 }
 
 bool caching_allocator::impl::wants_collection_locked(std::size_t rounded) const {
@@ -328,11 +261,9 @@ block* caching_allocator::impl::reclaim_queued_first_locked(device_lock& dlk,
                                                             stream_state& st, pool& p,
                                                             std::size_t rounded, bool* stop) {
   if (releases_.deferred.empty()) return nullptr;
-  const bool expandable = opts_.backend == backend_kind::expandable;
   block* b = reclaim_in_place_locked(p, rounded);
   bool in_flight = false;  // the release worker is giving memory back right now
-  if (!b && expandable) b = reclaim_by_alias_locked(p, rounded, true, &in_flight);
-  if (!b && !expandable) b = reclaim_segment_locked(p, rounded, true);
+  if (!b) b = growth_hook_->reclaim_queued_locked(*this, p, rounded, &in_flight);
   if (in_flight) {  // that release ends (driver calls, never a fence wait), then once more
     drop_stream_lock(slk, st);
     wait_for_worker_locked(dlk, nullptr);
@@ -341,7 +272,7 @@ block* caching_allocator::impl::reclaim_queued_first_locked(device_lock& dlk,
       *stop = true;
       return nullptr;
     }
-    b = reclaim_by_alias_locked(p, rounded, true);
+    b = growth_hook_->reclaim_queued_locked(*this, p, rounded, nullptr);
   }
   return b;
 }
@@ -364,62 +295,16 @@ block* caching_allocator::impl::grow_within_peak_or_pending_locked(
   return b;
 }
 
-// 5, expandable, past the peak: idle chunks queued behind a fence; those whose fence streams
-// are idle now go back to the driver (measured on the corpus: mapping them again instead keeps
-// their old addresses, and what they later give back, in the queue), the rest are reclaimed
-// behind a device-side wait.
-block* caching_allocator::impl::grow_from_idle_chunks_locked(device_lock& dlk,
-                                                             detail::unique_lock<stream_lock>& slk,
-                                                             stream_state& st, pool& p,
-                                                             std::size_t rounded) {
-  const block* keep = nullptr;
-  const std::size_t excess = expandable_growth_excess_locked(p, rounded, &keep);
-  drop_stream_lock(slk, st);
-  queue_idle_chunks_locked(keep, p.small, excess);
-  try {
-    release_completed_locked(dlk, true);
-  } catch (const std::exception& e) {
-    detail::log().warn("device {}: giving idle chunks back before growing failed: {}",
-                       backend_.device(), e.what());
-  }
-  retake_stream_lock(slk, st);
-  block* b = reclaim_by_alias_locked(p, rounded);
-  return b ? b : find_block_locked(st, p, rounded, true);
-}
-
-// 5, cuda_malloc, past the peak: the whole free segments the whole-segment rule refuses go
-// back first (opportunistic: a failed release leaves its memory in the pool).
-block* caching_allocator::impl::grow_after_refused_segments_locked(
-    device_lock& dlk, detail::unique_lock<stream_lock>& slk, stream_state& st, pool& p,
-    std::size_t rounded) {
-  drop_stream_lock(slk, st);
-  try {
-    release_refused_segments(dlk, st, rounded);
-  } catch (const std::exception& e) {
-    detail::log().warn("device {}: giving refused whole segments back before growing failed: {}",
-                       backend_.device(), e.what());
-  }
-  retake_stream_lock(slk, st);
-  return find_block_locked(st, p, rounded, true);  // the pool may have changed meanwhile
-}
-
 // 5. A growth; past the peak, idle memory makes room first (never a host wait). Then (no
 // release worker) queued releases whose fences completed go back and the search runs again.
 block* caching_allocator::impl::grow_making_room_locked(device_lock& dlk,
                                                         detail::unique_lock<stream_lock>& slk,
                                                         stream_state& st, pool& p,
                                                         std::size_t rounded) {
-  const bool expandable = opts_.backend == backend_kind::expandable;
-  if (!p.small && !expandable && opts_.whole_segment_split_ratio != 0)
-    prove_idle_segments_locked(st, p);  // K12: an idle fence ahead of the next growth
-  block* b = nullptr;
-  if (!growth_raises_peak_with_refused_locked(p, rounded)) {
-    b = grow_locked(p, rounded);
-  } else if (expandable) {
-    b = grow_from_idle_chunks_locked(dlk, slk, st, p, rounded);
-  } else {
-    b = grow_after_refused_segments_locked(dlk, slk, st, p, rounded);
-  }
+  growth_hook_->prepare_growth_locked(*this, st, p);
+  block* b = growth_hook_->makes_room_first_locked(*this, p, rounded)
+                 ? growth_hook_->grow_after_room_locked(*this, dlk, slk, st, p, rounded)
+                 : grow_locked(p, rounded);
   if (!b && !releases_.deferred.empty() && !worker_releases_locked(opts_.empty_cache)) {
     drop_stream_lock(slk, st);
     finish_deferred(dlk, false);
@@ -433,14 +318,7 @@ block* caching_allocator::impl::grow_making_room_locked(device_lock& dlk,
 block* caching_allocator::impl::take_from_other_pools_locked(detail::unique_lock<stream_lock>& slk,
                                                              stream_state& st, pool& p,
                                                              std::size_t rounded) {
-  if (block* b = steal_segment_locked(p, rounded, true)) return b;
-  if (opts_.backend != backend_kind::expandable) return nullptr;
-  const block* keep = nullptr;
-  const std::size_t excess = expandable_growth_excess_locked(p, rounded, &keep);
-  drop_stream_lock(slk, st);
-  queue_idle_chunks_locked(keep, false, excess);
-  retake_stream_lock(slk, st);
-  return reclaim_by_alias_locked(p, rounded);
+  return growth_hook_->take_from_other_pools_locked(*this, slk, st, p, rounded);
 }
 
 // Every way to serve `rounded` bytes from p once the fast path found nothing, in the order at

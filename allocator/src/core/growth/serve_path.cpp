@@ -6,6 +6,7 @@
 // steps that release or wait.
 #include "core/allocator_impl.hpp"
 #include "core/common/logging.hpp"
+#include "core/growth/growth_hook.hpp"
 #include "core/streams/stream_lock_drop.hpp"
 
 #include <chrono>
@@ -234,9 +235,7 @@ block* caching_allocator::impl::out_of_memory_path_locked(device_lock& dlk,
     block* q = nullptr;
     if (!releases_.deferred.empty()) {
       q = reclaim_in_place_locked(p, rounded, false);
-      if (!q)
-        q = opts_.backend == backend_kind::expandable ? reclaim_by_alias_locked(p, rounded)
-                                                      : reclaim_segment_locked(p, rounded, false);
+      if (!q) q = growth_hook_->reclaim_queued_last_resort_locked(*this, p, rounded);
     }
     return q ? q : steal_segment_locked(p, rounded, false);
   }

@@ -289,13 +289,13 @@ void caching_allocator::impl::commit_alias_locked(pool& p, block* target,
   free_block_locked(target);
 }
 
-// expandable: queued chunks of any pool mapped again into p's range behind their fences, what
-// they lack mapped anew within the limit (within_peak: only if that keeps reserved at or below
-// its peak; in_flight set when the release worker's release in flight is what stands in the way).
+// expandable (its growth hook's call): queued chunks of any pool mapped again into p's range
+// behind their fences, what they lack mapped anew within the limit (within_peak: only if that
+// keeps reserved at or below its peak; in_flight set when the release worker's release in flight
+// is what stands in the way).
 block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rounded,
                                                         bool within_peak, bool* in_flight) {
-  if (capturing() || opts_.backend != backend_kind::expandable ||
-      opts_.release_fence == fence_scope::device || releases_.deferred.empty())
+  if (capturing() || opts_.release_fence == fence_scope::device || releases_.deferred.empty())
     return nullptr;
   std::size_t need = 0;
   block* target = alias_target_locked(p, rounded, &need);

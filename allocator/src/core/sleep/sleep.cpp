@@ -18,6 +18,7 @@
 #include "core/allocator_impl.hpp"
 #include "core/common/format.hpp"
 #include "core/common/logging.hpp"
+#include "core/growth/growth_hook.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -463,7 +464,7 @@ pause_status caching_allocator::pause(std::string_view tag, pause_mode mode, emp
   if (callback_scope::active())
     throw std::logic_error(where + " inside a stream callback: a pause makes CUDA calls");
   device_lock lk(m.mu_);
-  if (m.opts_.backend != backend_kind::expandable) {
+  if (!m.growth_hook_->supports_pause()) {
     throw config_error(
         where +
         ": pause needs the expandable backend (backend:expandable, "
