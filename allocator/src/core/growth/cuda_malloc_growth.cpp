@@ -66,14 +66,16 @@ struct caching_allocator::impl::cuda_malloc_growth final : growth_hook {
   block* grow_after_room_locked(impl& m, device_lock& dlk, detail::unique_lock<stream_lock>& slk,
                                 stream_state& st, pool& p, std::size_t rounded) override
       STREAMSAFE_REQUIRES(m.mu_, st.mu) {
-    detail::drop_stream_lock(slk, st);
-    try {
-      m.release_refused_segments(dlk, st, rounded);
-    } catch (const std::exception& e) {
-      detail::log().warn("device {}: giving refused whole segments back before growing failed: {}",
-                         m.backend_.device(), e.what());
+    {
+      detail::stream_lock_dropped dropped(slk, st);
+      try {
+        m.release_refused_segments(dlk, st, rounded);
+      } catch (const std::exception& e) {
+        detail::log().warn(
+            "device {}: giving refused whole segments back before growing failed: {}",
+            m.backend_.device(), e.what());
+      }
     }
-    detail::retake_stream_lock(slk, st);
     return m.find_block_locked(st, p, rounded, true);
   }
 

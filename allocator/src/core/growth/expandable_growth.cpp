@@ -64,15 +64,16 @@ struct caching_allocator::impl::expandable_growth final : growth_hook {
       STREAMSAFE_REQUIRES(m.mu_, st.mu) {
     const block* keep = nullptr;
     const std::size_t excess = growth_excess_locked(m, p, rounded, &keep);
-    detail::drop_stream_lock(slk, st);
-    m.queue_idle_chunks_locked(keep, p.small, excess);
-    try {
-      m.release_completed_locked(dlk, true);
-    } catch (const std::exception& e) {
-      detail::log().warn("device {}: giving idle chunks back before growing failed: {}",
-                         m.backend_.device(), e.what());
+    {
+      detail::stream_lock_dropped dropped(slk, st);
+      m.queue_idle_chunks_locked(keep, p.small, excess);
+      try {
+        m.release_completed_locked(dlk, true);
+      } catch (const std::exception& e) {
+        detail::log().warn("device {}: giving idle chunks back before growing failed: {}",
+                           m.backend_.device(), e.what());
+      }
     }
-    detail::retake_stream_lock(slk, st);
     block* b = m.reclaim_by_alias_locked(p, rounded);
     return b ? b : m.find_block_locked(st, p, rounded, true);
   }
@@ -94,9 +95,10 @@ struct caching_allocator::impl::expandable_growth final : growth_hook {
       STREAMSAFE_REQUIRES(m.mu_, st.mu) {
     const block* keep = nullptr;
     const std::size_t excess = growth_excess_locked(m, p, rounded, &keep);
-    detail::drop_stream_lock(slk, st);
-    m.queue_idle_chunks_locked(keep, false, excess);
-    detail::retake_stream_lock(slk, st);
+    {
+      detail::stream_lock_dropped dropped(slk, st);
+      m.queue_idle_chunks_locked(keep, false, excess);
+    }
     return m.reclaim_by_alias_locked(p, rounded);
   }
 

@@ -70,9 +70,6 @@ struct pending_event_copy {
 
 }  // namespace
 
-using detail::drop_stream_lock;
-using detail::retake_stream_lock;
-
 // ---- headroom ---------------------------------------------------------------------------------
 
 // True when p can grow for `rounded` bytes without raising peak reserved, within the limit.
@@ -265,9 +262,10 @@ block* caching_allocator::impl::reclaim_queued_first_locked(device_lock& dlk,
   bool in_flight = false;  // the release worker is giving memory back right now
   if (!b) b = growth_hook_->reclaim_queued_locked(*this, p, rounded, &in_flight);
   if (in_flight) {  // that release ends (driver calls, never a fence wait), then once more
-    drop_stream_lock(slk, st);
-    wait_for_worker_locked(dlk, nullptr);
-    retake_stream_lock(slk, st);
+    {
+      detail::stream_lock_dropped dropped(slk, st);
+      wait_for_worker_locked(dlk, nullptr);
+    }
     if (capturing()) {
       *stop = true;
       return nullptr;
@@ -287,9 +285,10 @@ block* caching_allocator::impl::grow_within_peak_or_pending_locked(
   if (!b) b = take_pending_locked(st, p, rounded);
   // A refused segment queued at one growth would otherwise stay reserved through the next.
   if (!b && !releases_.deferred.empty() && !worker_releases_locked(opts_.empty_cache)) {
-    drop_stream_lock(slk, st);
-    finish_deferred(dlk, false);
-    retake_stream_lock(slk, st);
+    {
+      detail::stream_lock_dropped dropped(slk, st);
+      finish_deferred(dlk, false);
+    }
     b = find_block_locked(st, p, rounded, false);
   }
   return b;
@@ -306,9 +305,10 @@ block* caching_allocator::impl::grow_making_room_locked(device_lock& dlk,
                  ? growth_hook_->grow_after_room_locked(*this, dlk, slk, st, p, rounded)
                  : grow_locked(p, rounded);
   if (!b && !releases_.deferred.empty() && !worker_releases_locked(opts_.empty_cache)) {
-    drop_stream_lock(slk, st);
-    finish_deferred(dlk, false);
-    retake_stream_lock(slk, st);
+    {
+      detail::stream_lock_dropped dropped(slk, st);
+      finish_deferred(dlk, false);
+    }
     b = find_block_locked(st, p, rounded, true);
   }
   return b;
@@ -339,11 +339,12 @@ block* caching_allocator::impl::expand_pool_locked(device_lock& dlk,
     // the peak, so that the peak never counts those bytes beside new memory that took their
     // place on the device (the ledger). Under the allocator's limit the growth counts them and
     // goes on beside them: no wait.
-    drop_stream_lock(slk, st);
-    driver_calls_.done.wait(dlk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
-      return ledger_.releasing_elsewhere_bytes() == 0;
-    });
-    retake_stream_lock(slk, st);
+    {
+      detail::stream_lock_dropped dropped(slk, st);
+      driver_calls_.done.wait(dlk, [&]() STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+        return ledger_.releasing_elsewhere_bytes() == 0;
+      });
+    }
     if (capturing()) return nullptr;
     b = find_block_locked(st, p, rounded, false);
   }

@@ -15,9 +15,6 @@
 
 namespace streamsafe {
 
-using detail::drop_stream_lock;
-using detail::retake_stream_lock;
-
 // The analysis cannot follow the lock taken for every stream but `held` (whose lock the caller
 // holds): each retire_pending_locked below runs under its stream's lock.
 std::size_t caching_allocator::impl::retire_pending_behind_waits_locked(const stream_state* held)
@@ -77,10 +74,11 @@ block* caching_allocator::impl::serve_without_waiting_locked(device_lock& dlk,
     if (!b) b = take_from_other_pools_locked(slk, st, p, rounded);
   }
   if (!b) {
-    drop_stream_lock(slk, st);
-    release_cached(dlk, empty_cache_mode::defer);
-    if (sleep_.pauses_pending != 0) advance_pauses_locked(dlk);  // tags' fences done: unmapped
-    retake_stream_lock(slk, st);
+    {
+      detail::stream_lock_dropped dropped(slk, st);
+      release_cached(dlk, empty_cache_mode::defer);
+      if (sleep_.pauses_pending != 0) advance_pauses_locked(dlk);  // tags' fences done: unmapped
+    }
     if (capturing()) return nullptr;  // the caller allocates for the capture instead
     b = find_block_locked(st, p, rounded, true);
   }
@@ -225,9 +223,11 @@ block* caching_allocator::impl::out_of_memory_path_locked(device_lock& dlk,
   for (;;) {
     block* b = serve_without_waiting_locked(dlk, slk, st, p, rounded);
     if (b || capturing()) return b;
-    drop_stream_lock(slk, st);
-    const bool waited = serve_wait_locked(dlk, w);
-    retake_stream_lock(slk, st);
+    bool waited = false;
+    {
+      detail::stream_lock_dropped dropped(slk, st);
+      waited = serve_wait_locked(dlk, w);
+    }
     if (capturing()) return nullptr;
     if (waited) continue;
     // No wait left: what could not go back serves the request after all, the whole-segment
