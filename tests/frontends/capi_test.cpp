@@ -8,10 +8,12 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace {
 
@@ -183,6 +185,37 @@ TEST_CASE(
   CHECK(streamsafe_empty_cache(nullptr) == STREAMSAFE_SUCCESS);
   REQUIRE(streamsafe_reset_peak_stats(0) == STREAMSAFE_SUCCESS);
   CHECK(stats_of(0).reserved_bytes.peak == 0);
+}
+
+TEST_CASE("The C API lists every tag the process has named, count first", "[capi][sleep]") {
+  REQUIRE(streamsafe_tag_push("capi-list-a") == STREAMSAFE_SUCCESS);
+  REQUIRE(streamsafe_tag_push("capi-list-b") == STREAMSAFE_SUCCESS);
+  REQUIRE(streamsafe_tag_pop() == STREAMSAFE_SUCCESS);
+  REQUIRE(streamsafe_tag_pop() == STREAMSAFE_SUCCESS);
+  std::size_t count = 0;
+  REQUIRE(streamsafe_list_tags(nullptr, 0, &count) == STREAMSAFE_SUCCESS);
+  REQUIRE(count >= 2);
+  std::vector<const char*> names(count + 1, nullptr);
+  std::size_t again = 0;
+  REQUIRE(streamsafe_list_tags(names.data(), names.size(), &again) == STREAMSAFE_SUCCESS);
+  CHECK(again == count);
+  CHECK(names[count] == nullptr);  // nothing written past the tags
+  std::vector<std::string> listed(names.begin(), names.begin() + static_cast<long>(count));
+  const auto a = std::find(listed.begin(), listed.end(), "capi-list-a");
+  const auto b = std::find(listed.begin(), listed.end(), "capi-list-b");
+  REQUIRE(a != listed.end());
+  REQUIRE(b != listed.end());
+  CHECK(a < b);  // in the order they were named
+  // A short array gets the first names, and the count of all.
+  const char* first = nullptr;
+  REQUIRE(streamsafe_list_tags(&first, 1, &again) == STREAMSAFE_SUCCESS);
+  CHECK(again == count);
+  CHECK(first != nullptr);
+  // Misuse: a clear status, a message naming the argument.
+  CHECK(streamsafe_list_tags(nullptr, 0, nullptr) == STREAMSAFE_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(streamsafe_last_error()).find("count is NULL") != std::string::npos);
+  CHECK(streamsafe_list_tags(nullptr, 3, &again) == STREAMSAFE_ERROR_INVALID_ARGUMENT);
+  CHECK(std::string(streamsafe_last_error()).find("names is NULL") != std::string::npos);
 }
 
 TEST_CASE("Every C API status has a name", "[capi]") {

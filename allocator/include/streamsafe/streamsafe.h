@@ -165,6 +165,13 @@ STREAMSAFE_C_API streamsafe_status streamsafe_resume(const char* tag, int device
                                                      streamsafe_pause_status* status);
 STREAMSAFE_C_API streamsafe_status streamsafe_tag_status(const char* tag, int device,
                                                          streamsafe_pause_status* status);
+/* Every tag named so far in the process (by streamsafe_tag_push or any front end), in the order
+ * they were first named: *count receives how many there are, and names[0 .. min(count,
+ * capacity)) their names. The strings stay valid until the calling thread's next
+ * streamsafe_list_tags. names may be NULL when capacity is 0 (ask for the count first);
+ * STREAMSAFE_ERROR_INVALID_ARGUMENT when count is NULL, or names is NULL with a capacity. */
+STREAMSAFE_C_API streamsafe_status streamsafe_list_tags(const char** names, size_t capacity,
+                                                        size_t* count);
 /* The tag's cached free memory on every device back to the driver (as streamsafe_empty_cache). */
 STREAMSAFE_C_API streamsafe_status streamsafe_empty_cache_tag(const char* tag,
                                                               size_t* released_bytes);

@@ -451,6 +451,22 @@ streamsafe_status streamsafe_tag_status(const char* tag, int device,
       [&] { fill(status, target().device_allocator(device).tag_status(tag_or_throw(tag))); });
 }
 
+streamsafe_status streamsafe_list_tags(const char** names, size_t capacity, size_t* count) {
+  if (count) *count = 0;
+  return guarded([&] {
+    if (!count) throw std::invalid_argument("streamsafe_list_tags: count is NULL");
+    if (capacity != 0 && !names) {
+      throw std::invalid_argument("streamsafe_list_tags: names is NULL with a capacity of " +
+                                  std::to_string(capacity));
+    }
+    thread_local std::vector<std::string> held;  // the names handed out, until the next call
+    held.clear();
+    for (streamsafe::tag_info& t : streamsafe::list_tags()) held.push_back(std::move(t.name));
+    for (std::size_t i = 0; i < held.size() && i < capacity; ++i) names[i] = held[i].c_str();
+    *count = held.size();
+  });
+}
+
 streamsafe_status streamsafe_empty_cache_tag(const char* tag, size_t* released_bytes) {
   if (released_bytes) *released_bytes = 0;
   return guarded([&] {
