@@ -29,10 +29,15 @@ using namespace streamsafe::test::checker;
 
 namespace {
 
-// The violations the core at this commit is known to produce (see the commit that added this
-// file): reported, not failed, unless STREAMSAFE_CHECKER_STRICT=1. Empty this set once the core
-// keeps the promise.
-const std::set<std::string> k_known_broken = {"oom", "snapshot-sum", "device-limit"};
+// The violations the core is known to produce today, only with threads running at once (found
+// there at a rate of 2-3 each in 90 s, before and after the serve path's waits): reported, not
+// failed, unless STREAMSAFE_CHECKER_STRICT=1. device-limit: the device held up to 132 MiB more
+// than reserved counts (expandable; aliased queued memory among the suspects); oracle: the
+// snapshot shows a block active that the program no longer holds; snapshot-sum, from the
+// checker's first version, was not seen in the 30-minute run.
+// "oom" left this set once the serve path served every judged request (30 minutes of the three
+// test cases with none). Empty it once the core keeps the promise.
+const std::set<std::string> k_known_broken = {"snapshot-sum", "device-limit", "oracle"};
 
 // STREAMSAFE_CHECKER_PRINT: how many violating runs each test case prints (default 3).
 std::size_t print_limit() {
