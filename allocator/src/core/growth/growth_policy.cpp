@@ -226,6 +226,7 @@ bool caching_allocator::impl::wait_queued_fences_locked(device_lock& dlk) {
   for (const auto& t : streams_.tombstones) waits.push_back({t.event});
   const std::size_t queued = releases_.deferred_bytes;
   std::vector<event_handle> events;
+  events.reserve(waits.size());
   for (const auto& w : waits) events.push_back(w.event);
   const bool done = wait_events_bounded_locked(dlk, events, detail::k_oom_fence_wait_us);
   detail::log().debug("device {}: out of memory: {} on the release fences of {} queued bytes",
