@@ -321,13 +321,8 @@ void torch_allocator::emptyCache(MempoolId_t mempool_id) {
     } else {
       // Untagged memory, then every tag but the live MemPools' (streamsafe.torch.tag's too).
       std::vector<std::string> tags;
-      for (streamsafe::tag_id t = 1;; ++t) {
-        try {
-          std::string name = streamsafe::tag_name(t);
-          if (!keep.count(name)) tags.push_back(std::move(name));
-        } catch (const std::invalid_argument&) {
-          break;
-        }
+      for (streamsafe::tag_info& t : streamsafe::list_tags()) {
+        if (!keep.count(t.name)) tags.push_back(std::move(t.name));
       }
       guarded("empty_cache", [&] {
         for (int d = 0; d < ss_->device_count(); ++d) {
