@@ -17,6 +17,7 @@
 #include <cuda_runtime_api.h>
 
 #include <unistd.h>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -120,6 +121,7 @@ int main(int argc, char** argv) {
       release_variant::pytorch, release_variant::pytorch_synchronize,
       release_variant::streamsafe_wait, release_variant::streamsafe_defer};
   bool child = false;
+  bool sized = false;  // --params or --shard-floats given: no sizing to the device
   optimizer_kind child_kind{};
   release_variant child_variant{};
   try {
@@ -131,8 +133,8 @@ int main(int argc, char** argv) {
       };
       if (a == "--sim") force_sim = true;
       else if (a == "--steps") p.steps = std::stoi(next());
-      else if (a == "--params") p.params = std::stoi(next());
-      else if (a == "--shard-floats") p.shard_floats = std::stoull(next());
+      else if (a == "--params") p.params = std::stoi(next()), sized = true;
+      else if (a == "--shard-floats") p.shard_floats = std::stoull(next()), sized = true;
       else if (a == "--unrelated-ms") p.unrelated_ms = std::stod(next());
       else if (a == "--optimizers" || a == "--variants") {
         auto items = split(next());
@@ -184,6 +186,18 @@ int main(int argc, char** argv) {
     cudaGetDeviceProperties(&prop, 0);
     where = std::string("GPU: ") + prop.name +
             " (device 0); each configuration runs in its own process";
+    // AdamW holds a parameter, two moments and a gradient per tensor, and the last step's
+    // gradients may still be on their way back: five times the gradients must fit, with 15%
+    // for the driver and the kernels. The defaults were chosen on a 141 GB H200; a smaller card
+    // gets fewer parameter tensors (said below), unless --params / --shard-floats say otherwise.
+    const double gradients = static_cast<double>(p.params) * static_cast<double>(p.shard_floats) *
+                             4;
+    const double fits = 0.85 * static_cast<double>(prop.totalGlobalMem) / 5;
+    if (!sized && gradients > fits) {
+      p.params = std::max(1, static_cast<int>(p.params * fits / gradients));
+      where += "; sized to its " + gib_text(prop.totalGlobalMem) + " (--params " +
+               std::to_string(p.params) + ")";
+    }
   } else {
     where = force_sim ? "simulated device (--sim)"
                       : "simulated device: no GPU found here (cudaGetDeviceCount reported none); "
