@@ -120,6 +120,15 @@ std::future<void> run_beside(std::function<void()> f, std::chrono::milliseconds 
   return done;
 }
 
+// Three 64 MiB blocks of stream y, read by a long kernel of y, freed: y's cache, fenced.
+void cache_behind_long_reads(caching_allocator& alloc, sim::simulated_device& dev,
+                             stream_handle y) {
+  std::vector<void*> ys;
+  for (int i = 0; i < 3; ++i) ys.push_back(alloc.allocate(64 * MiB, y));
+  for (void* p : ys) dev.launch(y, 100000, {reads(p, 64 * MiB)}, "long read on y");
+  for (void* p : ys) alloc.deallocate(p);
+}
+
 }  // namespace
 
 TEST_CASE(
@@ -236,10 +245,7 @@ TEST_CASE(
   const stream_handle x = dev.create_stream();
   const stream_handle y = dev.create_stream();
   // Thread Y's cache: three 64 MiB blocks freed in stream order behind a long kernel of y.
-  std::vector<void*> ys;
-  for (int i = 0; i < 3; ++i) ys.push_back(alloc.allocate(64 * MiB, y));
-  for (void* p : ys) dev.launch(y, 100000, {reads(p, 64 * MiB)}, "long read on y");
-  for (void* p : ys) alloc.deallocate(p);
+  cache_behind_long_reads(alloc, dev, y);
   // While X waits on the host for the fences of what its out-of-memory path queued, Y takes that
   // memory back and frees it into its cache again.
   std::future<void> y_done;
@@ -336,10 +342,7 @@ TEST_CASE(
   caching_allocator alloc(hooked, o);
   const stream_handle x = dev.create_stream();
   const stream_handle y = dev.create_stream();
-  std::vector<void*> ys;
-  for (int i = 0; i < 3; ++i) ys.push_back(alloc.allocate(64 * MiB, y));
-  for (void* p : ys) dev.launch(y, 100000, {reads(p, 64 * MiB)}, "long read on y");
-  for (void* p : ys) alloc.deallocate(p);
+  cache_behind_long_reads(alloc, dev, y);
   // Y's empty_cache() waits on the fence of its 192 MiB; meanwhile X asks for 128 MiB, which
   // only that memory can make room for once it is back with the driver.
   std::future<void> x_done;
