@@ -201,6 +201,11 @@ inline oracle_verdict oracle_resume_from_snapshot(
   return v;
 }
 
+// Where a debugger stops when the device passes recording_device::set_trap_bytes.
+[[gnu::noinline]] inline void recording_device_over_limit(std::size_t bytes) {
+  asm volatile("" ::"r"(bytes) : "memory");
+}
+
 // The device's own view: a backend over the simulated device that records the physical memory
 // it served (segments, mapped chunks, aliases of them) and where each is mapped. Thread-safe.
 class recording_device : public forwarding_device {
@@ -256,6 +261,11 @@ class recording_device : public forwarding_device {
   std::size_t peak_bytes() const {
     std::lock_guard<std::mutex> lk(mu_);
     return peak_bytes_;
+  }
+  // Past this many bytes each map calls recording_device_over_limit (a breakpoint for gdb).
+  void set_trap_bytes(std::size_t n) {
+    std::lock_guard<std::mutex> lk(mu_);
+    trap_bytes_ = n;
   }
   void reset_peak() {
     std::lock_guard<std::mutex> lk(mu_);
@@ -321,6 +331,7 @@ class recording_device : public forwarding_device {
     mappings_.emplace(a, mapping{n, id});
     bytes_ += n;
     peak_bytes_ = std::max(peak_bytes_, bytes_);
+    if (trap_bytes_ != 0 && bytes_ > trap_bytes_) recording_device_over_limit(bytes_);
   }
   // unmap / free_segment cover whole mappings (a union of ranges map() mapped).
   void remove_mappings(std::uintptr_t a, std::size_t n) {
@@ -341,6 +352,7 @@ class recording_device : public forwarding_device {
   std::uint64_t next_id_ = 1;
   std::size_t bytes_ = 0;
   std::size_t peak_bytes_ = 0;
+  std::size_t trap_bytes_ = 0;
 };
 
 }  // namespace streamsafe::test

@@ -50,6 +50,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <shared_mutex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -147,6 +148,7 @@ struct step_record {
   int thread = 0;
   op what;
   std::string outcome;
+  std::uint64_t begin = 0, end = 0;  // free-running: the step's place in the global order
 };
 
 struct violation {
@@ -176,7 +178,9 @@ struct run_result {
       os << "  " << i++ << ": t" << s.thread << " " << to_string(s.what.kind);
       if (s.what.kind == op_kind::allocate || s.what.kind == op_kind::allocate_tagged)
         os << " " << s.what.size_bytes;
-      os << " -> " << s.outcome << "\n";
+      os << " -> " << s.outcome;
+      if (s.end != 0) os << " [" << s.begin << ", " << s.end << "]";
+      os << "\n";
     }
     for (const auto& n : notes) os << "violation [" << n.kind << "]: " << n.message << "\n";
     if (failure) os << "violation [" << failure->kind << "]: " << failure->message << "\n";
@@ -274,6 +278,7 @@ class world {
     o.expandable_chunk_bytes = c.chunk_bytes;
     o.expandable_peak_chunk_bytes = c.chunk_bytes;
     alloc_ = std::make_unique<caching_allocator>(rec_, o);
+    rec_.set_trap_bytes(c.limit_bytes);
     if (c.ipc) {
       consumer_ = std::make_unique<caching_allocator>(dev_, make_options(c.backend));
       consumer_stream_ = dev_.create_stream();
@@ -368,6 +373,17 @@ class world {
                              std::to_string(dev_kept));
       }
     }
+  }
+
+  // With no step running and no release worker (free-running: a thread that holds every step
+  // out), reserved is what the device holds; `window` names the steps since the last such check.
+  void check_quiet(const std::string& window) {
+    if (cfg_.release_worker) return;
+    const auto reserved = static_cast<std::size_t>(alloc_->stats().reserved_bytes.current);
+    if (reserved != rec_.bytes())
+      fail("accounting", "reserved " + std::to_string(reserved) + " bytes, the device holds " +
+                             std::to_string(rec_.bytes()) + ", " + window + "; " +
+                             describe(alloc_->snapshot()));
   }
 
   // Faults and the limit: cheap enough for every step of a free-running thread.
@@ -906,15 +922,35 @@ inline run_result run_free(const config& c, std::size_t steps) {
   });
   std::vector<std::thread> threads;
   std::vector<std::vector<step_record>> logs(static_cast<std::size_t>(c.threads));
+  // Steps hold `gate` shared; a thread that gets it alone after its step checks the accounting
+  // with nothing in flight, so a gap is found within the steps since the last such check.
+  std::shared_mutex gate;
+  std::atomic<std::uint64_t> order{0};
+  std::uint64_t last_quiet = 0;  // under gate, exclusive
   for (int i = 0; i < c.threads; ++i) {
     threads.emplace_back([&, i] {
       op_source src(c.seed, i, c, false);
       for (std::size_t s = 0; s < steps && !stop.load(); ++s) {
         const op o = src.next();
         try {
-          const std::string out = w.step(i, o);
-          logs[static_cast<std::size_t>(i)].push_back({i, o, out});
+          std::string out;
+          std::uint64_t begin = 0, end = 0;
+          {
+            std::shared_lock<std::shared_mutex> in_step(gate);
+            begin = ++order;
+            out = w.step(i, o);
+            end = ++order;
+          }
+          logs[static_cast<std::size_t>(i)].push_back({i, o, out, begin, end});
           w.check_cheap();
+          // No step running: reserved must be what the device holds (quiet_check).
+          if (gate.try_lock()) {
+            std::lock_guard<std::shared_mutex> quiet(gate, std::adopt_lock);
+            const std::uint64_t now = order.load();
+            w.check_quiet("since step " + std::to_string(last_quiet) + " of the global order (" +
+                          std::to_string(now) + " now)");
+            last_quiet = now;
+          }
         } catch (const violation_error& e) {
           logs[static_cast<std::size_t>(i)].push_back({i, o, "violation"});
           std::lock_guard<std::mutex> lk(mu);
