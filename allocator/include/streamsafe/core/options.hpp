@@ -144,9 +144,10 @@ struct options {
   // way instead of N / expandable_chunk_bytes. A handle goes back to the driver only whole:
   // free memory inside a stretch that holds live blocks stays mapped until the whole handle is
   // free (docs/sleep.md, "Handles sized to the tag").
-  // Off by default (2 MiB: never above the chunk): on an H100 (2026-12-07) the GPU test of
-  // larger handles crashed (SIGSEGV) in its first switch, so the rule is host-tested only.
-  std::size_t expandable_tag_handle_bytes = std::size_t{2} << 20;
+  // Default 1 GiB: on an H100 the GPU test (tests/backends/sleep_gpu_test.cpp, discard and
+  // offload) passed whole, and the colocated example's switches halved (docs/sleep.md). 2 MiB
+  // (never above the chunk) turns it off: resume maps the chunks growth mapped.
+  std::size_t expandable_tag_handle_bytes = std::size_t{1024} << 20;
   // Offload keeps its pinned host backup between switches (true): a later pause copies into
   // host memory already pinned, and resume leaves it cached for that. False: once a resume's
   // restore copies have completed, the pinned host memory no longer holding a paused tag goes
