@@ -165,7 +165,9 @@ TEST_CASE(
 
 TEST_CASE("Expandable: a growth maps what the request lacks, the last chunk cut to the granularity",
           "[core][expandable][corpus-policy]") {
-  sim_env env(make_options(backend_kind::expandable));  // 20 MiB chunks in large pools
+  options o = make_options(backend_kind::expandable);  // 20 MiB chunks in large pools
+  o.expandable_chunks_per_peak = 0;                    // whatever the peak
+  sim_env env(o);
   auto s = env.dev.create_stream();
   void* a = env.alloc.allocate(30 * MiB, s);  // a 20 MiB chunk and a 10 MiB one, not two of 20
   CHECK(env.alloc.stats().reserved_bytes.current == static_cast<std::int64_t>(30 * MiB));
@@ -186,7 +188,8 @@ TEST_CASE(
     "chunks, memory mapped again below it 20 MiB chunks, and reset_peak_stats does not move the "
     "mark",
     "[core][expandable][corpus-policy]") {
-  sim_env env(options::parse("backend:expandable,expandable_peak_chunk_mb:2"));
+  sim_env env(
+      options::parse("backend:expandable,expandable_peak_chunk_mb:2,expandable_chunks_per_peak:0"));
   auto s = env.dev.create_stream();
   void* a = env.alloc.allocate(100 * MiB, s);  // 0 -> 100 MiB: past the mark, fifty 2 MiB chunks
   CHECK(env.dev.counters().maps == 50);
@@ -261,11 +264,47 @@ TEST_CASE("expandable_peak_chunk_mb: parsed in MiB, a multiple of 2, at most the
   }
   // Larger than expandable_chunk_mb: the chunk size itself, one size for every growth.
   sim_env env(
-      options::parse("backend:expandable,expandable_chunk_mb:20,expandable_peak_chunk_mb:40"));
+      options::parse("backend:expandable,expandable_chunk_mb:20,expandable_peak_chunk_mb:40,"
+                     "expandable_chunks_per_peak:0"));
   auto s = env.dev.create_stream();
   void* a = env.alloc.allocate(100 * MiB, s);
   CHECK(env.dev.counters().maps == 5);
   env.alloc.deallocate(a);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE(
+    "expandable_chunks_per_peak: a pool whose peak is small against the chunk maps chunks small "
+    "against its peak, a large growth keeps larger chunks",
+    "[core][expandable][corpus-policy][config]") {
+  CHECK(options::parse("expandable_chunks_per_peak:256").expandable_chunks_per_peak == 256);
+  CHECK_THAT(options::parse("expandable_chunks_per_peak:64").to_string(),
+             Catch::Contains("expandable_chunks_per_peak:64"));
+  for (const char* bad : {"expandable_chunks_per_peak:-1", "expandable_chunks_per_peak:1.5",
+                          "expandable_chunks_per_peak:65537", "expandable_chunks_per_peak:many",
+                          "expandable_chunks_per_peak:"}) {
+    INFO(bad);
+    CHECK_THROWS_WITH(options::parse(bad), Catch::Contains("expandable_chunks_per_peak"));
+  }
+  struct row {
+    const char* conf;
+    std::size_t small_maps, large_maps;  // after 100 MiB, then after 1 GiB more
+  };
+  const row r = GENERATE(row{"backend:expandable,expandable_chunks_per_peak:0", 5, 5 + 52},
+                         // 100 MiB / 256 is under a granule: 2 MiB chunks; then 1124 MiB / 256
+                         // is 4.39 MiB: 4 MiB chunks
+                         row{"backend:expandable,expandable_chunks_per_peak:256", 50, 50 + 256},
+                         // 100 MiB / 64: 1.56 MiB, 2 MiB chunks; 1124 / 64 = 17.6: 16 MiB
+                         row{"backend:expandable,expandable_chunks_per_peak:64", 50, 50 + 64});
+  INFO(r.conf);
+  sim_env env(options::parse(r.conf));
+  auto s = env.dev.create_stream();
+  void* a = env.alloc.allocate(100 * MiB, s);
+  CHECK(env.dev.counters().maps == r.small_maps);
+  void* b = env.alloc.allocate(1024 * MiB, s);
+  CHECK(env.dev.counters().maps == r.large_maps);
+  env.alloc.deallocate(a);
+  env.alloc.deallocate(b);
   env.alloc.check_invariants();
 }
 

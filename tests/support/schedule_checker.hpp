@@ -111,6 +111,7 @@ struct config {
   std::size_t limit_bytes = 256 * MiB;
   int threads = 2;
   std::size_t chunk_bytes = 20 * MiB;  // expandable large-pool chunk (and peak chunk)
+  std::size_t chunks_per_peak = 0;     // expandable_chunks_per_peak: 16 makes chunks of 2-20 MiB
   bool tags = false;                   // expandable: each thread's tag, paused and resumed
   bool ipc = false;
   int max_live = 6;  // blocks a thread holds at most
@@ -122,6 +123,7 @@ struct config {
        << " release_worker:" << (release_worker ? "on" : "off") << " limit:" << limit_bytes / MiB
        << "MiB threads:" << threads;
     if (backend == backend_kind::expandable) os << " chunk:" << chunk_bytes / MiB << "MiB";
+    if (chunks_per_peak != 0) os << " chunks_per_peak:" << chunks_per_peak;
     os << " tags:" << tags << " ipc:" << ipc;
     return os.str();
   }
@@ -140,6 +142,11 @@ struct config {
     c.chunk_bytes = g() % 2 ? 2 * MiB : 20 * MiB;
     c.tags = c.backend == backend_kind::expandable && g() % 2 == 0;
     c.ipc = g() % 3 == 0;
+    // Drawn last, so that every earlier choice of a seed stays what it was.
+    c.chunks_per_peak = c.backend == backend_kind::expandable && c.chunk_bytes == 20 * MiB &&
+                                g() % 2 == 0
+                            ? 16
+                            : 0;
     return c;
   }
 };
@@ -277,6 +284,7 @@ class world {
     o.release_worker = c.release_worker ? release_worker_mode::on : release_worker_mode::off;
     o.expandable_chunk_bytes = c.chunk_bytes;
     o.expandable_peak_chunk_bytes = c.chunk_bytes;
+    o.expandable_chunks_per_peak = c.chunks_per_peak;
     alloc_ = std::make_unique<caching_allocator>(rec_, o);
     rec_.set_trap_bytes(c.limit_bytes);
     if (c.ipc) {

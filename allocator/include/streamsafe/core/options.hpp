@@ -137,6 +137,12 @@ struct options {
   // expandable_chunk_bytes. 2 MiB trades driver calls for a lower peak (docs/observability.md,
   // "Finer chunks"); the default, 20 MiB, is one size for every growth.
   std::size_t expandable_peak_chunk_bytes = std::size_t{20} << 20;
+  // A large-pool chunk is also at most 1/expandable_chunks_per_peak of the reserved bytes'
+  // high-water mark, or of what the growth raises reserved to if more (rounded down to the
+  // granularity, at least one granule): a pool whose peak is small against 20 MiB chunks maps
+  // chunks small against its peak, and a large pool keeps expandable_chunk_bytes. 0: off.
+  // Chosen on the tuning half of the trace corpus (docs/corpus.md, "The chunk against the peak").
+  std::size_t expandable_chunks_per_peak = 256;
   // The largest physical handle in which resume maps a paused tag's memory again (rounded up to
   // the granularity, at least expandable_chunk_bytes): each stretch of a given-back run that
   // holds live blocks, and each free stretch of at least a chunk, is mapped in handles of up to

@@ -69,6 +69,18 @@ block* detail::growth_layer::new_segment_locked(pool& p, std::size_t rounded) {
   return b;
 }
 
+// The chunk of a large-pool growth of `bytes`: expandable_chunk_mb, or less against the peak
+// (options::expandable_chunks_per_peak): the high-water mark of reserved bytes, or reserved
+// after this growth if more, over chunks_per_peak, down to the granularity.
+std::size_t detail::growth_layer::large_chunk_for_locked(std::size_t bytes) const {
+  const std::size_t g = limits_.small_chunk_bytes;
+  if (limits_.chunks_per_peak == 0) return limits_.large_chunk_bytes;
+  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
+  const std::size_t peak = std::max(reserved_high_water_locked(), reserved + bytes);
+  const std::size_t share = peak / limits_.chunks_per_peak / g * g;
+  return std::min(limits_.large_chunk_bytes, std::max(g, share));
+}
+
 // Bytes mapped: chunks of `chunk` up to `fine_from` bytes into the range, of `fine` after it.
 std::size_t detail::growth_layer::map_chunks_locked(segment* seg, std::uintptr_t addr,
                                                     std::size_t bytes, std::size_t chunk,
@@ -242,15 +254,17 @@ block* detail::growth_layer::expandable_fit_locked(pool& p, std::size_t rounded,
   // release (defer mode) are on their way back: a step that maps its memory again while the
   // last step's is still queued stays below the mark.
   std::size_t fine_from = SIZE_MAX;  // one chunk size (the default, and small pools)
-  if (!p.small && limits_.peak_chunk_bytes < gran) {
+  if (!p.small && limits_.peak_chunk_bytes < large_chunk_for_locked(map_bytes)) {
     const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
     const std::size_t kept = reserved - std::min(reserved, queued_release_bytes_locked());
     const std::size_t high_water = reserved_high_water_locked();
     const std::size_t below_mark = high_water > kept ? high_water - kept : 0;
     fine_from = below_mark / limits_.small_chunk_bytes * limits_.small_chunk_bytes;
   }
-  const std::size_t mapped = map_chunks_locked(choice->seg, choice->addr, map_bytes, gran,
-                                               fine_from, limits_.peak_chunk_bytes);
+  const std::size_t chunk = p.small ? gran : large_chunk_for_locked(map_bytes);
+  const std::size_t mapped = map_chunks_locked(choice->seg, choice->addr, map_bytes, chunk,
+                                               fine_from,
+                                               std::min(limits_.peak_chunk_bytes, chunk));
   if (mapped == 0) return nullptr;
   const bool partial = mapped < map_bytes;  // kept during a capture: free memory, too little
   map_bytes = mapped;

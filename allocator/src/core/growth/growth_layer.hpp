@@ -25,6 +25,7 @@ struct growth_layer : release_collect_layer {
       STREAMSAFE_REQUIRES(mu_);
   void reserve_range_locked(pool& p, std::size_t rounded, stream_handle side = 0)
       STREAMSAFE_REQUIRES(mu_);
+  std::size_t large_chunk_for_locked(std::size_t bytes) const STREAMSAFE_REQUIRES(mu_);
   std::size_t map_chunks_locked(segment* seg, std::uintptr_t addr, std::size_t bytes,
                                 std::size_t chunk, std::size_t fine_from = SIZE_MAX,
                                 std::size_t fine = 0) STREAMSAFE_REQUIRES(mu_);

@@ -23,6 +23,7 @@ struct growth_limits {
   std::size_t large_chunk_bytes = 0;   // expandable large pools: options::expandable_chunk_bytes
   std::size_t peak_chunk_bytes = 0;    // their growths past the high-water mark (growth.cpp)
   std::size_t tag_handle_bytes = 0;    // resume's largest handle (wake.cpp)
+  std::size_t chunks_per_peak = 0;     // options::expandable_chunks_per_peak (growth.cpp)
 };
 
 // The serve path's waits made so far for one request (serve_path.cpp).

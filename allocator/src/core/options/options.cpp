@@ -292,6 +292,16 @@ const option_spec k_options[] = {
      "(at most expandable_chunk_mb)",
      set_chunk_mib<&options::expandable_peak_chunk_bytes>,
      show_chunk_mib<&options::expandable_peak_chunk_bytes>},
+    {"expandable_chunks_per_peak", "number", "0 (off) or a whole number from 1 to 65536",
+     "an expandable large-pool chunk is at most the reserved high-water mark over this (at least "
+     "the granularity, at most expandable_chunk_mb)",
+     [](options& o, const option_spec& s, std::string_view v) {
+       const double n = number(s, v);
+       if (!(n >= 0 && n <= 65536) || n != static_cast<double>(static_cast<std::size_t>(n)))
+         bad_value(s, v);
+       o.expandable_chunks_per_peak = static_cast<std::size_t>(n);
+     },
+     [](const options& o) { return show_number(o.expandable_chunks_per_peak); }},
     {"expandable_tag_handle_mb", "number", "a whole, even number of MiB from 2 to 1048576",
      "largest physical handle in which resume maps a paused tag's memory again (at least "
      "expandable_chunk_mb)",
