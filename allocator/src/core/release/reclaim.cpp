@@ -30,6 +30,7 @@
 namespace streamsafe {
 
 using detail::hex;
+using ghost_range = detail::release_queue::ghost_range;
 
 // reclaim.cpp: taking queued memory back (no host wait, no new memory).
 void caching_allocator::impl::wait_on_fence_locked(stream_handle stream,
@@ -267,7 +268,7 @@ void caching_allocator::impl::commit_alias_locked(pool& p, block* target,
     c.b->aliased = true;
     c.b->ghost_owned = 0;
     c.b->alias_at = at;
-    releases_.ghosts.emplace(at, std::make_pair(c.b->size, c.b));
+    releases_.ghosts.emplace(at, ghost_range{c.b->size, c.b, c.b->addr});
     // The memory counts where it is mapped now: in p's kind (a ghost counts only ghost_owned).
     detail::move_reserved(stats_, c.b->seg->small, p.small, static_cast<std::int64_t>(c.b->size));
     at += c.b->size;
@@ -331,8 +332,9 @@ std::size_t caching_allocator::impl::unghost_locked(std::uintptr_t addr, std::si
   if (it != releases_.ghosts.begin()) --it;
   while (it != releases_.ghosts.end() && it->first < end) {
     const std::uintptr_t lo = it->first;
-    const std::uintptr_t hi = lo + it->second.first;
-    block* ghost = it->second.second;
+    const std::uintptr_t hi = lo + it->second.bytes;
+    block* ghost = it->second.ghost;
+    const std::uintptr_t from = it->second.from;
     if (hi <= addr) {
       ++it;
       continue;
@@ -344,47 +346,74 @@ std::size_t caching_allocator::impl::unghost_locked(std::uintptr_t addr, std::si
     detail::move_reserved(stats_, small, ghost->seg->small,
                           static_cast<std::int64_t>(cut_hi - cut_lo));
     it = releases_.ghosts.erase(it);  // the parts of the entry outside the range stay
-    if (lo < cut_lo) releases_.ghosts.emplace(lo, std::make_pair(cut_lo - lo, ghost));
-    if (cut_hi < hi)
-      it = releases_.ghosts.emplace(cut_hi, std::make_pair(hi - cut_hi, ghost)).first;
+    if (lo < cut_lo) releases_.ghosts.emplace(lo, ghost_range{cut_lo - lo, ghost, from});
+    if (cut_hi < hi) {
+      it = releases_.ghosts.emplace(cut_hi, ghost_range{hi - cut_hi, ghost, from + (cut_hi - lo)})
+               .first;
+    }
   }
   return held;
 }
 
-// The ghost b's unmap: forgets its entries, moves older ones along; returns ghost_owned.
+// The ghost b's unmap: forgets its entries, returns the bytes it gives back (of ghost_owned).
+// Older ghosts of memory mapped at b's address (entries inside b's range) follow that memory:
+// where b's memory is still mapped at a newer address, their entries move there; where it is
+// not (b owns it: the newer address went first), the older ghost maps it last and owns it now.
 std::size_t caching_allocator::impl::drop_ghost_locked(block* b) {
-  // b's own entries go; older ghosts of memory mapped at b's address follow the memory to where
-  // b's is now (the parts of their entries inside b's address range).
+  auto& ghosts = releases_.ghosts;
   const std::uintptr_t lo_b = b->addr;
   const std::uintptr_t hi_b = b->addr + b->size;
-  std::vector<std::pair<std::uintptr_t, std::pair<std::size_t, block*>>> keep;
-  auto it = releases_.ghosts.upper_bound(lo_b);
-  if (it != releases_.ghosts.begin()) --it;
-  while (it != releases_.ghosts.end() && it->first < hi_b) {
-    const std::uintptr_t lo = it->first;
-    const std::uintptr_t hi = lo + it->second.first;
-    block* g = it->second.second;
-    if (hi <= lo_b) {
-      ++it;
-      continue;
-    }
-    it = releases_.ghosts.erase(it);
-    const std::uintptr_t in_lo = std::max(lo, lo_b);
-    const std::uintptr_t in_hi = std::min(hi, hi_b);
-    if (lo < in_lo) keep.push_back({lo, {in_lo - lo, g}});
-    if (in_hi < hi) keep.push_back({in_hi, {hi - in_hi, g}});
-    keep.push_back({in_lo - lo_b + b->alias_at, {in_hi - in_lo, g}});
-  }
-  // b's entries may have moved with its memory (an earlier drop above): all of them, by owner.
-  for (auto g = releases_.ghosts.begin(); g != releases_.ghosts.end();) {
-    if (g->second.second == b) {
-      g = releases_.ghosts.erase(g);
+  // b's own entries (they may have moved with its memory): address in b's range -> (bytes,
+  // where that memory is mapped now).
+  std::map<std::uintptr_t, std::pair<std::size_t, std::uintptr_t>> mine;
+  for (auto g = ghosts.begin(); g != ghosts.end();) {
+    if (g->second.ghost == b) {
+      mine.emplace(g->second.from, std::make_pair(g->second.bytes, g->first));
+      g = ghosts.erase(g);
     } else {
       ++g;
     }
   }
-  for (const auto& k : keep) releases_.ghosts.emplace(k.first, k.second);
-  return b->ghost_owned;
+  std::vector<std::pair<std::uintptr_t, ghost_range>> keep;
+  std::size_t passed = 0;  // of b's own bytes, now an older ghost's
+  auto it = ghosts.upper_bound(lo_b);
+  if (it != ghosts.begin()) --it;
+  while (it != ghosts.end() && it->first < hi_b) {
+    const std::uintptr_t lo = it->first;
+    const ghost_range e = it->second;
+    const std::uintptr_t hi = lo + e.bytes;
+    if (hi <= lo_b) {
+      ++it;
+      continue;
+    }
+    it = ghosts.erase(it);
+    const std::uintptr_t in_lo = std::max(lo, lo_b);
+    const std::uintptr_t in_hi = std::min(hi, hi_b);
+    if (lo < in_lo) keep.push_back({lo, {in_lo - lo, e.ghost, e.from}});
+    if (in_hi < hi) keep.push_back({in_hi, {hi - in_hi, e.ghost, e.from + (in_hi - lo)}});
+    // [in_lo, in_hi): m is the first of b's entries that ends past `at`.
+    std::uintptr_t at = in_lo;
+    auto m = mine.upper_bound(at);
+    if (m != mine.begin() && std::prev(m)->first + std::prev(m)->second.first > at) --m;
+    while (at < in_hi) {
+      const std::uintptr_t next = m == mine.end() ? in_hi : std::min(m->first, in_hi);
+      if (at < next) {  // b's own memory: mapped at e.ghost alone once b's unmap returns
+        const std::size_t n = next - at;
+        e.ghost->ghost_owned += n;
+        passed += n;
+        detail::move_reserved(stats_, b->seg->small, e.ghost->seg->small,
+                              static_cast<std::int64_t>(n));
+        at = next;
+        continue;
+      }
+      const std::uintptr_t end = std::min(m->first + m->second.first, in_hi);
+      keep.push_back({m->second.second + (at - m->first), {end - at, e.ghost, e.from + (at - lo)}});
+      at = end;
+      ++m;
+    }
+  }
+  for (const auto& k : keep) ghosts.emplace(k.first, k.second);
+  return b->ghost_owned - std::min(passed, b->ghost_owned);
 }
 
 }  // namespace streamsafe

@@ -163,7 +163,8 @@ std::size_t caching_allocator::impl::account_release_locked(block* b, bool relea
       requeue_aliased_locked(b);
       return 0;
     }
-    // Only what the other address gave back meanwhile (ghost_owned) is memory back now.
+    // Only what the other address gave back meanwhile (ghost_owned), less what an older ghost
+    // still maps (drop_ghost_locked), is memory back now.
     const std::size_t owned = drop_ghost_locked(b);
     forget_chunks(seg, b->addr, b->size);
     seg->mapped_bytes -= b->size;
@@ -313,7 +314,7 @@ bool caching_allocator::impl::ghosted_locked(const block* b) const {
   const auto& ghosts = releases_.ghosts;
   if (ghosts.empty() || !b->seg->expandable) return false;
   auto it = ghosts.upper_bound(b->addr);
-  if (it != ghosts.begin() && std::prev(it)->first + std::prev(it)->second.first > b->addr)
+  if (it != ghosts.begin() && std::prev(it)->first + std::prev(it)->second.bytes > b->addr)
     return true;
   return it != ghosts.end() && it->first < b->addr + b->size;
 }

@@ -65,10 +65,16 @@ struct release_queue {
   // reclaim() releases what retired of them, until none is left (release.cpp).
   bool release_after_pending = false;
   // The old addresses of memory a pool reclaimed by mapping it again (reclaim.cpp): new
-  // address range start -> (bytes, the queued aliased block at the old address, a "ghost").
-  // While a ghost is mapped, unmapping the new address gives nothing back (it becomes the
-  // ghost's to give back: block::ghost_owned).
-  std::map<std::uintptr_t, std::pair<std::size_t, block*>> ghosts;
+  // address range start -> its bytes, the queued aliased block at the old address (a "ghost")
+  // and the address in the ghost's range of the memory mapped at the range's start. While a
+  // ghost is mapped, unmapping the new address gives nothing back (it becomes the ghost's to
+  // give back: block::ghost_owned).
+  struct ghost_range {
+    std::size_t bytes;
+    block* ghost;
+    std::uintptr_t from;
+  };
+  std::map<std::uintptr_t, ghost_range> ghosts;
 
   bool empty() const noexcept { return deferred.empty(); }
   std::size_t bytes() const noexcept { return deferred_bytes; }
