@@ -432,7 +432,8 @@ class world {
     std::size_t block_bytes = 0;  // find_block
     bool tagged = false;
     bool exported = false;
-    bool read_elsewhere = false;  // read on another thread's stream: never exported then
+    bool read_elsewhere = false;   // read on another thread's stream: never exported then
+    std::uint64_t registered = 0;  // its entry in the registry (register_block)
   };
   struct thread_state {
     stream_handle stream = 0;
@@ -457,17 +458,22 @@ class world {
 
   std::vector<std::pair<std::uintptr_t, std::size_t>> live_ranges() {
     std::lock_guard<std::mutex> lk(registry_mu_);
-    std::vector<std::pair<std::uintptr_t, std::size_t>> r(registry_.begin(), registry_.end());
+    std::vector<std::pair<std::uintptr_t, std::size_t>> r;
+    for (const auto& [a, e] : registry_) r.emplace_back(a, e.first);
     r.insert(r.end(), held_.begin(), held_.end());
     return r;
   }
-  void register_block(void* p, std::size_t n) {
+  // Returns the entry's number: once a block is freed, another thread may get its address and
+  // register it before the freeing thread unregisters, which must then leave the new entry.
+  std::uint64_t register_block(void* p, std::size_t n) {
     std::lock_guard<std::mutex> lk(registry_mu_);
-    registry_[addr(p)] = n;
+    registry_[addr(p)] = {n, ++registered_};
+    return registered_;
   }
   void unregister_block(const block& b) {
     std::lock_guard<std::mutex> lk(registry_mu_);
-    registry_.erase(addr(b.ptr));
+    const auto it = registry_.find(addr(b.ptr));
+    if (it != registry_.end() && it->second.second == b.registered) registry_.erase(it);
     // A free of an exported block may be held: counted live until the allocator has no held
     // frees (conservative for the device's view).
     if (b.exported) held_[addr(b.ptr)] = b.block_bytes;
@@ -633,8 +639,8 @@ class world {
                            e);
         }
         const caching_allocator::block_info info = alloc_->find_block(p);
-        block b{p, o.size_bytes, info.size_bytes, tagged, false, false};
-        register_block(p, info.size_bytes);
+        block b{p, o.size_bytes, info.size_bytes, tagged, false, false, 0};
+        b.registered = register_block(p, info.size_bytes);
         t.live.push_back(b);
         dev_.launch(t.stream, o.duration_us, {writes(p, o.size_bytes)}, "write after allocate");
         return "ok";
@@ -773,8 +779,10 @@ class world {
   std::mutex consumer_mu_;
   std::vector<thread_state> threads_;
   std::mutex registry_mu_;
-  std::map<std::uintptr_t, std::size_t> registry_;  // live blocks: address -> block bytes
-  std::map<std::uintptr_t, std::size_t> held_;      // freed exported blocks, maybe held
+  // Live blocks: address -> (block bytes, entry number).
+  std::map<std::uintptr_t, std::pair<std::size_t, std::uint64_t>> registry_;
+  std::uint64_t registered_ = 0;                // the last entry number (registry_mu_)
+  std::map<std::uintptr_t, std::size_t> held_;  // freed exported blocks, maybe held
   std::atomic<std::uint64_t> growth_started_{0};
   std::atomic<int> growth_in_flight_{0};
   std::atomic<std::uint64_t> ooms_{0}, oom_judged_{0}, inconclusive_{0};
