@@ -138,9 +138,10 @@ struct options {
   // "Finer chunks"); the default, 20 MiB, is one size for every growth.
   std::size_t expandable_peak_chunk_bytes = std::size_t{20} << 20;
   // A large-pool chunk is also at most 1/expandable_chunks_per_peak of the reserved bytes'
-  // high-water mark, or of what the growth raises reserved to if more (rounded down to the
-  // granularity, at least one granule): a pool whose peak is small against 20 MiB chunks maps
-  // chunks small against its peak, and a large pool keeps expandable_chunk_bytes. 0: off.
+  // high-water mark (the allocator's, all pools together), or of what the growth raises reserved
+  // to if more (rounded down to the granularity, at least one granule): an allocator whose peak
+  // is small against 20 MiB chunks maps chunks small against it, one whose peak is 5 GiB or more
+  // (with 256) keeps expandable_chunk_bytes. 0: off.
   // Chosen on the tuning half of the trace corpus (docs/corpus.md, "The chunk against the peak").
   std::size_t expandable_chunks_per_peak = 256;
   // The largest physical handle in which resume maps a paused tag's memory again (rounded up to
