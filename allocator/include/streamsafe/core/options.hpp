@@ -141,9 +141,10 @@ struct options {
   // high-water mark (the allocator's, all pools together), or of what the growth raises reserved
   // to if more (rounded down to the granularity, at least one granule): an allocator whose peak
   // is small against 20 MiB chunks maps chunks small against it, one whose peak is 5 GiB or more
-  // (with 256) keeps expandable_chunk_bytes. 0: off.
-  // Chosen on the tuning half of the trace corpus (docs/corpus.md, "The chunk against the peak").
-  std::size_t expandable_chunks_per_peak = 256;
+  // (with 256) keeps expandable_chunk_bytes. 0 (the default): off; 256 was chosen on the tuning
+  // half of the trace corpus but raises the GPT-2 trace's ratio above PyTorch's
+  // (docs/corpus.md, "The chunk against the peak").
+  std::size_t expandable_chunks_per_peak = 0;
   // The largest physical handle in which resume maps a paused tag's memory again (rounded up to
   // the granularity, at least expandable_chunk_bytes): each stretch of a given-back run that
   // holds live blocks, and each free stretch of at least a chunk, is mapped in handles of up to
