@@ -178,12 +178,15 @@ std::size_t caching_allocator::impl::unmap_paused_locked(
   }
   const sleep_hook hook = sleep_.hook;
   std::exception_ptr error;
+  // The runs unmapped, counted here and published under mu_ (tag_status reads runs_unmapped).
+  std::vector<std::size_t> unmapped = before;
   detail::unlocked_for_tag(driver_calls_, lk, t, [&] {
     call_hooks_unlocked(hooks, hook);
-    for (paused_segment* ps : ready) {
+    for (std::size_t i = 0; i < ready.size(); ++i) {
+      const paused_segment* ps = ready[i];
       try {
-        for (; ps->runs_unmapped < ps->runs.size(); ++ps->runs_unmapped) {
-          const auto& run = ps->runs[ps->runs_unmapped];
+        for (; unmapped[i] < ps->runs.size(); ++unmapped[i]) {
+          const auto& run = ps->runs[unmapped[i]];
           backend_.unmap(reinterpret_cast<void*>(run.first), run.second);
         }
       } catch (...) {
@@ -191,6 +194,7 @@ std::size_t caching_allocator::impl::unmap_paused_locked(
       }
     }
   });
+  for (std::size_t i = 0; i < ready.size(); ++i) ready[i]->runs_unmapped = unmapped[i];
   std::size_t released = 0;
   for (std::size_t i = 0; i < ready.size(); ++i) {
     paused_segment& ps = *ready[i];
