@@ -106,7 +106,6 @@ bool allocate_during_collective(blocking_device& d, stream_handle c, void*& got,
 
 options k8_options(backend_kind backend, fence_scope scope, empty_cache_mode mode) {
   options o = make_options(backend, scope, mode);
-  o.expandable_chunks_per_peak = 0;  // the 20 MiB chunks the byte counts below assume
   o.memory_limit_bytes = 100 * MiB;
   return o;
 }

@@ -165,9 +165,7 @@ TEST_CASE(
 
 TEST_CASE("Expandable: a growth maps what the request lacks, the last chunk cut to the granularity",
           "[core][expandable][corpus-policy]") {
-  options o = make_options(backend_kind::expandable);  // 20 MiB chunks in large pools
-  o.expandable_chunks_per_peak = 0;                    // whatever the peak
-  sim_env env(o);
+  sim_env env(make_options(backend_kind::expandable));  // 20 MiB chunks in large pools
   auto s = env.dev.create_stream();
   void* a = env.alloc.allocate(30 * MiB, s);  // a 20 MiB chunk and a 10 MiB one, not two of 20
   CHECK(env.alloc.stats().reserved_bytes.current == static_cast<std::int64_t>(30 * MiB));
@@ -188,8 +186,7 @@ TEST_CASE(
     "chunks, memory mapped again below it 20 MiB chunks, and reset_peak_stats does not move the "
     "mark",
     "[core][expandable][corpus-policy]") {
-  sim_env env(
-      options::parse("backend:expandable,expandable_peak_chunk_mb:2,expandable_chunks_per_peak:0"));
+  sim_env env(options::parse("backend:expandable,expandable_peak_chunk_mb:2"));
   auto s = env.dev.create_stream();
   void* a = env.alloc.allocate(100 * MiB, s);  // 0 -> 100 MiB: past the mark, fifty 2 MiB chunks
   CHECK(env.dev.counters().maps == 50);
@@ -264,8 +261,7 @@ TEST_CASE("expandable_peak_chunk_mb: parsed in MiB, a multiple of 2, at most the
   }
   // Larger than expandable_chunk_mb: the chunk size itself, one size for every growth.
   sim_env env(
-      options::parse("backend:expandable,expandable_chunk_mb:20,expandable_peak_chunk_mb:40,"
-                     "expandable_chunks_per_peak:0"));
+      options::parse("backend:expandable,expandable_chunk_mb:20,expandable_peak_chunk_mb:40"));
   auto s = env.dev.create_stream();
   void* a = env.alloc.allocate(100 * MiB, s);
   CHECK(env.dev.counters().maps == 5);
@@ -274,8 +270,8 @@ TEST_CASE("expandable_peak_chunk_mb: parsed in MiB, a multiple of 2, at most the
 }
 
 TEST_CASE(
-    "expandable_chunks_per_peak: a pool whose peak is small against the chunk maps chunks small "
-    "against its peak, a large growth keeps larger chunks",
+    "expandable_chunks_per_peak: an allocator whose peak is small against the chunk maps chunks "
+    "small against its peak, a large growth keeps larger chunks",
     "[core][expandable][corpus-policy][config]") {
   CHECK(options::parse("expandable_chunks_per_peak:256").expandable_chunks_per_peak == 256);
   CHECK_THAT(options::parse("expandable_chunks_per_peak:64").to_string(),

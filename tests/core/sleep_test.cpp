@@ -657,7 +657,6 @@ TEST_CASE("A resumed tag is mapped in handles sized to it: a switch is a few dri
   handle_counting_device be(dev);
   options o = sleep_options();
   o.expandable_tag_handle_bytes = 512 * MiB;
-  o.expandable_chunks_per_peak = 0;  // growth in 20 MiB chunks, as counted below
   caching_allocator alloc(be, o);
   const auto s = dev.create_stream();
   std::vector<void*> w;

@@ -55,7 +55,6 @@ const char* k_pytorch_trace =
 replay_settings sim_settings(backend_kind backend, std::size_t device_bytes = 8 * GiB) {
   replay_settings s;
   s.alloc_options.backend = backend;
-  s.alloc_options.expandable_chunks_per_peak = 0;  // the 20 MiB chunks the counts below assume
   s.make_device = [device_bytes] { return make_simulated_device(device_bytes); };
   s.timed_passes = 1;
   s.trace_capacity = 1000;

@@ -53,7 +53,8 @@ caching_allocator::impl::impl(device_backend& backend, options opts)
                          limits_.small_chunk_bytes));
     limits_.chunks_per_peak = opts_.expandable_chunks_per_peak;
     growth_hook_ = growth_hook::for_expandable();
-    // 0 (off, the default): resume maps in the chunks growth used.
+    // 0 (off: expandable_tag_handle_mb at or below the chunk): resume maps in the chunks growth
+    // used.
     limits_.tag_handle_bytes = opts_.expandable_tag_handle_bytes > limits_.large_chunk_bytes
                                    ? detail::round_up(opts_.expandable_tag_handle_bytes,
                                                       limits_.small_chunk_bytes)

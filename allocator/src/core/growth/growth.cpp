@@ -253,15 +253,15 @@ block* detail::growth_layer::expandable_fit_locked(pool& p, std::size_t rounded,
   // crosses the mark maps its part below the mark in the larger chunks. Bytes queued for
   // release (defer mode) are on their way back: a step that maps its memory again while the
   // last step's is still queued stays below the mark.
+  const std::size_t chunk = p.small ? gran : large_chunk_for_locked(map_bytes);
   std::size_t fine_from = SIZE_MAX;  // one chunk size (the default, and small pools)
-  if (!p.small && limits_.peak_chunk_bytes < large_chunk_for_locked(map_bytes)) {
+  if (!p.small && limits_.peak_chunk_bytes < chunk) {
     const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
     const std::size_t kept = reserved - std::min(reserved, queued_release_bytes_locked());
     const std::size_t high_water = reserved_high_water_locked();
     const std::size_t below_mark = high_water > kept ? high_water - kept : 0;
     fine_from = below_mark / limits_.small_chunk_bytes * limits_.small_chunk_bytes;
   }
-  const std::size_t chunk = p.small ? gran : large_chunk_for_locked(map_bytes);
   const std::size_t mapped = map_chunks_locked(choice->seg, choice->addr, map_bytes, chunk,
                                                fine_from,
                                                std::min(limits_.peak_chunk_bytes, chunk));
