@@ -270,6 +270,25 @@ struct simulated_device::impl {
   std::uint64_t next_memory_ = 1;
   std::size_t aliased_memories_ = 0;  // memories mapped at more than one address
   std::map<std::uintptr_t, std::vector<int>> chunk_access_;  // mapped chunk -> its access set
+  // Entries of chunk_access_ whose set is not {this device} alone: while there are none, a map
+  // granting {this device} alone cannot differ from any chunk (map() skips its scan).
+  std::size_t other_access_chunks_ = 0;
+  bool own_access_only(const std::vector<int>& set) const {
+    return set.size() == 1 && set.front() == config_.device;
+  }
+  // chunk_access_[chunk] = set, keeping other_access_chunks_.
+  void set_chunk_access(std::uintptr_t chunk, std::vector<int> set) {
+    auto [it, added] = chunk_access_.try_emplace(chunk);
+    if (!added && !own_access_only(it->second)) --other_access_chunks_;
+    if (!own_access_only(set)) ++other_access_chunks_;
+    it->second = std::move(set);
+  }
+  void erase_chunk_access(std::uintptr_t chunk) {
+    auto it = chunk_access_.find(chunk);
+    if (it == chunk_access_.end()) return;
+    if (!own_access_only(it->second)) --other_access_chunks_;
+    chunk_access_.erase(it);
+  }
   std::map<int, int> omitted_peer_maps_;  // device -> map calls still to leave it out (K13)
   std::size_t bytes_in_use_ = 0;
   std::map<std::uintptr_t, std::pair<std::uintptr_t, std::uint8_t>> contents_;  // b -> (e, v)

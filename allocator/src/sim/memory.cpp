@@ -182,7 +182,8 @@ bool simulated_device::map(void* addr_ptr, std::size_t size_bytes) {
   // The debug check: every chunk of a reserved range carries the same access set.
   const std::uintptr_t range_base = std::prev(res)->first;
   const std::uintptr_t range_end = range_base + std::prev(res)->second;
-  for (auto it = d.chunk_access_.lower_bound(range_base);
+  const bool uniform = d.own_access_only(access) && d.other_access_chunks_ == 0;
+  for (auto it = uniform ? d.chunk_access_.end() : d.chunk_access_.lower_bound(range_base);
        it != d.chunk_access_.end() && it->first < range_end; ++it) {
     if (it->second == access) continue;
     auto names = [](const std::vector<int>& set) {
@@ -198,7 +199,7 @@ bool simulated_device::map(void* addr_ptr, std::size_t size_bytes) {
   }
   for (std::uintptr_t chunk = addr; chunk < addr + size_bytes; chunk += gran) {
     d.mapped_chunks_.insert(chunk);
-    d.chunk_access_[chunk] = access;
+    d.set_chunk_access(chunk, access);
     const std::uint64_t memory = d.next_memory_++;
     d.chunk_memory_[chunk] = memory;
     d.memory_chunks_[memory].push_back(chunk);
@@ -230,7 +231,7 @@ void simulated_device::unmap(void* addr_ptr, std::size_t size_bytes) {
   std::size_t freed = 0;
   for (std::uintptr_t chunk = addr; chunk < addr + size_bytes; chunk += gran) {
     d.mapped_chunks_.erase(chunk);
-    d.chunk_access_.erase(chunk);
+    d.erase_chunk_access(chunk);
     auto mem = d.chunk_memory_.find(chunk);
     auto& chunks = d.memory_chunks_.at(mem->second);
     if (chunks.size() == 2) --d.aliased_memories_;
@@ -277,7 +278,7 @@ bool simulated_device::map_alias(void* addr_ptr, const void* from_ptr, std::size
     chunks.push_back(addr + off);
     d.chunk_memory_[addr + off] = memory;
     d.mapped_chunks_.insert(addr + off);
-    d.chunk_access_[addr + off] = d.chunk_access_.at(from + off);
+    d.set_chunk_access(addr + off, d.chunk_access_.at(from + off));
   }
   d.copy_contents(addr, from, size_bytes);
   ++d.counters_.aliases;

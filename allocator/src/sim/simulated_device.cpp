@@ -106,8 +106,21 @@ std::uint64_t simulated_device::impl::launch_locked(stream_handle stream, std::u
   for (const range& r : added.ranges) {
     for (const range& a : d.aliases_of(r)) checked.push_back(a);
   }
-  for (const auto& [id, other] : d.pending_) {
-    if (other.stream_uid == uid || other.seq <= clock_of(state.clock, other.stream_uid)) continue;
+  // The pending items of other streams that this stream's clock does not order before the new
+  // kernel: in each stream's queue (enqueue order, so rising seq) a suffix. Visited in id order,
+  // as a walk of pending_ would, so that faults are recorded in the same order.
+  std::vector<std::uint64_t> unordered;
+  for (const auto& [other_uid, other_stream] : d.streams_) {
+    if (other_uid == uid) continue;
+    const std::uint64_t known = clock_of(state.clock, other_uid);
+    for (auto it = other_stream.queue.rbegin(); it != other_stream.queue.rend(); ++it) {
+      if (d.pending_.at(*it).seq <= known) break;
+      unordered.push_back(*it);
+    }
+  }
+  std::sort(unordered.begin(), unordered.end());
+  for (const std::uint64_t other_id : unordered) {
+    const work_item& other = d.pending_.at(other_id);
     for (const range& mine : checked) {
       const range* hit = nullptr;
       for (const range& theirs : other.ranges) {
