@@ -129,6 +129,31 @@ void cache_behind_long_reads(caching_allocator& alloc, sim::simulated_device& de
   for (void* p : ys) alloc.deallocate(p);
 }
 
+// Four 64 MiB blocks of stream a, written on a, then read on t for 2 ms in all (t waits for the
+// writes through ev), each recorded on t: once freed, their memory is pending t's reads.
+std::vector<void*> blocks_read_on(caching_allocator& alloc, sim::simulated_device& dev,
+                                  stream_handle a, stream_handle t, event_handle ev) {
+  std::vector<void*> blocks;
+  for (int i = 0; i < 4; ++i) blocks.push_back(alloc.allocate(64 * MiB, a));
+  for (void* p : blocks) dev.launch(a, 10, {writes(p, 64 * MiB)}, "produce");
+  dev.record_event(ev, a);
+  dev.stream_wait_event(t, ev);
+  for (void* p : blocks) dev.launch(t, 500, {reads(p, 64 * MiB)}, "read (2 ms in all)");
+  for (void* p : blocks) alloc.record_stream(p, t);
+  return blocks;
+}
+
+// q (64 MiB of stream b, served under the 256 MiB limit) written and freed: no fault, reserved's
+// peak within the limit, the allocator consistent.
+void use_and_check(caching_allocator& alloc, sim::simulated_device& dev, void* q, stream_handle b) {
+  dev.launch(b, 10, {writes(q, 64 * MiB)}, "stream b writes");
+  alloc.deallocate(q);
+  dev.run_until_idle();
+  CHECK(dev.fault_count() == 0);
+  CHECK(alloc.stats().reserved_bytes.peak <= static_cast<std::int64_t>(256 * MiB));
+  alloc.check_invariants();
+}
+
 }  // namespace
 
 TEST_CASE(
@@ -146,16 +171,7 @@ TEST_CASE(
   const stream_handle t = dev.create_stream();
   const stream_handle b = dev.create_stream();
   const event_handle ev = dev.create_event();
-  std::vector<void*> blocks;
-  for (int i = 0; i < 4; ++i) blocks.push_back(alloc.allocate(64 * MiB, a));
-  for (void* p : blocks) dev.launch(a, 10, {writes(p, 64 * MiB)}, "produce");
-  dev.record_event(ev, a);
-  dev.stream_wait_event(t, ev);
-  for (void* p : blocks) dev.launch(t, 500, {reads(p, 64 * MiB)}, "read (2 ms in all)");
-  for (void* p : blocks) {
-    alloc.record_stream(p, t);
-    alloc.deallocate(p);
-  }
+  for (void* p : blocks_read_on(alloc, dev, a, t, ev)) alloc.deallocate(p);
   const std::uint64_t waits_before = host_waits(dev);
   void* q = nullptr;
   try {
@@ -164,12 +180,43 @@ TEST_CASE(
     FAIL("out of memory: " << e.what());
   }
   CHECK(host_waits(dev) == waits_before);
-  dev.launch(b, 10, {writes(q, 64 * MiB)}, "stream B writes");
-  alloc.deallocate(q);
-  dev.run_until_idle();
-  CHECK(dev.fault_count() == 0);
-  CHECK(alloc.stats().reserved_bytes.peak <= static_cast<std::int64_t>(256 * MiB));
-  alloc.check_invariants();
+  use_and_check(alloc, dev, q, b);
+  dev.destroy_event(ev);
+}
+
+TEST_CASE(
+    "Memory of a destroyed stream's pool pending another stream's work serves a request once that "
+    "work ends: the destroyed stream can wait on nothing, so the host waits, bounded",
+    "[core][oom-serve][pending][destroyed-streams]") {
+  // Found by the fuzz harness (cuda_malloc, reuse_fence:all_streams): five small segments of
+  // streams destroyed with a block each still pending, the limit reached, a small request of a
+  // live stream thrown out_of_memory with 10 MiB of segments holding no live block.
+  const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
+  const empty_cache_mode mode = GENERATE(empty_cache_mode::wait, empty_cache_mode::defer);
+  const reuse_fence_scope reuse = GENERATE(reuse_fence_scope::allocation_stream,
+                                           reuse_fence_scope::all_streams);
+  INFO(to_string(backend) << ", empty_cache " << mode_name(mode) << ", reuse_fence "
+                          << to_string(reuse));
+  sim::simulated_device dev(sim_config(8 * GiB));
+  options o = make_options(backend, fence_scope::all_streams, mode);
+  o.reuse_fence = reuse;
+  o.memory_limit_bytes = 256 * MiB;
+  caching_allocator alloc(dev, o);
+  const stream_handle d = dev.create_stream();
+  const stream_handle t = dev.create_stream();
+  const stream_handle b = dev.create_stream();
+  const event_handle ev = dev.create_event();
+  const std::vector<void*> blocks = blocks_read_on(alloc, dev, d, t, ev);
+  alloc.notify_stream_destroyed(d);
+  dev.destroy_stream(d);
+  for (void* p : blocks) alloc.deallocate(p);
+  void* q = nullptr;
+  try {
+    q = alloc.allocate(64 * MiB, b);
+  } catch (const out_of_memory& e) {
+    FAIL("out of memory: " << e.what());
+  }
+  use_and_check(alloc, dev, q, b);
   dev.destroy_event(ev);
 }
 

@@ -33,7 +33,9 @@
 //    memory and headroom, a whole free segment), nor, where every fence completes within the
 //    allocator's bounded wait, while the reference oracle says it could
 //    (tests/support/could_serve.hpp: memory pending a recorded stream, free blocks in partly
-//    used segments; counted in reference_ooms, fatal with STREAMSAFE_CHECKER_STRICT=1);
+//    used segments; a growth must fit both the snapshot's view and the device's, whole chunks,
+//    as in the schedule checker; counted in reference_ooms, fatal with
+//    STREAMSAFE_CHECKER_STRICT=1);
 //  * after a call fails, the state is intact (the block stays live, allocated bytes unchanged)
 //    and the same call without the injected failure succeeds.
 // At the end every block is freed, every hold opened, and the cache must drain to zero reserved
@@ -79,7 +81,7 @@ class violation : public std::exception {
 };
 
 // STREAMSAFE_CHECKER_STRICT=1: an out_of_memory while the reference oracle says the request
-// could be served is a violation (the core breaks it today; counted in reference_ooms otherwise).
+// could be served is a violation (counted in reference_ooms otherwise).
 inline bool strict_reference() {
   const char* s = std::getenv("STREAMSAFE_CHECKER_STRICT");
   return s != nullptr && std::string(s) == "1";
@@ -231,7 +233,7 @@ class program {
     o.whole_segment_split_ratio = config_.whole_segment_split_ratio;
     o.release_worker = config_.release_worker ? release_worker_mode::on : release_worker_mode::off;
     o.reuse_fence = config_.reuse_fence;
-    alloc_.emplace(dev_, o);
+    alloc_.emplace(rec_, o);
     dev_.set_reuse_stream_handles(config_.reuse_stream_handles);
     streams_.push_back({next_uid_++, 0, false});
     for (int i = 0; i < 3; ++i) streams_.push_back({next_uid_++, dev_.create_stream(), false});
@@ -544,8 +546,17 @@ class program {
     r.max_split_size_bytes = config_.max_split_size_bytes;
     const test::oracle_verdict v = test::oracle_from_snapshot(alloc_->snapshot(), config_.backend,
                                                               config_.memory_limit_bytes, r);
-    if (!v.could_serve) return std::nullopt;
-    return v.to_string();
+    // The snapshot sees 2 MiB granules; with larger chunks a live byte keeps its whole chunk,
+    // which only the device's view counts. A growth must fit in both views (the checker's rule).
+    std::vector<std::pair<std::uintptr_t, std::size_t>> live;
+    for (const std::vector<live_block>* list : {&live_, &paused_}) {
+      for (const live_block& b : *list)
+        live.emplace_back(reinterpret_cast<std::uintptr_t>(b.ptr), b.block_size);
+    }
+    const test::oracle_verdict d = rec_.verdict(live, config_.backend, config_.memory_limit_bytes,
+                                                v.new_bytes);
+    if (!v.could_serve || !(v.fits_free_block || d.fits_growth())) return std::nullopt;
+    return v.to_string() + "; device: " + d.to_string();
   }
 
   // True when the cache can serve `size` bytes without new memory past the limit, so that an
@@ -1442,6 +1453,9 @@ class program {
 
   program_config config_;
   sim::simulated_device dev_;
+  // The allocator's view of dev_: records the physical memory behind each mapping, so that the
+  // reference oracle also judges from what the device holds (whole chunks), as the checker does.
+  test::recording_device rec_{dev_};
   std::optional<caching_allocator> alloc_;
   std::vector<stream_slot> streams_;
   std::uint64_t next_uid_ = 1;

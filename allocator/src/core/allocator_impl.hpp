@@ -73,6 +73,7 @@ struct caching_allocator::impl : detail::diagnostics_layer {
   bool serve_wait_locked(device_lock& dlk, detail::serve_waits& w) STREAMSAFE_REQUIRES(mu_);
   bool wait_device_work_locked(device_lock& dlk, std::uint64_t bound_us) STREAMSAFE_REQUIRES(mu_);
   void wait_fencing_elsewhere_locked(device_lock& dlk) STREAMSAFE_REQUIRES(mu_);
+  bool wait_dead_pending_locked(device_lock& dlk) STREAMSAFE_REQUIRES(mu_);
   bool wait_events_bounded_locked(device_lock& dlk, const std::vector<event_handle>& events,
                                   std::uint64_t bound_us) STREAMSAFE_REQUIRES(mu_);
   block* grow_locked(pool& p, std::size_t rounded) STREAMSAFE_REQUIRES(mu_);  // a growth

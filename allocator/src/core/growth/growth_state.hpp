@@ -31,6 +31,7 @@ struct serve_waits {
   int worker_waits = 0;
   int pause_waits = 0;          // on tags still pausing: their fences, then (offload) their copies
   bool fencing_waited = false;  // for another thread's empty_cache:wait on its fence
+  bool dead_pending_waited = false;  // on the uses of destroyed streams' pending memory
   bool fence_waited = false;
 };
 

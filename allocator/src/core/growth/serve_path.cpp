@@ -9,6 +9,7 @@
 #include "core/growth/growth_hook.hpp"
 #include "core/streams/stream_lock_drop.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 #include <vector>
@@ -30,6 +31,16 @@ std::size_t caching_allocator::impl::retire_pending_behind_waits_locked(const st
     std::unique_lock<stream_lock> olk(other->mu, std::defer_lock);
     if (other.get() != held) olk.lock();
     if (other->pending.empty()) continue;
+    if (!other->alive.load(std::memory_order_acquire)) {
+      // A destroyed stream can wait on nothing: its pending memory retires by its events alone,
+      // those that completed now (after serve_wait_locked's wait on them, all of them).
+      std::size_t before = 0;
+      for (const block* b : other->pending) before += b->size;
+      process_events_locked(*other);
+      for (const block* b : other->pending) before -= b->size;
+      bytes += before;  // retired
+      continue;
+    }
     blocks.clear();
     for (block* b : other->pending) {
       // A block with no events yet (releases_.unfenced) has nothing to wait on.
@@ -37,8 +48,7 @@ std::size_t caching_allocator::impl::retire_pending_behind_waits_locked(const st
     }
     for (block* b : blocks) {
       // The block's own stream waits on the device for the uses; its memory is then free in its
-      // pool, ordered after them, for the steps that take other streams' free memory. A
-      // destroyed stream can wait on nothing: its pending memory retires by its events alone.
+      // pool, ordered after them, for the steps that take other streams' free memory.
       pool& owner = *b->seg->owner;
       const auto* owner_state = static_cast<const stream_state*>(owner.state);
       if (owner_state != nullptr && !owner_state->alive.load(std::memory_order_acquire)) continue;
@@ -121,6 +131,10 @@ bool caching_allocator::impl::serve_wait_locked(device_lock& dlk, detail::serve_
         dlk, opts_.empty_cache == empty_cache_mode::wait ? 0 : detail::k_oom_fence_wait_us);
     return true;
   }
+  if (!w.dead_pending_waited) {
+    w.dead_pending_waited = true;
+    if (wait_dead_pending_locked(dlk)) return true;
+  }
   if (w.fence_waited || releases_.deferred.empty()) return false;
   w.fence_waited = true;
   if (opts_.empty_cache == empty_cache_mode::wait) {
@@ -156,6 +170,35 @@ void caching_allocator::impl::wait_fencing_elsewhere_locked(device_lock& dlk) {
   } else {
     driver_calls_.done.wait_for(dlk, std::chrono::microseconds(detail::k_oom_fence_wait_us), ended);
   }
+}
+
+// Memory pending other streams' work in a destroyed stream's pool: no stream wait can order it
+// (its stream is gone), so the host waits on the events of its uses, bounded as the queued
+// fences' wait in defer mode (in both modes: a use may be a collective's stream), and the next
+// walk retires what completed. False when no destroyed stream holds pending memory. The events
+// stay owned by their blocks; one reused meanwhile by another thread only lengthens the wait.
+bool caching_allocator::impl::wait_dead_pending_locked(device_lock& dlk)
+    STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+  if (capturing()) return false;  // no host wait on an event during a capture
+  std::vector<event_handle> events;
+  for (auto& [s, other] : streams_.states) {
+    if (other->alive.load(std::memory_order_acquire) || other->graph != 0) continue;
+    std::unique_lock<stream_lock> olk(other->mu);
+    for (const block* b : other->pending) {
+      for (const auto& e : b->events) {
+        if (std::find(events.begin(), events.end(), e.event) == events.end())
+          events.push_back(e.event);
+      }
+    }
+  }
+  if (events.empty()) return false;
+  detail::tombstone_pin pin(tombstone_refs_, streams_.tombstones.size());
+  const bool done = wait_events_bounded_locked(dlk, events, detail::k_oom_fence_wait_us);
+  detail::log().debug(
+      "device {}: out of memory: {} on {} event(s) of destroyed streams' pending "
+      "memory",
+      backend_.device(), done ? "waited" : "gave up waiting", events.size());
+  return true;
 }
 
 // A host wait (mu_ dropped) on `events` in turn, bounded by bound_us in all; counted in the
