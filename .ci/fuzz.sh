@@ -4,7 +4,7 @@
 # replays the seed corpus tests/fuzz/corpus, then fuzzes. Exits non-zero on any crash, sanitizer report or
 # property violation; the failing input is kept under $build/artifacts/.
 # Usage: bash .ci/fuzz.sh [seconds]      (default 120; or STREAMSAFE_FUZZ_SECONDS)
-#        STREAMSAFE_FUZZ_BUILD_DIR=dir   (default build-fuzz, the preset's)
+#        STREAMSAFE_FUZZ_BUILD_DIR=dir   (default build-fuzz, the preset's; CI: build-asan-ubsan)
 # Reproduce a failure: STREAMSAFE_FUZZ_TRACE=1 build-fuzz/tests/fuzz/allocator_fuzzer build-fuzz/artifacts/crash-...
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,13 @@ build=${STREAMSAFE_FUZZ_BUILD_DIR:-build-fuzz}
 # Debian 12: clang is clang-14; libFuzzer and the sanitizer runtimes are in libclang-rt-14-dev.
 bash .ci/deps.sh --host-only clang libclang-rt-14-dev cmake ninja-build libspdlog-dev libfmt-dev
 
-cmake --preset fuzz -B "$build"
+# A build tree configured with the harness already (CI: the asan-ubsan preset's, whose sanitizers
+# are the fuzz preset's) is reused; any other is configured with the fuzz preset.
+if grep -qs '^STREAMSAFE_BUILD_FUZZERS:BOOL=ON' "$build/CMakeCache.txt"; then
+  echo "== the harness of $build (configured with STREAMSAFE_BUILD_FUZZERS=ON)"
+else
+  cmake --preset fuzz -B "$build"
+fi
 cmake --build "$build" -j "$(nproc)" --target allocator_fuzzer
 fuzzer="$build/tests/fuzz/allocator_fuzzer"
 
