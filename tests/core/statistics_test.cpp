@@ -147,6 +147,42 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "One stream: a peak of every pool's counters that neither the small nor the large pool's "
+    "peak shows is reported (the totals are derived from the kinds when read)",
+    "[core][statistics]") {
+  const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
+  INFO("backend " << to_string(backend));
+  sim_env env(make_options(backend));
+  const stream_handle s = 0;  // the only stream the allocator knows: no sample unless a peak rose
+  // 8 small blocks of 1 MiB, freed: the small pool peaks at 8. One 8 MiB block, freed: the
+  // large pool peaks at 8 MiB. Then 7 small blocks and a 7 MiB block at once: below each pool's
+  // own peak, 14 MiB and 8 blocks in all, above every pool's earlier peak of 8 MiB and 8 blocks
+  // by 6 MiB (and equal in count, then one more block: 9).
+  std::vector<void*> small;
+  for (int i = 0; i < 8; ++i) small.push_back(env.alloc.allocate(1 * MiB, s));
+  for (void* p : small) env.alloc.deallocate(p);
+  void* large = env.alloc.allocate(8 * MiB, s);
+  env.alloc.deallocate(large);
+  small.clear();
+  for (int i = 0; i < 7; ++i) small.push_back(env.alloc.allocate(1 * MiB, s));
+  large = env.alloc.allocate(7 * MiB, s);
+  env.alloc.deallocate(env.alloc.allocate(1 * MiB, s));
+  env.alloc.deallocate(large);  // read below the peak: stats() never reports a peak below current
+  const statistics st = env.alloc.stats();
+  CHECK(st.small_pool.allocated_bytes.peak == static_cast<std::int64_t>(8 * MiB));
+  CHECK(st.large_pool.allocated_bytes.peak == static_cast<std::int64_t>(8 * MiB));
+  CHECK(st.allocated_bytes.peak == static_cast<std::int64_t>(15 * MiB));
+  CHECK(st.requested_bytes.peak == static_cast<std::int64_t>(15 * MiB));
+  CHECK(st.active_bytes.peak == static_cast<std::int64_t>(15 * MiB));
+  CHECK(st.allocation.peak == 9);
+  CHECK(st.active.peak == 9);
+  CHECK(st.allocated_bytes.current == static_cast<std::int64_t>(7 * MiB));
+  CHECK(st.allocation.current == 7);
+  for (void* p : small) env.alloc.deallocate(p);
+  env.alloc.check_invariants();
+}
+
+TEST_CASE(
     "Small and large pool counters: PyTorch's 1 MiB boundary, tagged and graph pools included, "
     "adding up to all",
     "[core][statistics][graph]") {
