@@ -148,16 +148,15 @@ TEST_CASE(
 
 TEST_CASE(
     "One stream: a peak of every pool's counters that neither the small nor the large pool's "
-    "peak shows is reported (the totals are derived from the kinds when read)",
+    "peak shows is reported",
     "[core][statistics]") {
   const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
   INFO("backend " << to_string(backend));
   sim_env env(make_options(backend));
   const stream_handle s = 0;  // the only stream the allocator knows: no sample unless a peak rose
   // 8 small blocks of 1 MiB, freed: the small pool peaks at 8. One 8 MiB block, freed: the
-  // large pool peaks at 8 MiB. Then 7 small blocks and a 7 MiB block at once: below each pool's
-  // own peak, 14 MiB and 8 blocks in all, above every pool's earlier peak of 8 MiB and 8 blocks
-  // by 6 MiB (and equal in count, then one more block: 9).
+  // large pool peaks at 8 MiB. Then 7 small blocks, a 7 MiB block and one more small block at
+  // once: each pool at or below its own peak, every pool's counters at 15 MiB and 9 blocks.
   std::vector<void*> small;
   for (int i = 0; i < 8; ++i) small.push_back(env.alloc.allocate(1 * MiB, s));
   for (void* p : small) env.alloc.deallocate(p);
