@@ -221,6 +221,55 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "An exported block, freed and released by its consumer whose read is still running, serves a "
+    "request at the limit behind a stream wait on the consumer's release event",
+    "[core][oom-serve][ipc]") {
+  // Found by strict fuzzing (expandable, defer, 20 MiB chunks): the free stayed held out of every
+  // pool until a poll saw the consumer's event complete, and the request at the limit failed.
+  const backend_kind backend = GENERATE(backend_kind::cuda_malloc, backend_kind::expandable);
+  const empty_cache_mode mode = GENERATE(empty_cache_mode::wait, empty_cache_mode::defer);
+  const bool other_stream = GENERATE(false, true);
+  const bool free_first = GENERATE(false, true);
+  INFO(to_string(backend) << ", empty_cache " << mode_name(mode)
+                          << (other_stream ? ", requested on another stream" : ", same stream")
+                          << (free_first ? ", freed before the release arrives" : ""));
+  sim::simulated_device dev(sim_config(8 * GiB));
+  options o = make_options(backend, fence_scope::all_streams, mode);
+  o.memory_limit_bytes = 256 * MiB;
+  caching_allocator producer(dev, o);
+  caching_allocator consumer(dev, make_options(backend));
+  const stream_handle ps = dev.create_stream();
+  const stream_handle cs = dev.create_stream();
+  const stream_handle b = other_stream ? dev.create_stream() : ps;
+  std::vector<void*> blocks;
+  for (int i = 0; i < 4; ++i) blocks.push_back(producer.allocate(64 * MiB, ps));
+  for (void* p : blocks) dev.launch(ps, 10, {writes(p, 64 * MiB, 7)}, "produce");
+  dev.run_until_idle();
+  const imported_block imp = consumer.import_block(producer.export_block(blocks[0]));
+  dev.launch(cs, 2000, {reads(imp.ptr, 64 * MiB)}, "the consumer's long read");
+  const ipc_release r = consumer.release_import(imp.ptr, cs);
+  if (!free_first) producer.notify_import_released(r);
+  producer.deallocate(blocks[0]);
+  if (free_first) producer.notify_import_released(r);
+  REQUIRE(producer.ipc_status().held_frees == 1);
+  const std::uint64_t waits_before = host_waits(dev);
+  void* q = nullptr;
+  try {
+    q = producer.allocate(64 * MiB, b);
+  } catch (const out_of_memory& e) {
+    FAIL("out of memory: " << e.what());
+  }
+  CHECK(host_waits(dev) == waits_before);
+  CHECK(producer.ipc_status().held_frees == 0);
+  CHECK(producer.ipc_status().exports == 0);
+  use_and_check(producer, dev, q, b);  // a write not ordered after the read faults
+  for (std::size_t i = 1; i < blocks.size(); ++i) producer.deallocate(blocks[i]);
+  consumer.reclaim();
+  dev.run_until_idle();
+  CHECK(dev.fault_count() == 0);
+}
+
+TEST_CASE(
     "A block of another stream freed while a third stream reads it serves the next request of "
     "its size under the limit, reused behind stream waits rather than given back or grown beside",
     "[core][oom-serve][pending]") {

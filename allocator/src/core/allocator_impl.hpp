@@ -186,7 +186,9 @@ struct caching_allocator::impl : detail::diagnostics_layer {
       STREAMSAFE_REQUIRES(mu_, owner.mu);
   void poll_ipc_locked() STREAMSAFE_REQUIRES(mu_);
   void wait_ipc_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
-  void end_export_locked(std::map<std::uint64_t, detail::ipc_export_record>::iterator it)
+  void end_export_locked(std::map<std::uint64_t, detail::ipc_export_record>::iterator it,
+                         bool owner_locked = false) STREAMSAFE_REQUIRES(mu_);
+  std::size_t retire_ipc_held_behind_waits_locked(const stream_state* held)
       STREAMSAFE_REQUIRES(mu_);
   void destroy_ipc_locked(device_lock& lk) STREAMSAFE_REQUIRES(mu_);
   void retire_exports_in_locked(std::uintptr_t addr, std::size_t bytes) STREAMSAFE_REQUIRES(mu_);

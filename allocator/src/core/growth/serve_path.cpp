@@ -71,7 +71,8 @@ std::size_t caching_allocator::impl::retire_pending_behind_waits_locked(const st
 
 // Steps that need no host wait, in the serve path's order: p's free and pending memory and a
 // growth within the limit; other streams' free memory (whole segments, or chunks by alias);
-// pending memory (every stream's, every pool's) behind stream waits on its events; idle cache
+// pending memory (every stream's, every pool's) and exported blocks' frees held only by the
+// consumers' release events, behind stream waits on those events; idle cache
 // given back to make room (what is busy is queued behind its fence, never waited for).
 block* caching_allocator::impl::serve_without_waiting_locked(device_lock& dlk,
                                                              detail::unique_lock<stream_lock>& slk,
@@ -79,7 +80,8 @@ block* caching_allocator::impl::serve_without_waiting_locked(device_lock& dlk,
                                                              std::size_t rounded) {
   block* b = find_block_locked(st, p, rounded, true);
   if (!b) b = take_from_other_pools_locked(slk, st, p, rounded);
-  if (!b && retire_pending_behind_waits_locked(&st) != 0) {
+  if (!b &&
+      retire_pending_behind_waits_locked(&st) + retire_ipc_held_behind_waits_locked(&st) != 0) {
     b = find_block_locked(st, p, rounded, true);
     if (!b) b = take_from_other_pools_locked(slk, st, p, rounded);
   }

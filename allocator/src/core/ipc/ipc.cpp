@@ -42,15 +42,72 @@ void caching_allocator::impl::hold_exported_free_locked(stream_state& owner, blo
 }
 
 void caching_allocator::impl::end_export_locked(
-    std::map<std::uint64_t, detail::ipc_export_record>::iterator it) {
+    std::map<std::uint64_t, detail::ipc_export_record>::iterator it, bool owner_locked) {
   detail::ipc_export_record& rec = it->second;
-  backend_.destroy_event(rec.event);
+  backend_.destroy_event(rec.event);  // safe after a stream wait on it is queued, as in CUDA
   detail::close_fds(rec.fds);
-  {
+  if (owner_locked) {
+    --rec.b->ipc_exports;
+  } else {
     detail::lock_guard<stream_lock> slk(state_of(*rec.b->seg->owner).mu);
     --rec.b->ipc_exports;
   }
   ipc_.exports.erase(it);
+}
+
+// The serve path, no host wait (serve_path.cpp): a held free whose every export the consumer has
+// released only waits for the consumer's release events. The block's own stream waits on them on
+// the device, the exports end, and the free completes into its pool, ordered after the consumer's
+// reads for any reuse (take_from_other_pools_locked orders other streams after that stream).
+// `held` is the request's stream, whose lock the caller holds. Returns the bytes freed.
+std::size_t caching_allocator::impl::retire_ipc_held_behind_waits_locked(const stream_state* held)
+    STREAMSAFE_NO_THREAD_SAFETY_ANALYSIS {
+  // A capture: no stream wait on an outside event; an empty_cache(wait) on these events: they
+  // must stay alive until it returns.
+  if (ipc_.held.empty() || capturing() || ipc_.waits_in_flight != 0) return 0;
+  std::size_t bytes = 0;
+  for (std::size_t i = 0; i < ipc_.held.size();) {
+    const detail::ipc_held_free h = ipc_.held[i];
+    block* b = h.b;
+    stream_state& owner = state_of(*b->seg->owner);
+    bool all_released = owner.alive.load(std::memory_order_acquire);  // a dead stream waits not
+    for (const auto& [id, rec] : ipc_.exports) {
+      if (rec.b == b && !rec.released) all_released = false;
+    }
+    if (!all_released) {
+      ++i;
+      continue;
+    }
+    std::unique_lock<stream_lock> olk(owner.mu, std::defer_lock);
+    if (&owner != held) olk.lock();
+    // Every wait first: a failed one changes nothing but queued waits.
+    for (const auto& [id, rec] : ipc_.exports) {
+      if (rec.b != b) continue;
+      stream_wait_on(b->seg->owner->stream, rec.event);
+      ++owner.stats.stream_waits;
+    }
+    for (auto it = ipc_.exports.begin(); it != ipc_.exports.end();) {
+      auto next = std::next(it);
+      if (it->second.b == b) end_export_locked(it, true);
+      it = next;
+    }
+    ipc_.held.erase(ipc_.held.begin() + static_cast<std::ptrdiff_t>(i));
+    b->ipc_held = false;
+    const std::size_t size = b->size;
+    try {
+      free_found_locked(owner, b, h.has_stream ? &h.stream : nullptr);
+    } catch (...) {
+      b->ipc_held = true;  // still held, its exports ended: the next poll completes it
+      ipc_.held.push_back(h);
+      throw;
+    }
+    bytes += size;
+    detail::log().debug(
+        "device {}: held free of exported block {:#x} completed behind a stream wait on the "
+        "consumer's release to serve a request",
+        backend_.device(), b->addr);
+  }
+  return bytes;
 }
 
 // Polls (never waits on) the released exports' and closing imports' events; ends the exports
