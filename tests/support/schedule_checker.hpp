@@ -523,13 +523,18 @@ class world {
     std::string why;
     bool exact = true;
   };
+  // The two counts move together, under growth_mu_: with two separate atomic steps, a growth B
+  // could count as started before A and in flight after A, and A be judged exact while B ran
+  // beside it (the snapshot then lacked B's allocation).
   struct growth_guard {
     world& w;
-    std::uint64_t started;
-    int in_flight_before;
-    explicit growth_guard(world& x)
-        : w(x), started(x.growth_started_.fetch_add(1) + 1),
-          in_flight_before(x.growth_in_flight_.fetch_add(1)) {}
+    std::uint64_t started = 0;
+    int in_flight_before = 0;
+    explicit growth_guard(world& x) : w(x) {
+      std::lock_guard<std::mutex> lk(x.growth_mu_);
+      started = x.growth_started_.fetch_add(1) + 1;
+      in_flight_before = x.growth_in_flight_.fetch_add(1);
+    }
     ~growth_guard() { w.growth_in_flight_.fetch_sub(1); }
     bool exact() const {
       return w.judging_ == judging::exact ||
@@ -783,6 +788,7 @@ class world {
   std::map<std::uintptr_t, std::pair<std::size_t, std::uint64_t>> registry_;
   std::uint64_t registered_ = 0;                // the last entry number (registry_mu_)
   std::map<std::uintptr_t, std::size_t> held_;  // freed exported blocks, maybe held
+  std::mutex growth_mu_;  // growth_guard's two counts change together
   std::atomic<std::uint64_t> growth_started_{0};
   std::atomic<int> growth_in_flight_{0};
   std::atomic<std::uint64_t> ooms_{0}, oom_judged_{0}, inconclusive_{0};
