@@ -788,7 +788,7 @@ class world {
   std::map<std::uintptr_t, std::pair<std::size_t, std::uint64_t>> registry_;
   std::uint64_t registered_ = 0;                // the last entry number (registry_mu_)
   std::map<std::uintptr_t, std::size_t> held_;  // freed exported blocks, maybe held
-  std::mutex growth_mu_;  // growth_guard's two counts change together
+  std::mutex growth_mu_;                        // growth_guard's two counts change together
   std::atomic<std::uint64_t> growth_started_{0};
   std::atomic<int> growth_in_flight_{0};
   std::atomic<std::uint64_t> ooms_{0}, oom_judged_{0}, inconclusive_{0};

@@ -33,12 +33,13 @@
 //   7. The serve path's walk, again until it serves or nothing is left to wait for: each walk
 //      takes, without a host wait, p's free and pending memory and a growth within the limit;
 //      other streams' free memory (step 6); every stream's pending memory, retired behind a wait
-//      of its owner stream on its events; the idle cache of every pool, given back to make
-//      room (what is busy is queued behind its fence, in either empty_cache mode). Between walks,
-//      the waits in the order of their cost: the release worker's pass, the driver calls giving
-//      memory back (the ledger's "being released"), then once a host wait on the queued fences
-//      (defer: bounded by k_oom_fence_wait_us, a stream held by a collective that waits for this
-//      thread ends the wait, never the process: K8; wait: exactly the fences, as empty_cache()
+//      of its owner stream on its events, and the frees of exported blocks that the consumers
+//      released, behind a wait on their release events; the idle cache of every pool, given back to
+//      make room (what is busy is queued behind its fence, in either empty_cache mode). Between
+//      walks, the waits in the order of their cost: the release worker's pass, the driver calls
+//      giving memory back (the ledger's "being released"), then once a host wait on the queued
+//      fences (defer: bounded by k_oom_fence_wait_us, a stream held by a collective that waits for
+//      this thread ends the wait, never the process: K8; wait: exactly the fences, as empty_cache()
 //      waits). Then, with no wait left, queued memory [reclaim_queued_last_resort_locked] and
 //      another stream's whole free segment against the whole-segment rule; then nullptr: the
 //      caller throws out_of_memory.
