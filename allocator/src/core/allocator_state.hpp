@@ -30,6 +30,7 @@
 #include "core/common/driver_calls.hpp"
 #include "core/common/thread_annotations.hpp"
 #include "core/events/event_pool.hpp"
+#include "core/growth/growth_room.hpp"
 #include "core/growth/growth_state.hpp"
 #include "core/ipc/ipc_registry.hpp"
 #include "core/ledger/ledger.hpp"
@@ -104,6 +105,11 @@ struct allocator_state {
   }
   std::size_t reserved_high_water_locked() const STREAMSAFE_REQUIRES(mu_) {
     return growth_.high_water(stats_);
+  }
+  // Reserved bytes against the limit and the peak, for the growth rules (growth_room.hpp).
+  growth_room growth_room_locked() const STREAMSAFE_REQUIRES(mu_) {
+    return {static_cast<std::size_t>(stats_.reserved_bytes.current), limits_.limit_bytes,
+            reserved_high_water_locked()};
   }
   // Reserved bytes on their way back: the deferred queue and the worker's release in flight.
   std::size_t queued_release_bytes_locked() const STREAMSAFE_REQUIRES(mu_) {

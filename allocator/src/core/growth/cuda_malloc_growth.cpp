@@ -30,9 +30,7 @@ struct caching_allocator::impl::cuda_malloc_growth final : growth_hook {
     // A new large segment past peak reserved while another stream's large pool holds a whole
     // free segment that fits (and that the whole-segment rule would not keep whole for this
     // request: a few small blocks must not pin it): it moves to p behind an event wait.
-    if (!p.small && static_cast<std::size_t>(m.stats_.reserved_bytes.current) +
-                            detail::segment_bytes_for(rounded) >
-                        m.reserved_high_water_locked())
+    if (!p.small && m.growth_room_locked().raises_peak(detail::segment_bytes_for(rounded)))
       b = m.steal_segment_locked(p, rounded, true);
     if (!b) b = m.new_segment_locked(p, rounded);
     // At the memory limit the whole-segment rule gives way: split the best fit rather than fail.
@@ -53,9 +51,8 @@ struct caching_allocator::impl::cuda_malloc_growth final : growth_hook {
       STREAMSAFE_REQUIRES(m.mu_) {
     if (p.small || m.opts_.whole_segment_split_ratio == 0) return false;
     // Below the peak growth costs nothing; at the limit the rule gives way (find_block_locked).
-    const std::size_t grown = static_cast<std::size_t>(m.stats_.reserved_bytes.current) +
-                              detail::segment_bytes_for(rounded);
-    if (grown <= m.reserved_high_water_locked() || grown > m.limits_.limit_bytes) return false;
+    if (!m.growth_room_locked().past_peak_within_limit(detail::segment_bytes_for(rounded)))
+      return false;
     std::size_t idle = 0;
     p.mapped.for_each([&](const block* b) { idle += m.idle_at_growth(b, rounded) ? b->size : 0; });
     return idle >= detail::segment_bytes_for(rounded) / detail::k_idle_release_divisor;

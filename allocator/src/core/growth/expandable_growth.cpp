@@ -128,9 +128,7 @@ struct caching_allocator::impl::expandable_growth final : growth_hook {
     const block* choice = planned_growth_locked(m, p, rounded, &map_bytes);
     const block* prev = choice ? choice->prev : nullptr;
     *extended = prev && prev->state == block_state::free && prev->mapped ? prev : nullptr;
-    const auto reserved = static_cast<std::size_t>(m.stats_.reserved_bytes.current);
-    const std::size_t peak = std::min(m.limits_.limit_bytes, m.reserved_high_water_locked());
-    return reserved + map_bytes > peak ? reserved + map_bytes - peak : 0;
+    return m.growth_room_locked().excess_over_peak(map_bytes);
   }
 };
 

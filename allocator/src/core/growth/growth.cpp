@@ -56,8 +56,7 @@ block* detail::growth_layer::add_segment_locked(pool& p, std::uintptr_t base, st
 
 block* detail::growth_layer::new_segment_locked(pool& p, std::size_t rounded) {
   const std::size_t size = detail::segment_bytes_for(rounded);
-  if (static_cast<std::size_t>(stats_.reserved_bytes.current) + size > limits_.limit_bytes)
-    return nullptr;
+  if (!growth_room_locked().fits_limit(size)) return nullptr;
   void* base = backend_.allocate_segment(size);
   if (!base) return nullptr;
   block* b = add_segment_locked(p, reinterpret_cast<std::uintptr_t>(base), size, true);
@@ -165,9 +164,7 @@ block* detail::growth_layer::choose_unmapped_locked(const pool& p, std::size_t r
   if (!choice) return nullptr;
   map_bytes = need(choice);
   if (map_bytes == 0 || map_bytes > choice->size) return nullptr;
-  if (within_limit &&
-      static_cast<std::size_t>(stats_.reserved_bytes.current) + map_bytes > limits_.limit_bytes)
-    return nullptr;
+  if (within_limit && !growth_room_locked().fits_limit(map_bytes)) return nullptr;
   return choice;
 }
 
@@ -237,9 +234,8 @@ block* detail::growth_layer::expandable_fit_locked(pool& p, std::size_t rounded,
       has_range = has_range || (seg->owner == &p && seg->side_stream == side);
   }
   block* choice = has_range ? choose_unmapped_locked(p, rounded, map_bytes, true, side) : nullptr;
-  if (!choice && (!has_range || static_cast<std::size_t>(stats_.reserved_bytes.current) +
-                                        detail::round_up(rounded, limits_.small_chunk_bytes) <=
-                                    limits_.limit_bytes)) {
+  if (!choice && (!has_range || growth_room_locked().fits_limit(
+                                    detail::round_up(rounded, limits_.small_chunk_bytes)))) {
     // The first range, or no hole fits while the memory is there: a fresh range.
     reserve_range_locked(p, rounded, side);
     choice = choose_unmapped_locked(p, rounded, map_bytes, true, side);

@@ -75,16 +75,12 @@ struct pending_event_copy {
 
 // True when p can grow for `rounded` bytes without raising peak reserved, within the limit.
 bool caching_allocator::impl::growth_within_peak_locked(const pool& p, std::size_t rounded) const {
-  const std::size_t bytes = growth_hook_->growth_bytes_locked(*this, p, rounded);
-  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-  return reserved + bytes <= std::min(limits_.limit_bytes, reserved_high_water_locked());
+  return growth_room_locked().within_peak(growth_hook_->growth_bytes_locked(*this, p, rounded));
 }
 
 // headroom_hint_ after reserved bytes changed: the fast path reads it without mu_.
 void caching_allocator::impl::note_headroom_locked() {
-  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-  const std::size_t top = std::min(limits_.limit_bytes, reserved_high_water_locked());
-  headroom_hint_.store(top > reserved ? top - reserved : 0, std::memory_order_relaxed);
+  headroom_hint_.store(growth_room_locked().headroom(), std::memory_order_relaxed);
 }
 
 // ---- growth -----------------------------------------------------------------------------------

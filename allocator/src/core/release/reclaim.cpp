@@ -307,11 +307,11 @@ block* caching_allocator::impl::reclaim_by_alias_locked(pool& p, std::size_t rou
   if (taken > target->size && !(target = refit_alias_target_locked(p, rounded, taken, &need)))
     return nullptr;
   const std::size_t fresh = need > taken ? need - taken : 0;  // mapped anew, under the limit
-  const auto reserved = static_cast<std::size_t>(stats_.reserved_bytes.current);
-  if (reserved + fresh > limits_.limit_bytes || taken + fresh > target->size) return nullptr;
+  const detail::growth_room room = growth_room_locked();
+  if (!room.fits_limit(fresh) || taken + fresh > target->size) return nullptr;
   // Memory the release worker is giving back right now still counts: the caller waits for that
   // release (driver calls, never a fence) and asks again.
-  if (within_peak && fresh != 0 && reserved + fresh > reserved_high_water_locked()) {
+  if (within_peak && fresh != 0 && room.raises_peak(fresh)) {
     if (in_flight && worker_release_in_flight_locked()) *in_flight = true;
     return nullptr;
   }
