@@ -30,14 +30,15 @@ using namespace streamsafe::test::checker;
 namespace {
 
 // The violations the core is known to produce today: reported, not failed, unless
-// STREAMSAFE_CHECKER_STRICT=1. snapshot-sum, from the checker's first version, was not seen in
-// the 30-minute run. "oom" left this set once the serve path served every judged request (30
-// minutes of the three test cases with none); "device-limit" once a dropped ghost's memory passed
-// to the older ghost still mapping it (reclaim.cpp; tests/core/ghost_chain_test.cpp): none in 10
-// minutes of threads at once, where it had been about 1 a minute; "oracle" once the checker's
-// registry of live blocks kept a block that another thread got at a freed address before the
-// freeing thread unregistered it (none in 240 s, where it had been about 1 in 80 s).
-const std::set<std::string> k_known_broken = {"snapshot-sum"};
+// STREAMSAFE_CHECKER_STRICT=1. None now: "snapshot-sum", from the checker's first version, left
+// it after 45 strict minutes without one (30 at e7302b4, 15 at 3c51004). "oom" left this set once
+// the serve path served every judged request (30 minutes of the three test cases with none);
+// "device-limit" once a dropped ghost's memory passed to the older ghost still mapping it
+// (reclaim.cpp; tests/core/ghost_chain_test.cpp): none in 10 minutes of threads at once, where it
+// had been about 1 a minute; "oracle" once the checker's registry of live blocks kept a block that
+// another thread got at a freed address before the freeing thread unregistered it (none in 240 s,
+// where it had been about 1 in 80 s).
+const std::set<std::string> k_known_broken = {};
 
 // STREAMSAFE_CHECKER_PRINT: how many violating runs each test case prints (default 3).
 std::size_t print_limit() {
